@@ -1,0 +1,321 @@
+"""Batch-mixing and biology-conservation scores, computed with scib-metrics' `Benchmarker`.
+
+Scores are unscaled (`get_results(min_max_scale=False)`), so a number means the same thing in
+every table. Batch correction = mean of BRAS, iLISI, kBET per label, graph connectivity and PCR
+comparison; bio conservation = mean of isolated labels, KMeans NMI/ARI, label silhouette and
+cLISI; Total = 0.4 batch + 0.6 bio (the scIB weighting, as in scib-metrics).
+
+Without cell-type labels only the label-free batch metrics (iLISI, PCR comparison) are
+computed: BRAS, kBET per label and graph connectivity are defined per label, and running them
+on one dummy label would let differences in cell-type composition between batches pass for
+batch effects. Bio conservation and Total are then NaN, and `LABEL_FREE_NOTE` says why.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import scanpy as sc
+import scipy.sparse as sp
+from matplotlib.figure import Figure
+from scib_metrics.benchmark import BatchCorrection, Benchmarker, BioConservation
+
+BATCH_SCORE = "Batch correction"
+BIO_SCORE = "Bio conservation"
+TOTAL_SCORE = "Total"
+AGGREGATE_COLUMNS = [BATCH_SCORE, BIO_SCORE, TOTAL_SCORE]
+
+MODELLED_GENES_COLUMN = "batchfix_modelled"
+UNINTEGRATED = "Unintegrated PCA"
+LATENT = "batchfix latent"
+CORRECTED = "batchfix corrected expression (PCA)"
+
+LABEL_FREE_NOTE = (
+    "No label key: bio conservation was not scored; batch correction is the mean of the "
+    "label-free metrics iLISI and PCR comparison only (not comparable to a labelled run)."
+)
+_LABEL_FREE_BATCH_METRICS = BatchCorrection(
+    bras=False, kbet_per_label=False, graph_connectivity=False
+)
+_DUMMY_LABEL = "_batchfix_no_label"
+
+
+def log_normalize(counts, target_sum: float = 1e4) -> np.ndarray | sp.csr_matrix:
+    """log1p of counts scaled to `target_sum` per cell (scanpy's normalize_total + log1p)."""
+    tmp = ad.AnnData(counts.astype(np.float32, copy=True))
+    sc.pp.normalize_total(tmp, target_sum=target_sum)
+    sc.pp.log1p(tmp)
+    return tmp.X
+
+
+def pca_embedding(matrix, n_comps: int = 50, seed: int = 0) -> np.ndarray:
+    """PCA (ARPACK, centred) of a cells x genes log-expression matrix, dense or sparse."""
+    n_comps = min(n_comps, min(matrix.shape) - 1)
+    pcs = sc.pp.pca(
+        ad.AnnData(matrix.astype(np.float32, copy=False)),
+        n_comps=n_comps,
+        svd_solver="arpack",
+        random_state=seed,
+        copy=True,
+    ).obsm["X_pca"]
+    return np.asarray(pcs, dtype=np.float32)
+
+
+def score_embeddings(
+    obs: pd.DataFrame,
+    embeddings: Mapping[str, np.ndarray],
+    unintegrated: np.ndarray,
+    batch_key: str,
+    label_key: str | None,
+) -> pd.DataFrame:
+    """Score each embedding against the unintegrated embedding with scib-metrics.
+
+    Returns one row per embedding name (in the given order) with every metric column, then
+    'Batch correction', 'Bio conservation' and 'Total' (NaN for the last two without labels).
+    """
+    if not embeddings:
+        raise ValueError("No embeddings to score.")
+    n_cells = len(obs)
+    for name, emb in {**embeddings, "unintegrated": unintegrated}.items():
+        if emb.ndim != 2 or emb.shape[0] != n_cells:
+            raise ValueError(f"Embedding {name!r} has shape {emb.shape}; expected ({n_cells}, k).")
+    check_obs_keys(obs, batch_key, label_key)
+
+    keys = [f"emb{i}" for i in range(len(embeddings))]
+    frame = pd.DataFrame(index=obs.index.astype(str))
+    frame["batch"] = obs[batch_key].astype(str).to_numpy()
+    frame["labels"] = obs[label_key].astype(str).to_numpy() if label_key else _DUMMY_LABEL
+    holder = ad.AnnData(obs=frame)
+    for key, emb in zip(keys, embeddings.values()):
+        holder.obsm[key] = np.asarray(emb, dtype=np.float32)
+    holder.obsm["X_unintegrated"] = np.asarray(unintegrated, dtype=np.float32)
+
+    bench = Benchmarker(
+        holder,
+        batch_key="batch",
+        label_key="labels",
+        embedding_obsm_keys=keys,
+        bio_conservation_metrics=BioConservation() if label_key else None,
+        batch_correction_metrics=BatchCorrection() if label_key else _LABEL_FREE_BATCH_METRICS,
+        pre_integrated_embedding_obsm_key="X_unintegrated",
+        n_jobs=1,
+        progress_bar=False,
+    )
+    bench.benchmark()
+    results = bench.get_results(min_max_scale=False)
+    results = results.drop(index="Metric Type").astype(float)
+    results.index = list(embeddings)
+    results.index.name = "Embedding"
+    for column in AGGREGATE_COLUMNS:
+        if column not in results:
+            results[column] = np.nan
+    metric_columns = [c for c in results.columns if c not in AGGREGATE_COLUMNS]
+    return results[metric_columns + AGGREGATE_COLUMNS]
+
+
+def evaluation_embeddings(
+    adata: ad.AnnData,
+    layer: str | None = "batchfix",
+    latent_key: str | None = "X_batchfix",
+    counts_layer: str | None = None,
+    n_comps: int = 50,
+    seed: int = 0,
+) -> tuple[dict[str, np.ndarray], dict]:
+    """The embeddings to score for a corrected AnnData, first the uncorrected PCA.
+
+    Genes are those the correction modelled (`var['batchfix_modelled']`, else all). The
+    uncorrected PCA is of log1p(normalize_total 1e4) of the counts (X or `counts_layer`) on those
+    genes; values that are not whole numbers are taken as already log-scale and used as given.
+    Returns (embeddings by name, a JSON-able description of what was used).
+    """
+    _check_adata_keys(adata, layer=layer, latent_key=latent_key, counts_layer=counts_layer)
+    if layer is None and latent_key is None:
+        raise ValueError("Nothing to evaluate: both the corrected layer and the latent key are None.")
+    genes = _modelled_genes(adata)
+
+    counts = adata.layers[counts_layer] if counts_layer else adata.X
+    counts = counts[:, genes]
+    integer_counts = _is_integer_valued(counts)
+    uncorrected = log_normalize(counts) if integer_counts else counts
+    embeddings = {UNINTEGRATED: pca_embedding(uncorrected, n_comps, seed)}
+    if latent_key is not None:
+        embeddings[LATENT] = np.asarray(adata.obsm[latent_key], dtype=np.float32)
+    if layer is not None:
+        embeddings[CORRECTED] = pca_embedding(adata.layers[layer][:, genes], n_comps, seed)
+
+    info = {
+        "n_cells": int(adata.n_obs),
+        "n_genes_scored": int(genes.sum()),
+        "genes": f"var['{MODELLED_GENES_COLUMN}']"
+        if MODELLED_GENES_COLUMN in adata.var
+        else "all genes",
+        "uncorrected_source": (
+            f"{counts_layer or 'X'} counts, normalize_total 1e4 + log1p"
+            if integer_counts
+            else f"{counts_layer or 'X'} as given (not whole-number counts: taken as log-scale)"
+        ),
+        "corrected_layer": layer,
+        "latent_key": latent_key,
+        "pca_components": int(embeddings[UNINTEGRATED].shape[1]),
+    }
+    return embeddings, info
+
+
+def evaluate_corrected(
+    adata: ad.AnnData,
+    batch_key: str,
+    label_key: str | None,
+    layer: str | None = "batchfix",
+    latent_key: str | None = "X_batchfix",
+    counts_layer: str | None = None,
+) -> dict:
+    """Score the latent, the PCA of the corrected layer and the uncorrected PCA of `adata`."""
+    check_obs_keys(adata.obs, batch_key, label_key)
+    embeddings, info = evaluation_embeddings(adata, layer, latent_key, counts_layer)
+    return score_evaluation(adata.obs, embeddings, info, batch_key, label_key)[1]
+
+
+def score_evaluation(
+    obs: pd.DataFrame,
+    embeddings: Mapping[str, np.ndarray],
+    info: Mapping,
+    batch_key: str,
+    label_key: str | None,
+) -> tuple[pd.DataFrame, dict]:
+    """Score `evaluation_embeddings` output; returns (scores table, JSON-able results dict)."""
+    start = time.perf_counter()
+    table = score_embeddings(obs, embeddings, embeddings[UNINTEGRATED], batch_key, label_key)
+    result = results_dict(table, batch_key, label_key, info, time.perf_counter() - start)
+    return table, result
+
+
+def results_dict(
+    table: pd.DataFrame,
+    batch_key: str,
+    label_key: str | None,
+    info: Mapping | None = None,
+    scoring_seconds: float | None = None,
+) -> dict:
+    """JSON-able dict of a `score_embeddings` table (NaN becomes None)."""
+    scores = {
+        name: {col: _json_number(val) for col, val in row.items()} for name, row in table.iterrows()
+    }
+    out = {
+        "batch_key": batch_key,
+        "label_key": label_key,
+        "bio_conservation_scored": label_key is not None,
+        **(dict(info) if info else {}),
+        "scores": scores,
+    }
+    if scoring_seconds is not None:
+        out["scoring_seconds"] = round(scoring_seconds, 2)
+    if label_key is None:
+        out["note"] = LABEL_FREE_NOTE
+    return out
+
+
+def markdown_table(table: pd.DataFrame, digits: int = 3) -> str:
+    """A GitHub-markdown table of a scores table ('n/a' for NaN), index as first column."""
+    header = [table.index.name or ""] + [str(c) for c in table.columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, *values in table.itertuples(name=None):
+        cells = [_format_cell(v, digits) for v in values]
+        lines.append("| " + " | ".join([str(name)] + cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_umaps(
+    embeddings: Mapping[str, np.ndarray],
+    batch: Sequence,
+    labels: Sequence | None,
+    out_png,
+    seed: int = 0,
+) -> None:
+    """One PNG: a row per embedding (UMAP of its 15-NN graph), coloured by batch and by label."""
+    columns = [("batch", np.asarray(batch).astype(str))]
+    if labels is not None:
+        columns.append(("label", np.asarray(labels).astype(str)))
+    fig = Figure(figsize=(5.5 * len(columns), 4.5 * len(embeddings)), layout="constrained")
+    axes = fig.subplots(len(embeddings), len(columns), squeeze=False)
+    for row, (name, emb) in enumerate(embeddings.items()):
+        coords = umap_coordinates(emb, seed)
+        for col, (what, values) in enumerate(columns):
+            _scatter_categories(axes[row, col], coords, values, legend=row == 0)
+            axes[row, col].set_title(f"{name} — {what}", fontsize=10)
+    fig.savefig(out_png, dpi=110)
+
+
+def umap_coordinates(embedding: np.ndarray, seed: int = 0) -> np.ndarray:
+    """2-D UMAP (scanpy) of an embedding, on its 15-nearest-neighbour graph."""
+    tmp = ad.AnnData(obsm={"X_emb": np.asarray(embedding, dtype=np.float32)},
+                     obs=pd.DataFrame(index=np.arange(len(embedding)).astype(str)))
+    sc.pp.neighbors(tmp, use_rep="X_emb", n_neighbors=15, random_state=seed)
+    sc.tl.umap(tmp, random_state=seed)
+    return tmp.obsm["X_umap"]
+
+
+def _scatter_categories(ax, coords: np.ndarray, values: np.ndarray, legend: bool) -> None:
+    categories = sorted(pd.unique(values))
+    cmap = _category_colors(len(categories))
+    order = np.random.default_rng(0).permutation(len(values))  # no category painted on top
+    colors = np.array([cmap[categories.index(v)] for v in values])
+    ax.scatter(coords[order, 0], coords[order, 1], c=colors[order], s=6, linewidths=0)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    if legend:
+        for cat, color in zip(categories, cmap):
+            ax.scatter([], [], color=color, s=20, label=cat)
+        ax.legend(fontsize=7, markerscale=1.2, frameon=False, loc="best")
+
+
+def _category_colors(n: int) -> list:
+    from matplotlib import colormaps
+
+    palette = colormaps["tab10" if n <= 10 else "tab20"]
+    return [palette(i % palette.N) for i in range(n)]
+
+
+def check_obs_keys(obs: pd.DataFrame, batch_key: str, label_key: str | None) -> None:
+    for what, key in (("batch key", batch_key), ("label key", label_key)):
+        if key is not None and key not in obs.columns:
+            raise ValueError(
+                f"The {what} {key!r} is not an obs column; obs has: {sorted(map(str, obs.columns))}"
+            )
+
+
+def _check_adata_keys(adata, layer, latent_key, counts_layer) -> None:
+    for what, key, where in (
+        ("corrected layer", layer, adata.layers),
+        ("counts layer", counts_layer, adata.layers),
+        ("latent obsm key", latent_key, adata.obsm),
+    ):
+        if key is not None and key not in where:
+            raise ValueError(f"The {what} {key!r} is missing; the file has: {sorted(where.keys())}")
+
+
+def _modelled_genes(adata: ad.AnnData) -> np.ndarray:
+    if MODELLED_GENES_COLUMN not in adata.var:
+        return np.ones(adata.n_vars, dtype=bool)
+    mask = adata.var[MODELLED_GENES_COLUMN].to_numpy().astype(bool)
+    if not mask.any():
+        raise ValueError(f"var['{MODELLED_GENES_COLUMN}'] marks no gene as modelled.")
+    return mask
+
+
+def _is_integer_valued(matrix, n_sample: int = 100_000) -> bool:
+    values = matrix.data if sp.issparse(matrix) else np.asarray(matrix).ravel()
+    values = values[:n_sample]
+    return bool(np.all(values >= 0) and np.all(np.mod(values, 1) == 0))
+
+
+def _json_number(value) -> float | None:
+    return None if pd.isna(value) else float(value)
+
+
+def _format_cell(value, digits: int) -> str:
+    if isinstance(value, (float, np.floating)):
+        return "n/a" if np.isnan(value) else f"{value:.{digits}f}"
+    return str(value)

@@ -1,0 +1,179 @@
+"""The batchfix network in pure torch: locus-token encoder -> batch-free latent -> batch-conditioned decoder."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchfix.attention import GenomicCoordinateEncoding, TransformerBlock
+from batchfix.genome import LocusWindows
+
+LIBRARY_SIZE = 1e4  # counts per cell of the corrected (log1p-normalized) expression
+
+
+@dataclass
+class ModelConfig:
+    """Hyperparameters of the network (the `model` config group, minus data-derived sizes)."""
+
+    genes_per_token: int = 16
+    d_model: int = 64
+    n_heads: int = 4
+    n_layers: int = 2
+    dropout: float = 0.0
+    latent_dim: int = 30
+    decoder_hidden: int = 128
+    attention: str = "sdpa"
+    position_encoding: str = "real"
+    min_wavelength: float = 1e3
+    max_wavelength: float = 3e8
+    likelihood: str = "nb"
+    kl_weight: float = 1.0
+    adversarial_weight: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class GradientReversal(torch.autograd.Function):
+    """Identity forward; gradient multiplied by -1 backward (adversarial batch training)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class LocusEncoder(nn.Module):
+    """Per-cell standardized log expression -> (mu, logvar) of the latent posterior."""
+
+    def __init__(self, cfg: ModelConfig, windows: LocusWindows, n_genes: int):
+        super().__init__()
+        n_tokens, per_token = windows.gene_index.shape
+        self.register_buffer("gene_index", torch.as_tensor(windows.gene_index.reshape(-1)), persistent=False)
+        self.register_buffer("slot_mask", torch.as_tensor(~windows.pad_mask, dtype=torch.float32), persistent=False)
+        self.n_tokens, self.per_token, self.n_genes = n_tokens, per_token, n_genes
+        # A window's embedding = sum over its genes of value x gene-specific vector (grouped linear layer).
+        self.gene_vectors = nn.Parameter(torch.randn(n_tokens, per_token, cfg.d_model) / per_token ** 0.5)
+        self.token_bias = nn.Parameter(torch.zeros(n_tokens, cfg.d_model))
+        self.coordinates = GenomicCoordinateEncoding(
+            windows.position, windows.chromosome, cfg.d_model, cfg.position_encoding,
+            cfg.min_wavelength, cfg.max_wavelength,
+        )
+        self.blocks = nn.ModuleList(
+            TransformerBlock(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.attention) for _ in range(cfg.n_layers)
+        )
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.to_latent = nn.Linear(cfg.d_model, 2 * cfg.latent_dim)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = x.shape[0]
+        padded = F.pad(x, (0, 1))  # (B, G + 1): the last column is the zero used by padding slots
+        slots = padded[:, self.gene_index].view(batch, self.n_tokens, self.per_token)  # (B, T, p)
+        weights = self.gene_vectors * self.slot_mask[..., None]  # (T, p, D), padding slots zeroed
+        tokens = torch.einsum("btp,tpd->btd", slots, weights) + self.token_bias + self.coordinates()  # (B, T, D)
+        for block in self.blocks:
+            tokens = block(tokens)
+        pooled = self.norm(tokens).mean(dim=1)  # (B, D)
+        mu, logvar = self.to_latent(pooled).chunk(2, dim=-1)
+        return mu, logvar.clamp(-10.0, 10.0)
+
+
+class ExpressionDecoder(nn.Module):
+    """(z, batch) -> per-gene expression: NB mean fractions (softmax) or Gaussian means."""
+
+    def __init__(self, cfg: ModelConfig, n_genes: int, n_batches: int):
+        super().__init__()
+        self.n_batches = n_batches
+        self.hidden = nn.Linear(cfg.latent_dim + n_batches, cfg.decoder_hidden)
+        self.norm = nn.LayerNorm(cfg.decoder_hidden)
+        self.out = nn.Linear(cfg.decoder_hidden + n_batches, n_genes)
+        self.log_theta = nn.Parameter(torch.zeros(n_genes))  # NB inverse dispersion per gene
+
+    def forward(self, z: torch.Tensor, batch_index: torch.Tensor) -> torch.Tensor:
+        onehot = F.one_hot(batch_index, self.n_batches).to(z.dtype)  # (B, n_batches)
+        h = F.relu(self.norm(self.hidden(torch.cat([z, onehot], dim=-1))))
+        return self.out(torch.cat([h, onehot], dim=-1))  # (B, G) logits or means
+
+
+def negative_binomial_log_likelihood(counts: torch.Tensor, mean: torch.Tensor, log_theta: torch.Tensor) -> torch.Tensor:
+    """Per-cell NB log-likelihood summed over genes; mean (B, G), log_theta (G,)."""
+    theta = log_theta.exp()
+    eps = 1e-8
+    log_theta_mu = torch.log(theta + mean + eps)
+    ll = (
+        theta * (torch.log(theta + eps) - log_theta_mu)
+        + counts * (torch.log(mean + eps) - log_theta_mu)
+        + torch.lgamma(counts + theta) - torch.lgamma(theta) - torch.lgamma(counts + 1.0)
+    )
+    return ll.sum(-1)
+
+
+class BatchfixNet(nn.Module):
+    """Encoder (no batch input) + batch-conditioned decoder + optional batch adversary on z."""
+
+    def __init__(self, cfg: ModelConfig, windows: LocusWindows, n_genes: int, n_batches: int,
+                 gene_mean: np.ndarray, gene_std: np.ndarray):
+        super().__init__()
+        if cfg.likelihood not in ("nb", "gaussian"):
+            raise ValueError(f"model.likelihood must be 'nb' or 'gaussian', got '{cfg.likelihood}'.")
+        self.cfg, self.n_genes, self.n_batches = cfg, n_genes, n_batches
+        self.register_buffer("gene_mean", torch.as_tensor(gene_mean, dtype=torch.float32))
+        self.register_buffer("gene_std", torch.as_tensor(gene_std, dtype=torch.float32))
+        self.encoder = LocusEncoder(cfg, windows, n_genes)
+        self.decoder = ExpressionDecoder(cfg, n_genes, n_batches)
+        self.adversary = nn.Sequential(nn.Linear(cfg.latent_dim, 64), nn.ReLU(), nn.Linear(64, n_batches))
+
+    def log_expression(self, x: torch.Tensor) -> torch.Tensor:
+        """Counts -> log1p(counts per 10k); log-scale input passes through."""
+        if self.cfg.likelihood == "gaussian":
+            return x
+        return torch.log1p(x / x.sum(-1, keepdim=True).clamp_min(1.0) * LIBRARY_SIZE)
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        standardized = (self.log_expression(x) - self.gene_mean) / self.gene_std
+        return self.encoder(standardized)
+
+    def loss(self, x: torch.Tensor, batch_index: torch.Tensor, kl_scale: float = 1.0) -> dict[str, torch.Tensor]:
+        """Negative ELBO (+ adversarial term) per cell, averaged over the minibatch."""
+        mu, logvar = self.encode(x)
+        z = mu + torch.randn_like(mu) * (0.5 * logvar).exp() if self.training else mu
+        out = self.decoder(z, batch_index)
+        if self.cfg.likelihood == "nb":
+            library = x.sum(-1, keepdim=True)
+            mean = torch.softmax(out.float(), dim=-1) * library
+            reconstruction = -negative_binomial_log_likelihood(x, mean, self.decoder.log_theta)
+        else:
+            target = (x - self.gene_mean) / self.gene_std
+            reconstruction = 0.5 * ((out.float() - target) ** 2).sum(-1)
+        kl = 0.5 * (mu.pow(2) + logvar.exp() - 1.0 - logvar).sum(-1)
+        total = reconstruction + kl_scale * self.cfg.kl_weight * kl
+        losses = {"reconstruction": reconstruction.mean(), "kl": kl.mean()}
+        if self.cfg.adversarial_weight > 0:
+            logits = self.adversary(GradientReversal.apply(z))
+            adversarial = F.cross_entropy(logits.float(), batch_index)
+            losses["adversarial"] = adversarial
+            losses["loss"] = total.mean() + self.cfg.adversarial_weight * adversarial
+        else:
+            losses["loss"] = total.mean()
+        return losses
+
+    @torch.no_grad()
+    def corrected(self, x: torch.Tensor, reference: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(latent mean, corrected log1p expression per 10k) decoded as batch `reference` or, if None,
+        averaged over all training batches."""
+        mu, _ = self.encode(x)
+        batches = range(self.n_batches) if reference is None else [reference]
+        total = 0.0
+        for b in batches:
+            out = self.decoder(mu, torch.full((x.shape[0],), b, dtype=torch.long, device=x.device)).float()
+            total = total + (torch.softmax(out, -1) * LIBRARY_SIZE if self.cfg.likelihood == "nb" else out)
+        mean = total / len(batches)
+        if self.cfg.likelihood == "nb":
+            return mu, torch.log1p(mean)
+        return mu, mean * self.gene_std + self.gene_mean

@@ -1,0 +1,117 @@
+"""Thin LightningModule around BatchfixNet, and the safe checkpoint loader.
+
+Everything correction needs (modelled genes in genomic order, their coordinates, batch
+categories, input scale, model hyperparameters) is saved as plain hyperparameters, and the
+normalization statistics as buffers, so a checkpoint loads with `torch.load(weights_only=True)`:
+no Hydra, no unpickling of arbitrary objects.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+
+from batchfix.genome import GeneCoordinates, LocusWindows, make_windows
+from batchfix.model import BatchfixNet, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+class BatchfixModule(pl.LightningModule):
+    """Training plan: negative ELBO with KL warm-up, AdamW, cosine decay, logged losses."""
+
+    def __init__(self, model: dict, genes: list[str], chromosome: list[str | None], start: list[int],
+                 end: list[int], batch_categories: list[str], scale: str = "counts",
+                 learning_rate: float = 2e-3, weight_decay: float = 1e-4, kl_warmup_fraction: float = 0.3,
+                 planned_steps: int = 1000):
+        super().__init__()
+        self.save_hyperparameters()
+        self.model_config = ModelConfig(**model)
+        coordinates = GeneCoordinates(np.array(chromosome, dtype=object), np.array(start), np.array(end))
+        self.windows: LocusWindows = make_windows(coordinates, self.model_config.genes_per_token)
+        n_genes = len(genes)
+        self.net = BatchfixNet(self.model_config, self.windows, n_genes, len(batch_categories),
+                               gene_mean=np.zeros(n_genes), gene_std=np.ones(n_genes))
+
+    def set_normalization(self, gene_mean: np.ndarray, gene_std: np.ndarray) -> None:
+        """Standardization statistics of the training data (saved with the weights)."""
+        self.net.gene_mean.copy_(torch.as_tensor(gene_mean))
+        self.net.gene_std.copy_(torch.as_tensor(gene_std))
+
+    def kl_scale(self) -> float:
+        warmup = max(1, int(self.hparams.kl_warmup_fraction * self.hparams.planned_steps))
+        return min(1.0, (self.global_step + 1) / warmup)
+
+    def training_step(self, batch, batch_idx):
+        values, batch_index = batch
+        losses = self.net.loss(values, batch_index, kl_scale=self.kl_scale())
+        self.log_dict({f"train_{k}": v for k, v in losses.items()}, prog_bar=False, on_step=False, on_epoch=True,
+                      batch_size=values.shape[0])
+        self.log("loss", losses["loss"], prog_bar=True, on_step=True, on_epoch=False, logger=False)
+        return losses["loss"]
+
+    def validation_step(self, batch, batch_idx):
+        values, batch_index = batch
+        losses = self.net.loss(values, batch_index, kl_scale=1.0)
+        self.log_dict({f"val_{k}": v for k, v in losses.items()}, batch_size=values.shape[0])
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate,
+                                      weight_decay=self.hparams.weight_decay)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, self.hparams.planned_steps),
+                                                              eta_min=0.1 * self.hparams.learning_rate)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, truncated, tampered with, or not a batchfix checkpoint."""
+
+
+@dataclass
+class TrainedModel:
+    """A trained network plus what inference must check: genes, their order, batch categories."""
+
+    module: BatchfixModule
+
+    @property
+    def net(self) -> BatchfixNet:
+        return self.module.net
+
+    @property
+    def genes(self) -> list[str]:
+        return list(self.module.hparams.genes)
+
+    @property
+    def batch_categories(self) -> list[str]:
+        return list(self.module.hparams.batch_categories)
+
+    @property
+    def scale(self) -> str:
+        return self.module.hparams.scale
+
+
+def load_trained(path: str | Path) -> TrainedModel:
+    """Load a batchfix checkpoint without executing code from the file (weights_only)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise CheckpointError(f"Checkpoint not found: {path}")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(
+            f"Cannot load checkpoint {path}: it is truncated, corrupt, or holds objects other than tensors "
+            f"and plain values (refused for safety). {type(err).__name__}: {str(err).splitlines()[0][:300]}"
+        ) from err
+    if not isinstance(checkpoint, dict) or "hyper_parameters" not in checkpoint or "state_dict" not in checkpoint:
+        raise CheckpointError(f"{path} is not a batchfix checkpoint (no hyper_parameters/state_dict).")
+    try:
+        module = BatchfixModule(**checkpoint["hyper_parameters"])
+        module.load_state_dict(checkpoint["state_dict"])
+    except (TypeError, RuntimeError, ValueError, KeyError) as err:
+        raise CheckpointError(f"{path} does not match the batchfix model: {err}") from err
+    module.eval()
+    return TrainedModel(module)

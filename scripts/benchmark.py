@@ -1,0 +1,351 @@
+"""Benchmark batchfix against other batch-correction methods, scored with batchfix.metrics.
+
+Every method sees the same cells and genes: the `--n-top-genes` batch-aware seurat_v3 highly
+variable genes of the raw counts. Log-normalized expression is normalize_total(1e4) + log1p on
+those genes; the unintegrated embedding is its 50-component PCA, and it is the pre-integration
+reference (PCR comparison) for every method scored with the same seed.
+
+Methods (their own packages, default settings):
+  unintegrated  PCA of the log-normalized expression
+  combat        scanpy.pp.combat on the log-normalized expression, then PCA
+  harmony       harmonypy on the unintegrated PCA (the PCA is not counted in its fit time)
+  scanorama     scanorama.integrate_scanpy on the per-batch log-normalized expression
+  scvi          scvi-tools SCVI on raw counts: latent, and batch-corrected expression
+                (get_normalized_expression over all batches, library size 1e4) -> log1p -> PCA
+  batchfix      `run_batchfix`: latent, and PCA of the corrected log expression
+With `--ablation`, batchfix runs once per coordinate encoding (model.position_encoding =
+real, none, shuffled) for every seed.
+
+fit seconds: wall-clock time of the method's own work (for batchfix: as it reports), scoring
+excluded. peak MB: highest resident set size of this process (psutil, sampled every 20 ms)
+during the fit minus the size just before it: memory the method needed on top of what was
+already held; allocations shorter than a sample can be missed.
+
+    python scripts/benchmark.py data/cellbench5.h5ad --methods unintegrated combat harmony
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import psutil
+import scanpy as sc
+
+from batchfix import metrics
+
+BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi"]
+ALL_METHODS = ["batchfix", *BASELINES]
+ABLATION_ENCODINGS = ["real", "none", "shuffled"]
+TARGET_SUM = 1e4
+
+
+@dataclass
+class Prepared:
+    """Inputs shared by every method for one seed."""
+
+    counts: ad.AnnData  # raw counts on the selected genes, obs with batch (and labels)
+    log_expression: np.ndarray  # normalize_total 1e4 + log1p of counts.X
+    unintegrated: np.ndarray  # PCA of log_expression
+    batch_key: str
+    seed: int
+
+
+@dataclass
+class MethodResult:
+    embeddings: dict[str, np.ndarray]
+    fit_seconds: float
+    peak_mb: float
+
+
+def run_batchfix(
+    adata_hvg: ad.AnnData, batch_key: str, seed: int, overrides: list[str]
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """Train batchfix on `adata_hvg` (raw counts, genes already selected) and correct it.
+
+    `overrides` are Hydra-style "key=value" strings (e.g. "model.position_encoding=none").
+    Returns (latent (cells, k), corrected log expression (cells, genes), fit seconds).
+    """
+    raise NotImplementedError(
+        "batchfix is not wired into the benchmark yet (scripts/benchmark.py: run_batchfix should "
+        "call batchfix.tasks); leave it out with --methods, e.g. --methods "
+        + " ".join(BASELINES)
+    )
+
+
+class PeakMemory:
+    """Peak resident set size of this process inside a `with` block, above its size at entry."""
+
+    def __init__(self, interval: float = 0.02):
+        self._process = psutil.Process()
+        self._interval = interval
+        self._stop = threading.Event()
+        self.peak_mb = 0.0
+
+    def __enter__(self) -> PeakMemory:
+        self._start = self._peak = self._process.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._peak = max(self._peak, self._process.memory_info().rss)
+        self.peak_mb = (self._peak - self._start) / 2**20
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._peak = max(self._peak, self._process.memory_info().rss)
+
+
+def measured(fit: Callable[[], dict[str, np.ndarray]]) -> MethodResult:
+    """Run `fit`, timing it and tracking its peak memory."""
+    with PeakMemory() as memory:
+        start = time.perf_counter()
+        embeddings = fit()
+        seconds = time.perf_counter() - start
+    return MethodResult(embeddings, seconds, memory.peak_mb)
+
+
+def fit_unintegrated(data: Prepared) -> MethodResult:
+    return measured(lambda: {"Unintegrated PCA": metrics.pca_embedding(data.log_expression, seed=data.seed)})
+
+
+def fit_combat(data: Prepared) -> MethodResult:
+    def fit():
+        log_adata = ad.AnnData(data.log_expression.copy(), obs=data.counts.obs)
+        sc.pp.combat(log_adata, key=data.batch_key)
+        return {"ComBat": metrics.pca_embedding(log_adata.X, seed=data.seed)}
+
+    return measured(fit)
+
+
+def fit_harmony(data: Prepared) -> MethodResult:
+    import harmonypy
+
+    def fit():
+        result = harmonypy.run_harmony(
+            data.unintegrated, data.counts.obs, data.batch_key, random_state=data.seed, verbose=False
+        )
+        return {"Harmony": np.asarray(result.Z_corr, dtype=np.float32)}
+
+    return measured(fit)
+
+
+def fit_scanorama(data: Prepared) -> MethodResult:
+    import scanorama
+
+    def fit():
+        log_adata = ad.AnnData(data.log_expression, obs=data.counts.obs, var=data.counts.var[[]])
+        batches = log_adata.obs[data.batch_key].astype(str)
+        parts = [log_adata[(batches == b).to_numpy()].copy() for b in pd.unique(batches)]
+        scanorama.integrate_scanpy(parts, seed=data.seed, verbose=0)
+        integrated = pd.concat(
+            [pd.DataFrame(p.obsm["X_scanorama"], index=p.obs_names) for p in parts]
+        ).loc[log_adata.obs_names]
+        return {"Scanorama": integrated.to_numpy(dtype=np.float32)}
+
+    return measured(fit)
+
+
+def fit_scvi(data: Prepared) -> MethodResult:
+    import scvi
+
+    def fit():
+        scvi.settings.seed = data.seed
+        adata = data.counts.copy()
+        scvi.model.SCVI.setup_anndata(adata, batch_key=data.batch_key)
+        model = scvi.model.SCVI(adata)
+        model.train(enable_progress_bar=False)
+        latent = model.get_latent_representation()
+        corrected = model.get_normalized_expression(
+            transform_batch=list(adata.obs[data.batch_key].astype("category").cat.categories),
+            library_size=TARGET_SUM,
+            return_numpy=True,
+        )
+        return {
+            "scVI latent": np.asarray(latent, dtype=np.float32),
+            "scVI corrected expression (PCA)": metrics.pca_embedding(np.log1p(corrected), seed=data.seed),
+        }
+
+    return measured(fit)
+
+
+def fit_batchfix(data: Prepared, overrides: list[str], name: str = "batchfix") -> MethodResult:
+    with PeakMemory() as memory:
+        latent, corrected, fit_seconds = run_batchfix(
+            data.counts.copy(), data.batch_key, data.seed, overrides
+        )
+        start = time.perf_counter()
+        corrected_pca = metrics.pca_embedding(corrected, seed=data.seed)
+        pca_seconds = time.perf_counter() - start
+    embeddings = {
+        f"{name} latent": np.asarray(latent, dtype=np.float32),
+        f"{name} corrected expression (PCA)": corrected_pca,
+    }
+    return MethodResult(embeddings, fit_seconds + pca_seconds, memory.peak_mb)
+
+
+BASELINE_FITS = {
+    "unintegrated": fit_unintegrated,
+    "combat": fit_combat,
+    "harmony": fit_harmony,
+    "scanorama": fit_scanorama,
+    "scvi": fit_scvi,
+}
+
+
+def load(path, batch_key: str, label_key: str | None, subset: int | None) -> ad.AnnData:
+    """Read the file (raw counts in X) and check keys; optionally keep `subset` random cells."""
+    adata = ad.read_h5ad(path)
+    metrics.check_obs_keys(adata.obs, batch_key, label_key)
+    if subset is not None and subset < adata.n_obs:
+        keep = np.sort(np.random.default_rng(0).choice(adata.n_obs, subset, replace=False))
+        adata = adata[keep].copy()
+    adata.X = adata.X.toarray() if hasattr(adata.X, "toarray") else np.asarray(adata.X)
+    adata.X = adata.X.astype(np.float32)
+    return adata
+
+
+def select_genes(adata: ad.AnnData, batch_key: str, n_top_genes: int) -> ad.AnnData:
+    """Counts on the batch-aware seurat_v3 highly variable genes (computed on raw counts)."""
+    hvg = sc.pp.highly_variable_genes(
+        adata, flavor="seurat_v3", n_top_genes=n_top_genes, batch_key=batch_key, inplace=False
+    )
+    return adata[:, hvg["highly_variable"].to_numpy()].copy()
+
+
+def prepare(counts: ad.AnnData, batch_key: str, seed: int) -> Prepared:
+    log_expression = np.asarray(metrics.log_normalize(counts.X, TARGET_SUM))
+    return Prepared(counts, log_expression, metrics.pca_embedding(log_expression, seed=seed), batch_key, seed)
+
+
+def run(args: argparse.Namespace) -> pd.DataFrame:
+    """Fit and score every method for every seed; one row per (embedding, seed)."""
+    labels = labels_from_args(args)
+    adata = load(args.data, args.batch_key, labels, args.subset)
+    counts = select_genes(adata, args.batch_key, args.n_top_genes)
+    print(f"{counts.n_obs} cells x {counts.n_vars} genes, {counts.obs[args.batch_key].nunique()} batches",
+          flush=True)
+
+    rows = []
+    for seed in args.seeds:
+        data = prepare(counts, args.batch_key, seed)
+        results: dict[str, tuple[str, MethodResult]] = {}
+        for method in args.methods:
+            if method == "batchfix" and args.ablation:
+                continue
+            print(f"seed {seed}: {method} ...", flush=True)
+            if method == "batchfix":
+                result = fit_batchfix(data, args.batchfix_override)
+            else:
+                result = BASELINE_FITS[method](data)
+            results[method] = (method, result)
+        if args.ablation:
+            for encoding in ABLATION_ENCODINGS:
+                print(f"seed {seed}: batchfix position_encoding={encoding} ...", flush=True)
+                overrides = [*args.batchfix_override, f"model.position_encoding={encoding}"]
+                name = f"batchfix [position_encoding={encoding}]"
+                results[name] = ("batchfix", fit_batchfix(data, overrides, name))
+
+        embeddings = {k: e for _, r in results.values() for k, e in r.embeddings.items()}
+        start = time.perf_counter()
+        table = metrics.score_embeddings(
+            counts.obs, embeddings, data.unintegrated, args.batch_key, labels
+        )
+        scoring = time.perf_counter() - start
+        print(f"seed {seed}: scored {len(embeddings)} embeddings in {scoring:.1f} s "
+              f"({scoring / len(embeddings):.1f} s each)", flush=True)
+        for method, result in results.values():
+            for name in result.embeddings:
+                rows.append({
+                    "embedding": name, "method": method, "seed": seed,
+                    **table.loc[name].to_dict(),
+                    "fit_seconds": result.fit_seconds, "peak_mb": result.peak_mb,
+                    "scoring_seconds_each": scoring / len(embeddings),
+                })
+    return pd.DataFrame(rows)
+
+
+def summary(rows: pd.DataFrame) -> pd.DataFrame:
+    """Mean over seeds per embedding (with the standard deviation when there are several)."""
+    columns = [metrics.BATCH_SCORE, metrics.BIO_SCORE, metrics.TOTAL_SCORE, "fit_seconds", "peak_mb"]
+    grouped = rows.groupby("embedding", sort=False)[columns]
+    table = grouped.mean()
+    table.insert(0, "seeds", grouped.size())
+    if rows["seed"].nunique() > 1:
+        table["Total sd"] = grouped[metrics.TOTAL_SCORE].std()
+    table = table.sort_values(metrics.TOTAL_SCORE if table[metrics.TOTAL_SCORE].notna().any()
+                              else metrics.BATCH_SCORE, ascending=False)
+    table.index.name = "method"
+    return table
+
+
+def markdown(rows: pd.DataFrame, table: pd.DataFrame, args: argparse.Namespace) -> str:
+    n_cells = f"{args.subset} random cells" if args.subset else "all cells"
+    lines = [
+        f"# Benchmark: {Path(args.data).name}",
+        "",
+        f"{n_cells}, {args.n_top_genes} batch-aware seurat_v3 HVGs; batch key `{args.batch_key}`, "
+        f"label key `{args.label_key}`; seeds {', '.join(map(str, args.seeds))}.",
+        "scib-metrics Benchmarker defaults, unscaled; Total = 0.4 batch + 0.6 bio. fit seconds: "
+        "the method's own work, scoring excluded; peak MB: peak resident memory of the process "
+        "during the fit above its size before it (psutil, 20 ms samples).",
+        "",
+        *([metrics.LABEL_FREE_NOTE, ""] if labels_from_args(args) is None else []),
+        "## Summary (mean over seeds)",
+        "",
+        metrics.markdown_table(table, digits=3),
+        "## Every metric, every seed",
+        "",
+        metrics.markdown_table(rows.set_index("embedding").drop(columns="method"), digits=3),
+    ]
+    return "\n".join(lines)
+
+
+def labels_from_args(args: argparse.Namespace) -> str | None:
+    return None if args.label_key.lower() in ("", "none") else args.label_key
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("data", help="an .h5ad file with raw counts in X")
+    parser.add_argument("--batch-key", default="batch")
+    parser.add_argument("--label-key", default="cell_type", help="obs column; 'none' for no labels")
+    parser.add_argument("--n-top-genes", type=int, default=2000)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--methods", nargs="+", choices=ALL_METHODS, default=ALL_METHODS)
+    parser.add_argument("--ablation", action="store_true",
+                        help="run batchfix with model.position_encoding=real|none|shuffled")
+    parser.add_argument("--batchfix-override", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="Hydra overrides for every batchfix run, e.g. trainer.max_epochs=20")
+    parser.add_argument("--subset", type=int, default=None, help="keep N random cells (seed 0)")
+    parser.add_argument("--out", default="benchmark_results.csv",
+                        help="CSV of every row; a markdown report is written beside it (.md)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = run(args)
+    table = summary(rows)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows.to_csv(out, index=False)
+    out.with_suffix(".md").write_text(markdown(rows, table, args))
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        print(table.round(3).to_string())
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

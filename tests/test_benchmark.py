@@ -1,0 +1,44 @@
+"""The benchmark script end to end, on a small real subset, through the command line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_benchmark_script_on_a_subset(tmp_path):
+    out = tmp_path / "results.csv"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), str(ROOT / "data" / "cellbench5.h5ad"),
+         "--subset", "200", "--n-top-genes", "500", "--methods", "unintegrated", "harmony",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Harmony" in run.stdout and "Unintegrated PCA" in run.stdout
+
+    rows = pd.read_csv(out).set_index("embedding")
+    assert list(rows.index) == ["Unintegrated PCA", "Harmony"]
+    scores = rows[["Batch correction", "Bio conservation", "Total"]]
+    assert ((scores >= 0) & (scores <= 1)).all().all()
+    assert rows.loc["Harmony", "Batch correction"] > rows.loc["Unintegrated PCA", "Batch correction"]
+    assert (rows["fit_seconds"] >= 0).all() and rows["peak_mb"].notna().all()
+    report = out.with_suffix(".md").read_text()
+    assert "| Harmony |" in report and "peak MB" in report
+
+
+def test_benchmark_names_the_obs_columns_when_the_batch_key_is_wrong(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), str(ROOT / "data" / "cellbench5.h5ad"),
+         "--batch-key", "sample", "--methods", "unintegrated", "--out", str(tmp_path / "r.csv")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode != 0
+    assert "'sample'" in run.stderr and "cell_type" in run.stderr
+    assert not (tmp_path / "r.csv").exists()

@@ -1,0 +1,146 @@
+"""Scoring with scib-metrics on a real subset of the bundled CellBench data."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import anndata as ad
+import harmonypy
+import numpy as np
+import pytest
+import scanpy as sc
+
+from batchfix import metrics
+from batchfix.evaluate import evaluate_file
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "cellbench5.h5ad"
+N_CELLS = 300
+N_GENES = 1000
+
+
+@pytest.fixture(scope="module")
+def small() -> ad.AnnData:
+    """300 random cells, 1000 batch-aware HVGs, raw counts in X."""
+    adata = ad.read_h5ad(DATA)
+    keep = np.sort(np.random.default_rng(0).choice(adata.n_obs, N_CELLS, replace=False))
+    adata = adata[keep].copy()
+    hvg = sc.pp.highly_variable_genes(
+        adata, flavor="seurat_v3", n_top_genes=N_GENES, batch_key="batch", inplace=False
+    )
+    return adata[:, hvg["highly_variable"].to_numpy()].copy()
+
+
+@pytest.fixture(scope="module")
+def log_expr(small) -> np.ndarray:
+    return np.asarray(metrics.log_normalize(small.X))
+
+
+@pytest.fixture(scope="module")
+def combat_log_expr(small, log_expr) -> np.ndarray:
+    corrected = ad.AnnData(log_expr.copy(), obs=small.obs)
+    sc.pp.combat(corrected, key="batch")
+    return np.asarray(corrected.X)
+
+
+@pytest.fixture(scope="module")
+def embeddings(small, log_expr, combat_log_expr) -> dict[str, np.ndarray]:
+    """Unintegrated PCA, ComBat PCA and Harmony of the small data."""
+    unintegrated = metrics.pca_embedding(log_expr, n_comps=30)
+    harmony = harmonypy.run_harmony(unintegrated, small.obs, "batch", verbose=False).Z_corr
+    return {
+        "Unintegrated": unintegrated,
+        "ComBat": metrics.pca_embedding(combat_log_expr, n_comps=30),
+        "Harmony": np.asarray(harmony, dtype=np.float32),
+    }
+
+
+def test_pca_embedding_shape_and_determinism(log_expr):
+    first = metrics.pca_embedding(log_expr, n_comps=20, seed=0)
+    assert first.shape == (N_CELLS, 20)
+    np.testing.assert_allclose(first, metrics.pca_embedding(log_expr, n_comps=20, seed=0))
+
+
+def test_scores_are_bounded_and_correction_mixes_batches_better(small, embeddings):
+    names = ["Unintegrated", "ComBat", "Harmony"]
+    table = metrics.score_embeddings(
+        small.obs, {n: embeddings[n] for n in names}, embeddings["Unintegrated"], "batch", "cell_type"
+    )
+    assert list(table.index) == names
+    for column in ["BRAS", "iLISI", "KBET", "Graph connectivity", "PCR comparison",
+                   "Isolated labels", "KMeans NMI", "KMeans ARI", "Silhouette label", "cLISI"]:
+        assert column in table.columns
+    assert ((table >= 0) & (table <= 1)).all().all(), table
+    np.testing.assert_allclose(
+        table["Total"], 0.4 * table["Batch correction"] + 0.6 * table["Bio conservation"]
+    )
+    assert table.loc["Unintegrated", "PCR comparison"] == 0
+    batch = table["Batch correction"]
+    assert batch["ComBat"] > batch["Unintegrated"] + 0.1
+    assert batch["Harmony"] > batch["Unintegrated"] + 0.1
+
+
+def test_without_labels_only_label_free_batch_metrics(small, embeddings):
+    table = metrics.score_embeddings(
+        small.obs, {"ComBat": embeddings["ComBat"]}, embeddings["Unintegrated"], "batch", None
+    )
+    assert list(table.columns) == ["iLISI", "PCR comparison",
+                                   "Batch correction", "Bio conservation", "Total"]
+    assert np.isnan(table.loc["ComBat", "Bio conservation"])
+    assert np.isnan(table.loc["ComBat", "Total"])
+    assert 0 < table.loc["ComBat", "Batch correction"] <= 1
+    result = metrics.results_dict(table, "batch", None)
+    assert result["bio_conservation_scored"] is False
+    assert "not scored" in result["note"]
+    assert result["scores"]["ComBat"]["Total"] is None
+
+
+def test_score_embeddings_rejects_bad_input(small, embeddings):
+    with pytest.raises(ValueError, match="obs has"):
+        metrics.score_embeddings(small.obs, {"x": embeddings["ComBat"]},
+                                 embeddings["Unintegrated"], "sample", None)
+    with pytest.raises(ValueError, match="shape"):
+        metrics.score_embeddings(small.obs, {"x": embeddings["ComBat"][:10]},
+                                 embeddings["Unintegrated"], "batch", None)
+
+
+@pytest.fixture(scope="module")
+def corrected_file(small, embeddings, combat_log_expr, tmp_path_factory) -> Path:
+    """A file shaped like batchfix output: ComBat as the corrected layer, Harmony as latent."""
+    adata = small.copy()
+    modelled = np.zeros(adata.n_vars, dtype=bool)
+    modelled[: N_GENES - 200] = True
+    adata.var["batchfix_modelled"] = modelled
+    adata.layers["batchfix"] = combat_log_expr
+    adata.obsm["X_batchfix"] = embeddings["Harmony"]
+    path = tmp_path_factory.mktemp("corrected") / "corrected.h5ad"
+    adata.write_h5ad(path)
+    return path
+
+
+def test_evaluate_file_writes_report_and_leaves_input_alone(corrected_file, tmp_path):
+    before = hashlib.sha256(corrected_file.read_bytes()).hexdigest()
+    result = evaluate_file(corrected_file, "batch", "cell_type", tmp_path / "eval")
+    assert hashlib.sha256(corrected_file.read_bytes()).hexdigest() == before
+
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text()) == result
+    assert result["n_genes_scored"] == N_GENES - 200
+    assert result["bio_conservation_scored"] is True
+    scores = result["scores"]
+    assert set(scores) == {metrics.UNINTEGRATED, metrics.LATENT, metrics.CORRECTED}
+    for name in (metrics.LATENT, metrics.CORRECTED):
+        assert scores[name]["Batch correction"] > scores[metrics.UNINTEGRATED]["Batch correction"]
+    markdown = (tmp_path / "eval" / "metrics.md").read_text()
+    assert "| Embedding |" in markdown and metrics.LATENT in markdown
+    png = (tmp_path / "eval" / "umap.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+
+
+def test_evaluate_file_names_what_exists_when_keys_are_missing(corrected_file, tmp_path):
+    with pytest.raises(ValueError, match=r"label key 'celltype'.*cell_type"):
+        evaluate_file(corrected_file, "batch", "celltype", tmp_path)
+    with pytest.raises(ValueError, match=r"corrected layer 'corrected'.*batchfix"):
+        evaluate_file(corrected_file, "batch", "cell_type", tmp_path, layer="corrected")
+    with pytest.raises(ValueError, match=r"latent obsm key 'X_scvi'.*X_batchfix"):
+        evaluate_file(corrected_file, "batch", "cell_type", tmp_path, latent_key="X_scvi")
+    assert not (tmp_path / "metrics.json").exists()
