@@ -106,7 +106,7 @@ def score_embeddings(
     )
     bench.benchmark()
     results = bench.get_results(min_max_scale=False)
-    results = results.drop(index="Metric Type").astype(float)
+    results = results.loc[keys].astype(float)
     results.index = list(embeddings)
     results.index.name = "Embedding"
     for column in AGGREGATE_COLUMNS:
@@ -127,8 +127,9 @@ def evaluation_embeddings(
     """The embeddings to score for a corrected AnnData, first the uncorrected PCA.
 
     Genes are those the correction modelled (`var['batchfix_modelled']`, else all). The
-    uncorrected PCA is of log1p(normalize_total 1e4) of the counts (X or `counts_layer`) on those
-    genes; values that are not whole numbers are taken as already log-scale and used as given.
+    uncorrected PCA is of log1p(normalize_total 1e4) of the counts (X or `counts_layer`)
+    restricted to those genes first, so library sizes are over the same genes the correction
+    models; values that are not whole numbers are taken as already log-scale and used as given.
     Returns (embeddings by name, a JSON-able description of what was used).
     """
     _check_adata_keys(adata, layer=layer, latent_key=latent_key, counts_layer=counts_layer)
