@@ -43,8 +43,7 @@ def run_verb(verb: str):
         if verb == "correct":
             tasks.correct(cfg)
             return None
-        metrics = tasks.evaluate(cfg, run_dir)
-        return metrics.get("corrected", {}).get("Total") if isinstance(metrics, dict) else None
+        return tasks.headline({"evaluation": tasks.evaluate(cfg, run_dir)})
 
     return entry()
 

@@ -90,9 +90,13 @@ class CellBatches(Dataset):
         return values, torch.from_numpy(self.batch_index[rows])
 
 
-def minibatches(dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
-    """A loader that asks the dataset for whole minibatches (one sparse slice each, no per-cell collate)."""
-    sampler = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
+def minibatches(dataset: Dataset, batch_size: int, shuffle: bool, seed: int = 0) -> DataLoader:
+    """A loader that asks the dataset for whole minibatches (one sparse slice each, no per-cell collate).
+
+    The shuffle has its own seeded generator, so DDP processes draw the same order per epoch.
+    """
+    sampler = (RandomSampler(dataset, generator=torch.Generator().manual_seed(seed)) if shuffle
+               else SequentialSampler(dataset))
     return DataLoader(dataset, sampler=BatchSampler(sampler, batch_size, drop_last=False), batch_size=None)
 
 
@@ -101,7 +105,7 @@ class CellDataModule(pl.LightningDataModule):
 
     def __init__(self, prepared: PreparedData, batch_size: int = 128, validation_fraction: float = 0.1, seed: int = 0):
         super().__init__()
-        self.prepared, self.batch_size = prepared, batch_size
+        self.prepared, self.batch_size, self.seed = prepared, batch_size, seed
         n_cells = prepared.counts.shape[0]
         permutation = np.random.default_rng(seed).permutation(n_cells)
         n_validation = int(round(validation_fraction * n_cells)) if n_cells >= 50 else 0
@@ -112,7 +116,7 @@ class CellDataModule(pl.LightningDataModule):
         return CellBatches(self.prepared.counts[rows], self.prepared.batch_index[rows])
 
     def train_dataloader(self) -> DataLoader:
-        return minibatches(self.subset(self.train_rows), self.batch_size, shuffle=True)
+        return minibatches(self.subset(self.train_rows), self.batch_size, shuffle=True, seed=self.seed)
 
     def val_dataloader(self) -> DataLoader:
         return minibatches(self.subset(self.validation_rows), self.batch_size, shuffle=False)

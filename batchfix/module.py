@@ -8,6 +8,7 @@ no Hydra, no unpickling of arbitrary objects.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,20 +51,25 @@ class BatchfixModule(pl.LightningModule):
         values, batch_index = batch
         losses = self.net.loss(values, batch_index, kl_scale=self.kl_scale())
         self.log_dict({f"train_{k}": v for k, v in losses.items()}, prog_bar=False, on_step=False, on_epoch=True,
-                      batch_size=values.shape[0])
+                      batch_size=values.shape[0], sync_dist=True)  # sync_dist: mean over DDP processes
         self.log("loss", losses["loss"], prog_bar=True, on_step=True, on_epoch=False, logger=False)
         return losses["loss"]
 
     def validation_step(self, batch, batch_idx):
         values, batch_index = batch
         losses = self.net.loss(values, batch_index, kl_scale=1.0)
-        self.log_dict({f"val_{k}": v for k, v in losses.items()}, batch_size=values.shape[0])
+        self.log_dict({f"val_{k}": v for k, v in losses.items()}, batch_size=values.shape[0], sync_dist=True)
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate,
                                       weight_decay=self.hparams.weight_decay)
-        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(1, self.hparams.planned_steps),
-                                                              eta_min=0.1 * self.hparams.learning_rate)
+        # Cosine decay to 0.1 x learning_rate over planned_steps, then flat: a closed form of the step, so a
+        # resumed run with more epochs follows its own plan (a restored CosineAnnealingLR would keep the old
+        # T_max and climb back to the peak rate past it).
+        planned = max(1, self.hparams.planned_steps)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(step, planned) / planned)),
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
@@ -104,7 +110,7 @@ def load_trained(path: str | Path) -> TrainedModel:
     except Exception as err:
         raise CheckpointError(
             f"Cannot load checkpoint {path}: it is truncated, corrupt, or holds objects other than tensors "
-            f"and plain values (refused for safety). {type(err).__name__}: {str(err).splitlines()[0][:300]}"
+            f"and plain values (refused for safety). {type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
         ) from err
     if not isinstance(checkpoint, dict) or "hyper_parameters" not in checkpoint or "state_dict" not in checkpoint:
         raise CheckpointError(f"{path} is not a batchfix checkpoint (no hyper_parameters/state_dict).")

@@ -33,9 +33,9 @@ def input_path(path: str | None) -> str:
     return bundled_dataset() if path in (None, "", "bundled") else str(Path(path).expanduser())
 
 
-def resolve_precision(requested) -> str:
+def resolve_precision(requested, accelerator="auto") -> str:
     """16-mixed on a GPU, 32-true on CPU unless asked; say what runs (Lightning makes 16-mixed bf16 on CPU)."""
-    on_gpu = torch.cuda.is_available()
+    on_gpu = torch.cuda.is_available() and str(accelerator) in ("auto", "gpu", "cuda")
     precision = str(requested) if requested is not None else ("16-mixed" if on_gpu else "32-true")
     if not on_gpu and precision in ("16-mixed", "16"):
         log.warning("precision=16-mixed asked on CPU: Lightning runs bf16-mixed instead (fp16 needs a GPU).")
@@ -52,9 +52,12 @@ def planned_epochs(cfg: DictConfig, steps_per_epoch: int) -> int:
     return int(min(max(epochs, cfg.fit.min_epochs), cfg.fit.max_epochs))
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, max_epochs: int, has_validation: bool) -> pl.Trainer:
+def build_trainer(cfg: DictConfig, run_dir: Path, has_validation: bool) -> pl.Trainer:
+    """The Trainer; its max_epochs is set by the caller once the per-process steps are known."""
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
-    trainer_args.update(max_epochs=max_epochs, precision=resolve_precision(trainer_args.pop("precision", None)))
+    trainer_args.pop("max_epochs", None)
+    trainer_args["precision"] = resolve_precision(trainer_args.pop("precision", None),
+                                                  trainer_args.get("accelerator", "auto"))
     monitor = "val_loss" if has_validation else "train_loss"
     callbacks = [
         ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="best", monitor=monitor, save_top_k=1,
@@ -82,8 +85,11 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     inp = load_expression(path, cfg.data.batch_key, cfg.data.label_key, cfg.data.counts_layer, cfg.data.scale)
     prepared = prepare(inp, cfg.data.n_top_genes, cfg.data.genome, cfg.data.gtf, cfg.data.unplaced)
     datamodule = CellDataModule(prepared, cfg.fit.batch_size, cfg.fit.validation_fraction, cfg.seed)
-    steps_per_epoch = math.ceil(len(datamodule.train_rows) / cfg.fit.batch_size)
+    trainer = build_trainer(cfg, run_dir, has_validation=len(datamodule.validation_rows) > 0)
+    # Under DDP each process takes every world_size-th minibatch: steps per epoch shrink accordingly.
+    steps_per_epoch = math.ceil(math.ceil(len(datamodule.train_rows) / cfg.fit.batch_size) / trainer.world_size)
     max_epochs = planned_epochs(cfg, steps_per_epoch)
+    trainer.fit_loop.max_epochs = max_epochs
     model_params = OmegaConf.to_container(cfg.model, resolve=True)
     if cfg.data.scale == "log":
         model_params["likelihood"] = "gaussian"
@@ -108,7 +114,6 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
             raise InputError(f"Cannot resume from {cfg.resume}: it was trained on other genes or batches "
                              "(same data and data.* options are needed).")
 
-    trainer = build_trainer(cfg, run_dir, max_epochs, has_validation=len(datamodule.validation_rows) > 0)
     fit_started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
     fit_seconds = time.perf_counter() - fit_started
@@ -156,7 +161,7 @@ def correct(cfg: DictConfig) -> Path:
     written = correct_file(source, output, cfg.checkpoint, reference=cfg.reference, counts_layer=cfg.counts_layer,
                            key_added=cfg.get("key_added", "batchfix"), chunk_size=cfg.chunk_size,
                            max_missing_fraction=cfg.max_missing_fraction, overwrite=cfg.overwrite,
-                           progress=cfg.get("progress", True))
+                           batch_size=cfg.get("batch_size", 128), progress=cfg.get("progress", True))
     log.info("Wrote %s", written)
     return written
 
@@ -170,10 +175,11 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> dict:
 
 def headline(metrics: dict) -> float | None:
     """The number a sweep optimises: corrected-expression Total when evaluated, else validation loss."""
-    evaluation = metrics.get("evaluation") or {}
-    for key in ("corrected", "batchfix_corrected"):
-        if isinstance(evaluation.get(key), dict) and "Total" in evaluation[key]:
-            return float(evaluation[key]["Total"])
+    from batchfix.metrics import CORRECTED, TOTAL_SCORE
+
+    scores = (metrics.get("evaluation") or {}).get("scores", {})
+    total = scores.get(CORRECTED, {}).get(TOTAL_SCORE)
+    if total is not None:
+        return float(total)
     loss = metrics.get("losses", {}).get("val_loss")
     return None if loss is None else float(loss)
-

@@ -1,0 +1,300 @@
+"""Benchmark `batchfix correct` on large synthetic files: throughput (cells/s) and peak memory.
+
+For each --cells N, an .h5ad of N cells x the model's genes (2,000 by default) is generated chunk
+by chunk with h5py: its cells are resampled (with replacement) from the bundled CellBench data,
+raw counts stored as CSR in X, obs['batch'] from the sampled cells. The generator holds one chunk
+at a time, so even the 1,000,000-cell file needs little memory.
+
+The correction then runs in a child process exactly as the CLI does (`correct_file`, streaming),
+while this process samples the child's resident set size (psutil); the child also reports the
+kernel's high-water mark (ru_maxrss). Printed per file: cells/s of the correction loop (steady
+state, from per-chunk progress), wall time including start-up and the copy of the input's other
+groups, peak RSS, and for comparison the size of the dense float32 matrix.
+
+With --max-seconds, a run still going after that many seconds of correction is interrupted
+(SIGINT: the temporary output is removed, as a Ctrl-C would) and its total time extrapolated from
+the measured rate; the peak RSS is then the peak over the part that ran (after the copy of the
+input's other groups, memory is flat: every chunk needs the same).
+
+    python scripts/bench_correct.py --cells 100000 1000000 --max-seconds 300 --threads 1
+    python scripts/bench_correct.py --cells 100000 --checkpoint RUN/model.ckpt --workdir /tmp/bench
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLED = ROOT / "data" / "cellbench5.h5ad"
+GENERATE_CHUNK = 20_000
+
+
+def train_checkpoint(workdir: Path, threads: int) -> Path:
+    """A quickly trained model on the bundled data (default options: 2,000 genes)."""
+    run_dir = workdir / "model"
+    checkpoint = run_dir / "model.ckpt"
+    if checkpoint.is_file():
+        return checkpoint
+    print(f"Training a model for the benchmark (1 epoch) into {run_dir} ...", flush=True)
+    subprocess.run([sys.executable, "-m", "batchfix", "train", "trainer.max_epochs=1", "evaluate=false",
+                    f"threads={threads}", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"],
+                   check=True, cwd=workdir, stdout=subprocess.DEVNULL)
+    return checkpoint
+
+
+def string_dataset(group: h5py.Group, name: str, values, chunks=None) -> h5py.Dataset:
+    dataset = group.create_dataset(name, data=np.asarray(values, dtype=object), dtype=h5py.string_dtype(),
+                                   chunks=chunks)
+    dataset.attrs.update({"encoding-type": "string-array", "encoding-version": "0.2.0"})
+    return dataset
+
+
+def generate(path: Path, n_cells: int, genes: list[str], seed: int = 0) -> None:
+    """Write an N-cell .h5ad (CSR counts on `genes`) by resampling the bundled cells, chunk by chunk."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    source = ad.read_h5ad(BUNDLED)
+    missing = set(genes) - set(source.var_names)
+    if missing:
+        raise SystemExit(f"{len(missing)} of the model's genes are not in the bundled data: use a model trained on it.")
+    counts = sp.csr_matrix(np.asarray(source[:, genes].X, dtype=np.float32))
+    batch = source.obs["batch"].astype("category")
+    categories = list(batch.cat.categories)
+    codes = batch.cat.codes.to_numpy().astype(np.int8)
+    rng = np.random.default_rng(seed)
+    # The expected number of stored values, to size the datasets once (a final resize trims them).
+    capacity = int(counts.nnz / counts.shape[0] * n_cells * 1.01) + counts.shape[1] * GENERATE_CHUNK
+    dict_attrs = {"encoding-type": "dict", "encoding-version": "0.1.0"}
+    tmp = path.with_name(path.name + ".partial")
+    with h5py.File(tmp, "w") as f:
+        f.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
+        X = f.create_group("X")
+        X.attrs.update({"encoding-type": "csr_matrix", "encoding-version": "0.1.0"})
+        X.attrs["shape"] = np.array([n_cells, len(genes)], dtype=np.int64)
+        data = X.create_dataset("data", shape=(capacity,), maxshape=(None,), dtype=np.float32, chunks=(1 << 20,))
+        indices = X.create_dataset("indices", shape=(capacity,), maxshape=(None,), dtype=np.int32,
+                                   chunks=(1 << 20,))
+        indptr = X.create_dataset("indptr", shape=(n_cells + 1,), dtype=np.int64, chunks=(min(n_cells + 1, 1 << 18),))
+        obs = f.create_group("obs")
+        obs.attrs.update({"_index": "_index", "column-order": np.array(["batch"], dtype=object),
+                          "encoding-type": "dataframe", "encoding-version": "0.2.0"})
+        names = obs.create_dataset("_index", shape=(n_cells,), dtype=h5py.string_dtype(),
+                                   chunks=(min(n_cells, 1 << 16),))
+        names.attrs.update({"encoding-type": "string-array", "encoding-version": "0.2.0"})
+        group = obs.create_group("batch")
+        group.attrs.update({"encoding-type": "categorical", "encoding-version": "0.2.0", "ordered": False})
+        string_dataset(group, "categories", categories)
+        batch_codes = group.create_dataset("codes", shape=(n_cells,), dtype=np.int8, chunks=(min(n_cells, 1 << 18),))
+        batch_codes.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+        var = f.create_group("var")
+        var.attrs.update({"_index": "_index", "column-order": np.array([], dtype=np.float64),
+                          "encoding-type": "dataframe", "encoding-version": "0.2.0"})
+        string_dataset(var, "_index", genes)
+        for name in ("layers", "obsm", "obsp", "varm", "varp", "uns"):
+            f.create_group(name).attrs.update(dict_attrs)
+
+        filled = 0
+        indptr[0] = 0
+        for start in range(0, n_cells, GENERATE_CHUNK):
+            stop = min(start + GENERATE_CHUNK, n_cells)
+            rows = rng.integers(0, counts.shape[0], size=stop - start)
+            chunk = counts[rows]
+            if filled + chunk.nnz > data.shape[0]:
+                data.resize((filled + chunk.nnz,))
+                indices.resize((filled + chunk.nnz,))
+            data[filled:filled + chunk.nnz] = chunk.data
+            indices[filled:filled + chunk.nnz] = chunk.indices
+            indptr[start + 1:stop + 1] = chunk.indptr[1:].astype(np.int64) + filled
+            filled += chunk.nnz
+            names[start:stop] = np.array([f"cell{i:08d}" for i in range(start, stop)], dtype=object)
+            batch_codes[start:stop] = codes[rows]
+        data.resize((filled,))
+        indices.resize((filled,))
+    os.replace(tmp, path)
+
+
+def child(args) -> None:
+    """Run the correction as the CLI does, printing progress lines for the parent."""
+    import torch
+
+    from batchfix import correction
+
+    torch.set_num_threads(args.threads)
+    print(f"IMPORTS {time.time() - args.launched:.3f}", flush=True)
+    started = time.perf_counter()
+    real_chunks = correction.corrected_chunks
+
+    def reporting_chunks(*a, **k):
+        print(f"LOOP {time.perf_counter() - started:.3f}", flush=True)
+        for item in real_chunks(*a, **k):
+            yield item
+            print(f"PROGRESS {item[1]} {time.perf_counter() - started:.3f}", flush=True)
+
+    correction.corrected_chunks = reporting_chunks
+    try:
+        correction.correct_file(args.child[0], args.child[1], args.child[2], chunk_size=args.chunk_size,
+                                batch_size=args.batch_size, overwrite=True, progress=False)
+        print(f"DONE {time.perf_counter() - started:.3f}", flush=True)
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+    finally:
+        print(f"MAXRSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}", flush=True)
+
+
+def measure(input_path: Path, output_path: Path, checkpoint: Path, args) -> dict:
+    """Correct in a child process; sample its RSS; interrupt it after --max-seconds of correction."""
+    import psutil
+
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", str(input_path), str(output_path),
+               str(checkpoint), "--threads", str(args.threads), "--chunk-size", str(args.chunk_size),
+               "--batch-size", str(args.batch_size), "--launched", repr(time.time())]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    launched = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    records: dict = {"progress": []}
+
+    def read() -> None:
+        for line in proc.stdout:
+            word, *rest = line.split()
+            if word == "PROGRESS":
+                records["progress"].append((int(rest[0]), float(rest[1])))
+            elif word in ("LOOP", "DONE", "MAXRSS"):
+                records[word] = float(rest[0])
+                if word == "LOOP":
+                    records["loop_seen_at"] = time.perf_counter()
+            elif word == "IMPORTS":
+                records["imports"] = float(rest[0])
+            elif word == "INTERRUPTED":
+                records["interrupted"] = True
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    watched = psutil.Process(proc.pid)
+    peak, interrupted_at = 0, None
+    while proc.poll() is None:
+        try:
+            peak = max(peak, watched.memory_info().rss)
+        except psutil.NoSuchProcess:
+            break
+        loop_seen_at = records.get("loop_seen_at")
+        if (args.max_seconds and interrupted_at is None and loop_seen_at is not None
+                and time.perf_counter() - loop_seen_at > args.max_seconds):
+            interrupted_at = time.perf_counter()
+            proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    reader.join(timeout=10)
+    if proc.returncode not in (0, None) and not records.get("interrupted"):
+        raise SystemExit(f"The correction failed (exit status {proc.returncode}).")
+    records["sampled_peak_rss"] = peak
+    records["wall"] = time.perf_counter() - launched
+    records["leftover_temp_files"] = sorted(p.name for p in output_path.parent.glob(f".{output_path.name}.*.tmp"))
+    return records
+
+
+def report(n_cells: int, n_genes: int, input_path: Path, output_path: Path, records: dict) -> dict:
+    progress = records["progress"]
+    done = progress[-1][0] if progress else 0
+    first_cells, first_time = progress[0] if progress else (0, 0.0)
+    last_cells, last_time = progress[-1] if progress else (0, 0.0)
+    # Steady state: from the end of the first chunk (start-up costs of the first forward pass excluded).
+    steady = (last_cells - first_cells) / (last_time - first_time) if len(progress) > 1 else float("nan")
+    loop_started = records.get("LOOP", float("nan"))
+    overall = done / (last_time - loop_started) if progress else float("nan")
+    finished = "DONE" in records
+    total = records["DONE"] if finished else first_time + (n_cells - first_cells) / steady
+    peak = max(records.get("MAXRSS", 0), records["sampled_peak_rss"])
+    row = {
+        "cells": n_cells,
+        "genes": n_genes,
+        "cells_corrected": done,
+        "finished": finished,
+        "cells_per_s_steady": round(steady, 1),
+        "cells_per_s_loop": round(overall, 1),
+        "startup_and_copy_s": round(loop_started, 1),
+        "imports_s": round(records.get("imports", float("nan")), 1),
+        "total_s": round(total, 1),
+        "total_is_extrapolated": not finished,
+        "peak_rss_mb": round(peak / 2**20),
+        "sampled_peak_rss_mb": round(records["sampled_peak_rss"] / 2**20),
+        "dense_float32_mb": round(n_cells * n_genes * 4 / 2**20),
+        "input_file_mb": round(input_path.stat().st_size / 2**20),
+        "output_file_mb": round(output_path.stat().st_size / 2**20) if output_path.exists() else None,
+        "leftover_temp_files": records["leftover_temp_files"],
+    }
+    print(f"\n{n_cells:,} cells x {n_genes:,} genes: "
+          f"{'finished' if finished else f'interrupted after {done:,} cells'}\n"
+          f"  throughput        {steady:,.0f} cells/s steady state ({overall:,.0f} cells/s over the correction loop)\n"
+          f"  wall time         {row['total_s']:,.0f} s{' (extrapolated)' if not finished else ''}, "
+          f"of which {loop_started:.1f} s loading the model + copying the input's other groups "
+          f"(+ {row['imports_s']:.0f} s of Python imports before)\n"
+          f"  peak RSS          {row['peak_rss_mb']:,} MB (kernel high-water mark; sampled: "
+          f"{row['sampled_peak_rss_mb']:,} MB)\n"
+          f"  dense matrix      {row['dense_float32_mb']:,} MB (float32, cells x genes)\n"
+          f"  input file        {row['input_file_mb']:,} MB; output file "
+          f"{row['output_file_mb'] if row['output_file_mb'] is not None else '-'} MB"
+          f"{'' if finished else ' (interrupted: temporary output removed)'}\n"
+          f"  leftover temp     {row['leftover_temp_files'] or 'none'}", flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cells", type=int, nargs="+", default=[100_000, 1_000_000])
+    parser.add_argument("--checkpoint", type=Path, help="a model trained on the bundled data (default: train one)")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/batchfix_bench"))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--chunk-size", type=int, default=4096)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="interrupt a correction after this many seconds of its loop and extrapolate")
+    parser.add_argument("--keep", action="store_true", help="keep the generated inputs and outputs")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--child", nargs=3, metavar=("INPUT", "OUTPUT", "CHECKPOINT"), help=argparse.SUPPRESS)
+    parser.add_argument("--launched", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    checkpoint = args.checkpoint or train_checkpoint(args.workdir, args.threads)
+    from batchfix.module import load_trained
+
+    genes = load_trained(checkpoint).genes
+    rows = []
+    for n_cells in args.cells:
+        input_path = args.workdir / f"synthetic_{n_cells}.h5ad"
+        output_path = args.workdir / f"synthetic_{n_cells}.corrected.h5ad"
+        if not input_path.is_file():
+            began = time.perf_counter()
+            generate(input_path, n_cells, genes)
+            print(f"Generated {input_path} ({input_path.stat().st_size / 2**20:,.0f} MB) in "
+                  f"{time.perf_counter() - began:.0f} s.", flush=True)
+        output_path.unlink(missing_ok=True)
+        records = measure(input_path, output_path, checkpoint, args)
+        rows.append(report(n_cells, len(genes), input_path, output_path, records))
+        if not args.keep:
+            output_path.unlink(missing_ok=True)
+            input_path.unlink(missing_ok=True)
+    print(f"\nCPU: {os.cpu_count()} cores visible, torch threads {args.threads}; "
+          f"load average at the end {os.getloadavg()[0]:.1f}.")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    if not args.keep and args.checkpoint is None:
+        shutil.rmtree(args.workdir / "model", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,446 @@
+"""Correction with a trained checkpoint: files in, files out, on real data.
+
+A tiny model is trained once for the module on three of the five batches of a real subset
+(conftest: 200 cells x 600 genes); the correction tests then use the full subset, whose other
+two batches the model never saw.
+"""
+from __future__ import annotations
+
+import hashlib
+import io as stdio
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import anndata as ad
+import h5py
+import numpy as np
+import pandas as pd
+import pytest
+import scipy.sparse as sp
+import torch
+
+import batchfix
+from batchfix import correction, ondisk
+from batchfix.correction import correct_adata, correct_file
+from batchfix.io import InputError
+from batchfix.module import CheckpointError, load_trained
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINING_BATCHES = 3
+N_TOP_GENES = 300
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def dense(matrix) -> np.ndarray:
+    return matrix.toarray() if sp.issparse(matrix) else np.asarray(matrix)
+
+
+def files_in(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.fixture(scope="module")
+def subset(bundled_adata, _subset_index) -> ad.AnnData:
+    """The real 200 x 600 subset, all five batches, dense float32 counts in X. Do not modify."""
+    cells, genes = _subset_index
+    adata = bundled_adata[cells][:, genes].copy()
+    adata.X = np.asarray(adata.X, dtype=np.float32)
+    return adata
+
+
+@pytest.fixture(scope="module")
+def trained_run(subset, tmp_path_factory) -> dict:
+    """Train a tiny model (1 epoch) on the subset's first three batches; return its paths and batches."""
+    from hydra import compose, initialize_config_module
+
+    from batchfix import tasks
+
+    folder = tmp_path_factory.mktemp("trained")
+    batches = sorted(subset.obs["batch"].astype(str).unique())
+    seen = batches[:TRAINING_BATCHES]
+    training = subset[subset.obs["batch"].astype(str).isin(seen)].copy()
+    training.write_h5ad(folder / "train.h5ad")
+    with initialize_config_module(config_module="batchfix.conf", version_base=None):
+        cfg = compose("train", overrides=[
+            f"data.path={folder / 'train.h5ad'}", f"data.n_top_genes={N_TOP_GENES}", "model.genes_per_token=16",
+            "trainer.max_epochs=1", "trainer.enable_progress_bar=false", "evaluate=false", "threads=1",
+        ])
+    torch.set_num_threads(1)
+    tasks.train(cfg, folder / "run")
+    checkpoint = folder / "run" / "model.ckpt"
+    assert checkpoint.is_file()
+    return {"checkpoint": checkpoint, "seen": seen, "unseen": batches[TRAINING_BATCHES:],
+            "genes": load_trained(checkpoint).genes}
+
+
+@pytest.fixture
+def rich_input(subset, tmp_path) -> tuple[ad.AnnData, Path]:
+    """The subset with everything a real file carries besides X, written to tmp_path/input.h5ad."""
+    adata = subset.copy()
+    rng = np.random.default_rng(1)
+    adata.layers["counts"] = sp.csr_matrix(adata.X)
+    adata.layers["scaled"] = (adata.X / 2).astype(np.float32)
+    adata.obsm["X_pca"] = rng.normal(size=(adata.n_obs, 5)).astype(np.float32)
+    adata.obsp["connectivities"] = sp.random(adata.n_obs, adata.n_obs, density=0.02, format="csr", random_state=0)
+    adata.varm["loadings"] = rng.normal(size=(adata.n_vars, 3))
+    adata.uns["note"] = "kept as is"
+    adata.uns["params"] = {"k": 3, "names": ["a", "b"]}
+    adata.obs["qc"] = rng.random(adata.n_obs)
+    path = tmp_path / "input.h5ad"
+    adata.write_h5ad(path)
+    return adata, path
+
+
+def correct_quiet(source, target, checkpoint, **kwargs) -> Path:
+    return correct_file(source, target, checkpoint, progress=False, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# The file route
+
+
+@pytest.mark.parametrize("storage", ["dense", "csr"])
+def test_round_trip_keeps_everything_and_adds_the_correction(trained_run, rich_input, tmp_path, storage):
+    adata, source = rich_input
+    if storage == "csr":
+        adata.X = sp.csr_matrix(adata.X)
+        source = tmp_path / "input_csr.h5ad"
+        adata.write_h5ad(source)
+    before = sha256(source)
+    target = tmp_path / "out" / "corrected.h5ad"
+
+    assert correct_quiet(source, target, trained_run["checkpoint"], chunk_size=64) == target
+
+    assert sha256(source) == before, "the input file was modified"
+    assert files_in(target.parent) == ["corrected.h5ad"], "a temporary file was left behind"
+    out = ad.read_h5ad(target)
+    assert list(out.obs_names) == list(adata.obs_names) and list(out.var_names) == list(adata.var_names)
+    np.testing.assert_array_equal(dense(out.X), dense(adata.X))
+    assert sp.issparse(out.X) == sp.issparse(adata.X)
+    for name in ("counts", "scaled"):
+        np.testing.assert_array_equal(dense(out.layers[name]), dense(adata.layers[name]))
+    pd.testing.assert_frame_equal(out.obs, adata.obs)
+    pd.testing.assert_frame_equal(out.var.drop(columns="batchfix_modelled"), adata.var)
+    np.testing.assert_array_equal(out.obsm["X_pca"], adata.obsm["X_pca"])
+    np.testing.assert_array_equal(dense(out.obsp["connectivities"]), dense(adata.obsp["connectivities"]))
+    np.testing.assert_array_equal(out.varm["loadings"], adata.varm["loadings"])
+    assert out.uns["note"] == "kept as is" and out.uns["params"]["k"] == 3
+    assert list(out.uns["params"]["names"]) == ["a", "b"]
+
+    genes = trained_run["genes"]
+    modelled = out.var["batchfix_modelled"].to_numpy()
+    assert modelled.dtype == bool and list(out.var_names[modelled]) == sorted(genes, key=list(out.var_names).index)
+    layer = out.layers["batchfix"]
+    assert isinstance(layer, sp.csr_matrix) and layer.dtype == np.float32 and layer.shape == adata.shape
+    assert layer.nnz == adata.n_obs * len(genes), "every modelled gene has a value in every cell"
+    assert not dense(layer[:, ~modelled]).any(), "genes the model did not model are not stored"
+    values = dense(layer[:, modelled])
+    assert np.isfinite(values).all() and (values > 0).all()
+    latent = out.obsm["X_batchfix"]
+    assert latent.shape == (adata.n_obs, load_trained(trained_run["checkpoint"]).module.model_config.latent_dim)
+    assert np.isfinite(latent).all()
+
+    info = out.uns["batchfix"]
+    assert info["version"] == batchfix.__version__
+    assert info["checkpoint_sha256"] == sha256(trained_run["checkpoint"])
+    assert info["reference_batch"] == "average"
+    assert list(info["modelled_genes"]) == genes
+    assert list(info["training_batches"]) == trained_run["seen"]
+    assert info["n_missing_genes"] == 0 and len(info["missing_genes"]) == 0
+    assert info["params"]["chunk_size"] == 64 and info["params"]["model"]["genes_per_token"] == 16
+
+
+def test_output_is_valid_anndata_in_backed_mode(trained_run, rich_input, tmp_path):
+    _, source = rich_input
+    target = correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"])
+    backed = ad.read_h5ad(target, backed="r")
+    try:
+        rows = backed.layers["batchfix"][10:20]
+        assert rows.shape == (10, backed.n_vars)
+    finally:
+        backed.file.close()
+    with h5py.File(target, "r") as f:
+        assert dict(f["layers/batchfix"].attrs)["encoding-type"] == "csr_matrix"
+        assert dict(f["obsm/X_batchfix"].attrs)["encoding-type"] == "array"
+
+
+def test_unseen_batches_are_corrected(trained_run, rich_input, tmp_path):
+    adata, source = rich_input
+    unseen = adata.obs["batch"].astype(str).isin(trained_run["unseen"]).to_numpy()
+    assert unseen.sum() == 80, "two of the five batches (40 cells each) were not in the training data"
+    out = ad.read_h5ad(correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"]))
+    modelled = out.var["batchfix_modelled"].to_numpy()
+    values = dense(out.layers["batchfix"][unseen][:, modelled])
+    assert np.isfinite(values).all() and (values > 0).all()
+    assert np.isfinite(out.obsm["X_batchfix"][unseen]).all()
+    # Decoded as one training batch, unseen cells get that batch's expression profile.
+    reference = trained_run["seen"][0]
+    as_reference = correct_adata(adata, trained_run["checkpoint"], reference=reference, copy=True)
+    assert as_reference.uns["batchfix"]["reference_batch"] == reference
+    assert not np.allclose(dense(as_reference.layers["batchfix"][unseen]), dense(out.layers["batchfix"][unseen]))
+
+
+def test_unknown_reference_batch_names_the_training_batches(trained_run, rich_input, tmp_path):
+    _, source = rich_input
+    with pytest.raises(InputError, match="not one the model was trained on") as err:
+        correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"], reference="nope")
+    assert trained_run["seen"][0] in str(err.value)
+    assert files_in(tmp_path) == ["input.h5ad"]
+
+
+def test_some_missing_genes_are_filled_and_reported(trained_run, rich_input, tmp_path, caplog):
+    adata, _ = rich_input
+    genes = trained_run["genes"]
+    dropped = genes[::20]  # 5% of the modelled genes
+    source = tmp_path / "missing.h5ad"
+    adata[:, ~adata.var_names.isin(dropped)].copy().write_h5ad(source)
+
+    with caplog.at_level(logging.WARNING, logger="batchfix"):
+        out = ad.read_h5ad(correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"]))
+    assert f"{len(dropped)} of {len(genes)} modelled genes missing" in caplog.text
+    info = out.uns["batchfix"]
+    assert info["n_missing_genes"] == len(dropped) and list(info["missing_genes"]) == dropped
+    assert out.var["batchfix_modelled"].sum() == len(genes) - len(dropped)
+    assert out.layers["batchfix"].nnz == out.n_obs * (len(genes) - len(dropped))
+    assert np.isfinite(out.layers["batchfix"].data).all()
+
+
+def test_too_many_missing_genes_stop_with_the_count(trained_run, rich_input, tmp_path):
+    adata, _ = rich_input
+    genes = trained_run["genes"]
+    dropped = genes[: len(genes) // 2]
+    source = tmp_path / "missing.h5ad"
+    adata[:, ~adata.var_names.isin(dropped)].copy().write_h5ad(source)
+    with pytest.raises(InputError, match=f"{len(dropped)} of the model's {len(genes)} genes"):
+        correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"], max_missing_fraction=0.2)
+    assert files_in(tmp_path) == ["input.h5ad", "missing.h5ad"]
+    # The share is configurable.
+    correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"], max_missing_fraction=0.6)
+    assert (tmp_path / "out.h5ad").is_file()
+
+
+def test_existing_output_is_refused_and_left_unchanged(trained_run, rich_input, tmp_path):
+    _, source = rich_input
+    target = tmp_path / "out.h5ad"
+    target.write_bytes(b"an earlier result")
+    with pytest.raises(FileExistsError, match="overwrite=true"):
+        correct_quiet(source, target, trained_run["checkpoint"])
+    assert target.read_bytes() == b"an earlier result"
+    assert files_in(tmp_path) == ["input.h5ad", "out.h5ad"]
+
+    correct_quiet(source, target, trained_run["checkpoint"], overwrite=True)
+    assert "batchfix" in ad.read_h5ad(target).layers
+    with pytest.raises(InputError, match="is the input file"):
+        correct_quiet(source, source, trained_run["checkpoint"], overwrite=True)
+
+
+@pytest.mark.parametrize("failing_step", ["first chunk", "third chunk", "last write"])
+def test_crash_while_writing_leaves_no_output_and_no_temporary_file(trained_run, rich_input, tmp_path, monkeypatch,
+                                                                   failing_step):
+    _, source = rich_input
+    before = sha256(source)
+    if failing_step == "last write":
+        def fail(*args, **kwargs):
+            raise RuntimeError("disk full (simulated)")
+
+        monkeypatch.setattr(ondisk, "write_uns_entry", fail)
+    else:
+        fail_at = 0 if failing_step == "first chunk" else 2
+        real_call = correction.Corrector.__call__
+        calls = []
+
+        def call(self, chunk, first_cell=0):
+            calls.append(first_cell)
+            if len(calls) > fail_at:
+                raise RuntimeError("killed (simulated)")
+            return real_call(self, chunk, first_cell)
+
+        monkeypatch.setattr(correction.Corrector, "__call__", call)
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"], chunk_size=50)
+    assert files_in(tmp_path) == ["input.h5ad"], "partial output or temporary file left behind"
+    assert sha256(source) == before
+
+    # With overwrite=true the previous output survives a failed run.
+    (tmp_path / "out.h5ad").write_bytes(b"previous")
+    with pytest.raises(RuntimeError, match="simulated"):
+        correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"], chunk_size=50, overwrite=True)
+    assert (tmp_path / "out.h5ad").read_bytes() == b"previous"
+    assert files_in(tmp_path) == ["input.h5ad", "out.h5ad"]
+
+
+def test_counts_layer_is_read_instead_of_x(trained_run, rich_input, tmp_path):
+    adata, source = rich_input
+    from_x = ad.read_h5ad(correct_quiet(source, tmp_path / "x.h5ad", trained_run["checkpoint"]))
+    logged = adata.copy()
+    logged.X = np.log1p(logged.X)  # X no longer holds counts; the counts layer does
+    path = tmp_path / "logged.h5ad"
+    logged.write_h5ad(path)
+    with pytest.raises(InputError, match="does not hold raw counts"):
+        correct_quiet(path, tmp_path / "bad.h5ad", trained_run["checkpoint"])
+    from_layer = ad.read_h5ad(correct_quiet(path, tmp_path / "layer.h5ad", trained_run["checkpoint"],
+                                            counts_layer="counts"))
+    np.testing.assert_array_equal(from_layer.layers["batchfix"].toarray(), from_x.layers["batchfix"].toarray())
+    with pytest.raises(InputError, match="Layers present"):
+        correct_quiet(path, tmp_path / "none.h5ad", trained_run["checkpoint"], counts_layer="raw")
+
+
+def test_correcting_a_corrected_file_replaces_the_earlier_correction(trained_run, rich_input, tmp_path):
+    _, source = rich_input
+    first = correct_quiet(source, tmp_path / "first.h5ad", trained_run["checkpoint"])
+    second = correct_quiet(first, tmp_path / "second.h5ad", trained_run["checkpoint"],
+                           reference=trained_run["seen"][0])
+    earlier, out = ad.read_h5ad(first), ad.read_h5ad(second)
+    assert out.uns["batchfix"]["reference_batch"] == trained_run["seen"][0]
+    assert list(out.var.columns) == list(earlier.var.columns)
+    assert out.layers["batchfix"].nnz == earlier.layers["batchfix"].nnz
+    np.testing.assert_array_equal(out.obsm["X_batchfix"], earlier.obsm["X_batchfix"])  # the latent: same cells
+    assert not np.allclose(out.layers["batchfix"].data, earlier.layers["batchfix"].data)
+
+
+# --------------------------------------------------------------------------------------------
+# In memory (the notebook API) against the file route
+
+
+def test_streaming_and_in_memory_give_the_same_numbers(trained_run, rich_input, tmp_path):
+    adata, source = rich_input
+    streamed = ad.read_h5ad(correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"], chunk_size=37))
+    in_memory = adata.copy()
+    assert batchfix.correct(in_memory, trained_run["checkpoint"]) is None
+    layer = in_memory.layers["batchfix"]
+    assert isinstance(layer, sp.csr_matrix)
+    np.testing.assert_array_equal(layer.indices, streamed.layers["batchfix"].indices)
+    np.testing.assert_array_equal(layer.indptr, streamed.layers["batchfix"].indptr)
+    np.testing.assert_allclose(layer.data, streamed.layers["batchfix"].data, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(in_memory.obsm["X_batchfix"], streamed.obsm["X_batchfix"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(in_memory.var["batchfix_modelled"], streamed.var["batchfix_modelled"])
+    assert in_memory.uns["batchfix"]["checkpoint_sha256"] == streamed.uns["batchfix"]["checkpoint_sha256"]
+
+
+def test_api_errors_leave_the_anndata_unchanged(trained_run, subset):
+    adata = subset.copy()
+    with pytest.raises(InputError, match="Layer 'raw' not found"):
+        batchfix.correct(adata, trained_run["checkpoint"], counts_layer="raw")
+    with pytest.raises(InputError, match="are missing from the input"):
+        batchfix.correct(adata[:, ~adata.var_names.isin(trained_run["genes"])].copy(), trained_run["checkpoint"])
+    with pytest.raises(InputError, match="not one the model was trained on"):
+        batchfix.correct(adata, trained_run["checkpoint"], reference=trained_run["unseen"][0])
+    assert not adata.layers and not adata.obsm and not adata.uns and "batchfix_modelled" not in adata.var
+
+
+def test_api_copy_and_key_added(trained_run, subset):
+    adata = subset.copy()
+    result = batchfix.correct(adata, trained_run["checkpoint"], key_added="bf", copy=True)
+    assert set(adata.layers) == set() and "X_bf" not in adata.obsm and "bf" not in adata.uns, "input changed"
+    assert {"bf"} == set(result.layers) and "X_bf" in result.obsm and "bf_modelled" in result.var
+    assert result.uns["bf"]["n_modelled_genes"] == len(trained_run["genes"])
+    np.testing.assert_array_equal(result.X, adata.X)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints that must not load
+
+
+class Payload:
+    """Would create `marker` if unpickled with full pickle powers."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (str(self.marker),))
+
+
+class Arbitrary:
+    """Some class that is not a tensor or a plain value."""
+
+    value = 1
+
+
+def test_tampered_checkpoint_is_refused_without_running_its_code(trained_run, rich_input, tmp_path):
+    _, source = rich_input
+    saved = torch.load(trained_run["checkpoint"], map_location="cpu", weights_only=True)
+    marker = tmp_path / "code-was-executed"
+    malicious = tmp_path / "malicious.ckpt"
+    torch.save({**saved, "callbacks": Payload(marker)}, malicious)
+    arbitrary = tmp_path / "arbitrary.ckpt"
+    torch.save({**saved, "hyper_parameters": {**saved["hyper_parameters"], "extra": Arbitrary()}}, arbitrary)
+    for path in (malicious, arbitrary):
+        with pytest.raises(CheckpointError, match="refused for safety"):
+            load_trained(path)
+        with pytest.raises(CheckpointError):
+            correct_quiet(source, tmp_path / "out.h5ad", path)
+    assert not marker.exists(), "code from the checkpoint ran"
+    assert not (tmp_path / "out.h5ad").exists()
+
+    # A pickle edited inside the zip archive (its data.pkl replaced by one calling os.makedirs).
+    edited = tmp_path / "edited.ckpt"
+    with zipfile.ZipFile(trained_run["checkpoint"]) as zin, zipfile.ZipFile(edited, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename.endswith("data.pkl"):
+                data = pickle.dumps(Payload(marker), protocol=2)
+            zout.writestr(item, data)
+    with pytest.raises(CheckpointError, match="refused for safety"):
+        load_trained(edited)
+    assert not marker.exists()
+
+
+def test_truncated_and_foreign_checkpoints_give_clear_errors(trained_run, tmp_path):
+    data = Path(trained_run["checkpoint"]).read_bytes()
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated, corrupt"):
+        load_trained(truncated)
+    empty = tmp_path / "empty.ckpt"
+    empty.write_bytes(b"")
+    with pytest.raises(CheckpointError, match="truncated, corrupt"):
+        load_trained(empty)
+    foreign = tmp_path / "foreign.ckpt"
+    buffer = stdio.BytesIO()
+    torch.save({"weights": torch.zeros(3)}, buffer)
+    foreign.write_bytes(buffer.getvalue())
+    with pytest.raises(CheckpointError, match="not a batchfix checkpoint"):
+        load_trained(foreign)
+    with pytest.raises(CheckpointError, match="not found"):
+        load_trained(tmp_path / "nowhere.ckpt")
+
+
+# --------------------------------------------------------------------------------------------
+# The command line
+
+
+def test_cli_writes_the_output_and_reports_errors(trained_run, rich_input, tmp_path, monkeypatch, capsys):
+    _, source = rich_input
+    target = tmp_path / "cli.h5ad"
+    args = ["correct", f"input={source}", f"output={target}", f"checkpoint={trained_run['checkpoint']}",
+            f"reference={trained_run['seen'][1]}", "chunk_size=64", "threads=1", "progress=false",
+            f"hydra.run.dir={tmp_path / 'hydra'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "batchfix", *args], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = ad.read_h5ad(target)
+    assert out.uns["batchfix"]["reference_batch"] == trained_run["seen"][1]
+    assert out.layers["batchfix"].nnz == out.n_obs * len(trained_run["genes"])
+
+    # A second run is refused with exit status 1 (in this process: the startup of a new one takes long).
+    from batchfix.__main__ import main
+
+    monkeypatch.setattr(sys, "argv", ["batchfix", *args])
+    monkeypatch.setenv("BATCHFIX_VERB", "correct")  # main() sets it; restored after the test
+    before = sha256(target)
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 1
+    assert "exists; pass overwrite=true" in capsys.readouterr().err
+    assert sha256(target) == before

@@ -1,0 +1,287 @@
+"""Training end to end on a small real subset: run folder, loss, checkpoints, resume, seeding,
+precision, and DDP with two CPU processes through the real CLI.
+
+Models are tiny (200 genes, 16 genes per token, d_model 16, one layer) and runs last a few epochs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from batchfix import tasks
+from batchfix.io import InputError
+from batchfix.module import BatchfixModule, load_trained
+
+N_TOP_GENES = 200
+BATCH_SIZE = 64
+N_TRAIN_CELLS = 180  # 200 cells, validation_fraction 0.1
+STEPS_PER_EPOCH = math.ceil(N_TRAIN_CELLS / BATCH_SIZE)  # 3 on one process
+LEARNING_RATE = 2e-3
+CLI_EPOCHS = 6
+
+
+def tiny_overrides(h5ad: Path) -> list[str]:
+    return [
+        f"data.path={h5ad}", f"data.n_top_genes={N_TOP_GENES}",
+        "model.genes_per_token=16", "model.d_model=16", "model.n_heads=2", "model.n_layers=1",
+        "model.latent_dim=8", "model.decoder_hidden=32",
+        f"fit.batch_size={BATCH_SIZE}", f"fit.learning_rate={LEARNING_RATE}",
+        "evaluate=false", "threads=1", "trainer.enable_progress_bar=false",
+    ]
+
+
+@pytest.fixture(scope="module")
+def train_h5ad(tmp_path_factory, bundled_adata, _subset_index) -> Path:
+    """The real 200-cell x 600-gene subset (5 batches) written once for this module."""
+    cells, genes = _subset_index
+    adata = bundled_adata[cells][:, genes].copy()
+    adata.X = np.asarray(adata.X, dtype=np.float32)
+    path = tmp_path_factory.mktemp("data") / "small.h5ad"
+    adata.write_h5ad(path)
+    return path
+
+
+def compose_train(h5ad: Path, *extra: str):
+    with initialize_config_module(config_module="batchfix.conf", version_base=None):
+        return compose(config_name="train", overrides=[*tiny_overrides(h5ad), *extra])
+
+
+def logged_epochs(run_dir: Path) -> pd.DataFrame:
+    """One row per epoch: the epoch-level train_* and val_* columns of the CSV log."""
+    log = pd.read_csv(run_dir / "logs" / "metrics.csv")
+    train = log.dropna(subset=["train_loss"]).set_index("epoch")
+    frames = [train[[c for c in train.columns if c.startswith("train_") or c == "step"]]]
+    if "val_loss" in log:
+        val = log.dropna(subset=["val_loss"]).set_index("epoch")
+        frames.append(val[[c for c in val.columns if c.startswith("val_")]])
+    return pd.concat(frames, axis=1).sort_index()
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "BATCHFIX_VERB"}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
+    return subprocess.run([sys.executable, "-m", "batchfix", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def checkpoint_lr(path: Path) -> float:
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    return checkpoint["optimizer_states"][0]["param_groups"][0]["lr"]
+
+
+# ---------------------------------------------------------------- the real CLI, one process
+
+
+@pytest.fixture(scope="module")
+def cli_run(train_h5ad, tmp_path_factory):
+    work = tmp_path_factory.mktemp("cli")
+    run_dir = work / "run"
+    result = run_cli(["train", *tiny_overrides(train_h5ad), f"trainer.max_epochs={CLI_EPOCHS}",
+                      f"hydra.run.dir={run_dir}"], cwd=work)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return run_dir
+
+
+def test_cli_train_writes_run_folder(cli_run, train_h5ad):
+    for name in (".hydra/config.yaml", "model.ckpt", "corrected.h5ad", "metrics.json", "checkpoints/last.ckpt",
+                 "logs/metrics.csv"):
+        assert (cli_run / name).is_file(), f"missing {name}"
+    config = (cli_run / ".hydra" / "config.yaml").read_text()
+    assert "d_model: 16" in config and f"max_epochs: {CLI_EPOCHS}" in config and str(train_h5ad) in config
+
+    metrics = json.loads((cli_run / "metrics.json").read_text())
+    assert metrics["n_cells"] == 200 and metrics["n_genes"] == N_TOP_GENES
+    assert metrics["epochs"] == CLI_EPOCHS
+    assert metrics["steps"] == CLI_EPOCHS * STEPS_PER_EPOCH
+    assert metrics["precision"] == "32-true"
+    assert all(math.isfinite(v) for v in metrics["losses"].values())
+    assert {"train_loss", "val_loss"} <= set(metrics["losses"])
+
+    trained = load_trained(cli_run / "model.ckpt")
+    assert len(trained.genes) == N_TOP_GENES and len(trained.batch_categories) == 5
+    corrected = ad.read_h5ad(cli_run / "corrected.h5ad")
+    source = ad.read_h5ad(train_h5ad)
+    assert corrected.shape == source.shape
+    assert corrected.obsm["X_batchfix"].shape == (200, 8)
+    modelled = corrected.var["batchfix_modelled"].to_numpy()
+    assert modelled.sum() == N_TOP_GENES
+    assert set(corrected.var_names[modelled]) == set(trained.genes)
+
+
+def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, train_h5ad):
+    """The written correction equals what the reloaded model.ckpt computes on the same cells."""
+    trained = load_trained(cli_run / "model.ckpt")
+    source = ad.read_h5ad(train_h5ad)
+    columns = source.var_names.get_indexer(trained.genes)
+    assert (columns >= 0).all()
+    x = torch.from_numpy(np.asarray(source.X[:, columns], dtype=np.float32))
+    latent, expression = trained.net.corrected(x)
+    corrected = ad.read_h5ad(cli_run / "corrected.h5ad")
+    layer = corrected.layers["batchfix"]
+    layer = layer.toarray() if hasattr(layer, "toarray") else np.asarray(layer)
+    np.testing.assert_allclose(layer[:, columns], expression.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(corrected.obsm["X_batchfix"], latent.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_cli_loss_falls(cli_run):
+    epochs = logged_epochs(cli_run)
+    assert list(epochs.index) == list(range(CLI_EPOCHS))
+    first, last = epochs.iloc[0], epochs.iloc[-1]
+    assert last["train_loss"] < 0.9 * first["train_loss"], epochs[["train_loss", "val_loss"]]
+    assert last["train_reconstruction"] < first["train_reconstruction"]
+    assert last["val_loss"] < first["val_loss"]
+    assert list(epochs["step"]) == [STEPS_PER_EPOCH * (e + 1) - 1 for e in range(CLI_EPOCHS)]
+
+
+def test_cli_without_verb_prints_usage(tmp_path):
+    """Only the verb (or BATCHFIX_VERB, which DDP child processes inherit) selects a command."""
+    result = run_cli(["trainer.max_epochs=1"], cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert "usage: python -m batchfix" in result.stdout
+
+
+# ---------------------------------------------------------------- in-process runs through tasks.train
+
+
+@pytest.fixture
+def capture_module(monkeypatch):
+    """Record the BatchfixModule that tasks.train builds (the in-memory trained model)."""
+    built = []
+
+    class Recorded(BatchfixModule):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(tasks, "BatchfixModule", Recorded)
+    return built
+
+
+def test_checkpoint_reload_reproduces_in_memory_model(train_h5ad, tmp_path, capture_module):
+    run_dir = tmp_path / "run"
+    tasks.train(compose_train(train_h5ad, "trainer.max_epochs=2"), run_dir)
+    (module,) = capture_module
+    module.eval()
+    reloaded = load_trained(run_dir / "checkpoints" / "last.ckpt")
+    assert not reloaded.module.training
+
+    source = ad.read_h5ad(train_h5ad)
+    columns = source.var_names.get_indexer(reloaded.genes)
+    x = torch.from_numpy(np.asarray(source.X[:, columns], dtype=np.float32))
+    for reference in (None, 2):
+        mu_mem, expr_mem = module.net.corrected(x, reference)
+        mu_ckpt, expr_ckpt = reloaded.net.corrected(x, reference)
+        assert torch.equal(mu_mem, mu_ckpt)
+        assert torch.equal(expr_mem, expr_ckpt)
+    # A freshly initialised model gives other outputs: the comparison above is not vacuous.
+    fresh = BatchfixModule(**dict(reloaded.module.hparams)).eval()
+    assert not torch.allclose(fresh.net.corrected(x)[0], mu_mem)
+    # model.ckpt is the best checkpoint, copied unchanged.
+    assert (run_dir / "model.ckpt").read_bytes() == (run_dir / "checkpoints" / "best.ckpt").read_bytes()
+
+
+def test_resume_continues_step_count(train_h5ad, tmp_path):
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first = tasks.train(compose_train(train_h5ad, "trainer.max_epochs=1"), first_dir)
+    assert first["steps"] == STEPS_PER_EPOCH
+    second = tasks.train(compose_train(train_h5ad, "trainer.max_epochs=2", f"resume={first_dir}"), second_dir)
+    assert second["steps"] == 2 * STEPS_PER_EPOCH  # went on from step 3, not from 0
+    assert second["epochs"] == 2
+    epochs = logged_epochs(second_dir)
+    assert list(epochs.index) == [1], "the resumed run retrained epoch 0"
+    assert epochs.loc[1, "step"] == 2 * STEPS_PER_EPOCH - 1
+    # The learning-rate plan follows the resumed run's 6 planned steps and ends at its floor (0.1 x lr),
+    # rather than climbing back to the peak past the first run's 3-step plan.
+    assert checkpoint_lr(first_dir / "checkpoints" / "last.ckpt") == pytest.approx(0.1 * LEARNING_RATE)
+    assert checkpoint_lr(second_dir / "checkpoints" / "last.ckpt") == pytest.approx(0.1 * LEARNING_RATE)
+
+
+def test_resume_refuses_other_genes(train_h5ad, tmp_path):
+    first_dir = tmp_path / "first"
+    tasks.train(compose_train(train_h5ad, "trainer.max_epochs=1"), first_dir)
+    with pytest.raises(InputError, match="other genes"):
+        tasks.train(compose_train(train_h5ad, "trainer.max_epochs=2", f"resume={first_dir}",
+                                  "data.n_top_genes=150"), tmp_path / "second")
+    with pytest.raises(InputError, match="no checkpoint"):
+        tasks.train(compose_train(train_h5ad, f"resume={tmp_path / 'nowhere'}"), tmp_path / "third")
+
+
+def test_same_seed_same_losses(train_h5ad, tmp_path):
+    def losses(seed: int, name: str) -> pd.DataFrame:
+        run_dir = tmp_path / name
+        tasks.train(compose_train(train_h5ad, "trainer.max_epochs=2", f"seed={seed}"), run_dir)
+        return logged_epochs(run_dir)[["train_loss", "train_kl", "val_loss"]]
+
+    a, b, other = losses(3, "a"), losses(3, "b"), losses(4, "c")
+    pd.testing.assert_frame_equal(a, b, check_exact=True)
+    assert not np.allclose(a.to_numpy(), other.to_numpy(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback of 16-mixed")
+def test_precision_16_mixed_runs_as_bf16_on_cpu(train_h5ad, tmp_path, caplog):
+    caplog.set_level("INFO", logger="batchfix")
+    metrics = tasks.train(compose_train(train_h5ad, "trainer.max_epochs=1", "trainer.precision=16-mixed"), tmp_path)
+    assert metrics["precision"] == "bf16-mixed"
+    assert json.loads((tmp_path / "metrics.json").read_text())["precision"] == "bf16-mixed"
+    assert "Training precision: bf16-mixed on CPU" in caplog.text
+    assert "Lightning runs bf16-mixed" in caplog.text
+    assert all(math.isfinite(v) for v in metrics["losses"].values())
+
+
+def test_default_precision_follows_the_accelerator(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert tasks.resolve_precision(None) == "32-true"
+    assert tasks.resolve_precision("bf16-mixed") == "bf16-mixed"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert tasks.resolve_precision(None, "auto") == "16-mixed"
+    assert tasks.resolve_precision(None, "gpu") == "16-mixed"
+    # A GPU host told to train on its CPU: 32-true by default, and 16-mixed said to become bf16-mixed.
+    assert tasks.resolve_precision(None, "cpu") == "32-true"
+    assert tasks.resolve_precision("16-mixed", "cpu") == "bf16-mixed"
+
+
+# ---------------------------------------------------------------- DDP: two CPU processes (gloo)
+
+
+def test_ddp_two_cpu_processes_through_cli(train_h5ad, tmp_path):
+    run_dir = tmp_path / "ddp run"  # a space: the launcher must quote the run folder for the child
+    ddp_batch = 32
+    result = run_cli(["train", "trainer=ddp", "trainer.accelerator=cpu", "trainer.max_epochs=2",
+                      *tiny_overrides(train_h5ad), f"fit.batch_size={ddp_batch}", f"hydra.run.dir={run_dir}"],
+                     cwd=tmp_path, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    # The second process was started by Lightning (python -m batchfix <overrides>, verb from BATCHFIX_VERB).
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output
+    assert "distributed_backend=gloo" in output
+    child_log = run_dir / "train_ddp_process_1.log"
+    assert child_log.is_file()
+    assert "Modelling 200 genes" in child_log.read_text()
+
+    # Each process took half the minibatches: 6 per epoch in all, 3 per process.
+    per_process = math.ceil(math.ceil(N_TRAIN_CELLS / ddp_batch) / 2)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["steps"] == 2 * per_process
+    assert metrics["precision"] == "32-true"
+    # The KL warm-up and learning-rate plan count the steps each process really takes.
+    trained = load_trained(run_dir / "model.ckpt")
+    assert trained.module.hparams.planned_steps == 2 * per_process
+    assert checkpoint_lr(run_dir / "checkpoints" / "last.ckpt") == pytest.approx(0.1 * LEARNING_RATE)
+
+    # Only rank 0 wrote the outputs.
+    assert "Run folder:" in (run_dir / "__main__.log").read_text()
+    assert "Run folder:" not in child_log.read_text()
+    assert output.count("Run folder:") == 1
+    assert ad.read_h5ad(run_dir / "corrected.h5ad").obsm["X_batchfix"].shape == (200, 8)
+    assert not (run_dir / ".hydra" / "overrides.yaml").read_text().count("train_ddp_process")
