@@ -34,16 +34,24 @@ def run_verb(verb: str):
     from omegaconf import DictConfig
 
     from batchfix import tasks
+    from batchfix.io import InputError
+    from batchfix.module import CheckpointError
 
     @hydra.main(version_base=None, config_path="pkg://batchfix.conf", config_name=verb)
     def entry(cfg: DictConfig):
         run_dir = HydraConfig.get().runtime.output_dir
-        if verb == "train":
-            return tasks.headline(tasks.train(cfg, run_dir))
-        if verb == "correct":
-            tasks.correct(cfg)
-            return None
-        return tasks.headline({"evaluation": tasks.evaluate(cfg, run_dir)})
+        try:
+            if verb == "train":
+                return tasks.headline(tasks.train(cfg, run_dir))
+            if verb == "correct":
+                tasks.correct(cfg)
+                return None
+            return tasks.headline({"evaluation": tasks.evaluate(cfg, run_dir)})
+        except (InputError, CheckpointError, FileExistsError) as err:
+            # A user error: one clear line, no traceback (SystemExit passes through Hydra's handler).
+            logging.getLogger("batchfix").error("%s", err)
+            print(f"batchfix {verb}: error: {err}", file=sys.stderr)
+            sys.exit(1)
 
     return entry()
 
@@ -59,15 +67,7 @@ def main() -> None:
         print(USAGE)
         sys.exit(0 if args and args[0] in ("-h", "--help") else 2)
     sys.argv = [sys.argv[0], *args]
-    from batchfix.io import InputError
-    from batchfix.module import CheckpointError
-
-    try:
-        run_verb(verb)
-    except (InputError, CheckpointError, FileExistsError) as err:
-        logging.getLogger("batchfix").error("%s", err)
-        print(f"batchfix {verb}: error: {err}", file=sys.stderr)
-        sys.exit(1)
+    run_verb(verb)
 
 
 if __name__ == "__main__":

@@ -181,8 +181,6 @@ class Corrector:
 def corrected_chunks(corrector: Corrector, rows, n_obs: int, chunk_size: int,
                      progress: bool) -> Iterator[tuple[int, int, np.ndarray, np.ndarray]]:
     """(start, stop, latent, corrected values) for consecutive chunks of cells, with a cells/s progress bar."""
-    if chunk_size < 1:
-        raise InputError(f"chunk_size must be a positive number of cells, got {chunk_size}.")
     started = time.perf_counter()
     with tqdm(total=n_obs, unit="cell", unit_scale=True, desc="batchfix correct", disable=not progress,
               mininterval=1.0, smoothing=0.1) as bar:
@@ -194,6 +192,12 @@ def corrected_chunks(corrector: Corrector, rows, n_obs: int, chunk_size: int,
     seconds = time.perf_counter() - started
     log.info("Corrected %d cells x %d genes in %.1f s (%.0f cells/s).", n_obs, corrector.n_out, seconds,
              n_obs / max(seconds, 1e-9))
+
+
+def check_chunk_size(chunk_size: int) -> int:
+    if int(chunk_size) < 1:
+        raise InputError(f"chunk_size must be a positive number of cells, got {chunk_size}.")
+    return int(chunk_size)
 
 
 def index_dtype(nnz: int, n_vars: int):
@@ -247,6 +251,7 @@ def correct_adata(adata: ad.AnnData, checkpoint: str | Path, reference: str | No
     `adata` is left unchanged when an error is raised. Returns the corrected copy when copy=True,
     else None.
     """
+    chunk_size = check_chunk_size(chunk_size)
     trained = load_trained(checkpoint)
     corrector = Corrector(trained, adata.var_names, reference, max_missing_fraction,
                           source="X" if counts_layer is None else f"layers['{counts_layer}']", batch_size=batch_size)
@@ -285,6 +290,7 @@ def correct_file(input_path: str | Path, output_path: str | Path, checkpoint: st
     beside `output_path` and renamed into place when complete. An existing output is refused
     unless overwrite=True. The input is opened read-only.
     """
+    chunk_size = check_chunk_size(chunk_size)
     source = check_h5ad_path(input_path)
     target = Path(output_path).expanduser()
     if target.exists() and target.samefile(source):

@@ -59,4 +59,4 @@ def _markdown_report(table, result: dict) -> str:
     ]
     if "note" in result:
         lines += [f"**{result['note']}**", ""]
-    return "\n".join(lines) + metrics.markdown_table(table)
+    return "\n".join(lines) + "\n" + metrics.markdown_table(table)

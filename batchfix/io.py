@@ -1,4 +1,4 @@
-"""The only module that reads and writes AnnData files.
+"""Reading and validating AnnData files, and atomic whole-file writes (streamed writes: ondisk.py).
 
 Reading validates the input and turns it into plain arrays (`ExpressionInput`); writing is
 atomic (temporary file in the destination folder, then rename), so a crash never leaves a

@@ -30,7 +30,7 @@ def test_benchmark_script_on_a_subset(tmp_path):
     assert rows.loc["Harmony", "Batch correction"] > rows.loc["Unintegrated PCA", "Batch correction"]
     assert (rows["fit_seconds"] >= 0).all() and rows["peak_mb"].notna().all()
     report = out.with_suffix(".md").read_text()
-    assert "| Harmony |" in report and "peak MB" in report
+    assert "| Harmony |" in report and "peak MB" in report and "cpu_seconds" in report
 
 
 def test_benchmark_names_the_obs_columns_when_the_batch_key_is_wrong(tmp_path):

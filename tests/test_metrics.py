@@ -144,3 +144,18 @@ def test_evaluate_file_names_what_exists_when_keys_are_missing(corrected_file, t
     with pytest.raises(ValueError, match=r"latent obsm key 'X_scvi'.*X_batchfix"):
         evaluate_file(corrected_file, "batch", "cell_type", tmp_path, latent_key="X_scvi")
     assert not (tmp_path / "metrics.json").exists()
+
+
+def test_evaluate_corrected_without_labels_scores_batch_mixing_only(corrected_file, tmp_path):
+    adata = ad.read_h5ad(corrected_file)
+    result = metrics.evaluate_corrected(adata, "batch", None)
+    assert result["bio_conservation_scored"] is False and "not scored" in result["note"]
+    json.dumps(result, allow_nan=False)
+    for scores in result["scores"].values():
+        assert set(scores) == {"iLISI", "PCR comparison", "Batch correction",
+                               "Bio conservation", "Total"}
+        assert scores["Total"] is None and 0 <= scores["Batch correction"] <= 1
+
+    out = tmp_path / "umap.png"
+    metrics.plot_umaps({"latent": adata.obsm["X_batchfix"]}, adata.obs["batch"], None, out)
+    assert out.read_bytes().startswith(b"\x89PNG")
