@@ -153,7 +153,8 @@ class BatchfixNet(nn.Module):
             reconstruction = 0.5 * ((out.float() - target) ** 2).sum(-1)
         kl = 0.5 * (mu.pow(2) + logvar.exp() - 1.0 - logvar).sum(-1)
         total = reconstruction + kl_scale * self.cfg.kl_weight * kl
-        losses = {"reconstruction": reconstruction.mean(), "kl": kl.mean()}
+        # elbo: the negative ELBO at full KL weight, comparable across epochs (early stopping watches it).
+        losses = {"reconstruction": reconstruction.mean(), "kl": kl.mean(), "elbo": (reconstruction + kl).mean()}
         if self.cfg.adversarial_weight > 0:
             logits = self.adversary(GradientReversal.apply(z))
             adversarial = F.cross_entropy(logits.float(), batch_index)

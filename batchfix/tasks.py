@@ -58,7 +58,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, has_validation: bool) -> pl.Tr
     trainer_args.pop("max_epochs", None)
     trainer_args["precision"] = resolve_precision(trainer_args.pop("precision", None),
                                                   trainer_args.get("accelerator", "auto"))
-    monitor = "val_loss" if has_validation else "train_loss"
+    # The negative ELBO, not the training loss: the adversarial term rises as mixing succeeds.
+    monitor = "val_elbo" if has_validation else "train_elbo"
     callbacks = [
         ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="best", monitor=monitor, save_top_k=1,
                         save_last=True),
@@ -174,12 +175,12 @@ def evaluate(cfg: DictConfig, out_dir: str | Path) -> dict:
 
 
 def headline(metrics: dict) -> float | None:
-    """The number a sweep optimises: corrected-expression Total when evaluated, else validation loss."""
+    """The number a sweep optimises: corrected-expression Total when evaluated, else the validation negative ELBO."""
     from batchfix.metrics import CORRECTED, TOTAL_SCORE
 
     scores = (metrics.get("evaluation") or {}).get("scores", {})
     total = scores.get(CORRECTED, {}).get(TOTAL_SCORE)
     if total is not None:
         return float(total)
-    loss = metrics.get("losses", {}).get("val_loss")
+    loss = metrics.get("losses", {}).get("val_elbo")
     return None if loss is None else float(loss)

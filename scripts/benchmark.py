@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -77,11 +78,26 @@ def run_batchfix(
     `overrides` are Hydra-style "key=value" strings (e.g. "model.position_encoding=none").
     Returns (latent (cells, k), corrected log expression (cells, genes), fit seconds).
     """
-    raise NotImplementedError(
-        "batchfix is not wired into the benchmark yet (scripts/benchmark.py: run_batchfix should "
-        "call batchfix.tasks); leave it out with --methods, e.g. --methods "
-        + " ".join(BASELINES)
-    )
+    from hydra import compose, initialize_config_module
+
+    from batchfix import tasks
+
+    with tempfile.TemporaryDirectory(prefix="batchfix-bench-") as tmp:
+        source = Path(tmp) / "input.h5ad"
+        adata_hvg.write_h5ad(source)
+        with initialize_config_module(config_module="batchfix.conf", version_base=None):
+            cfg = compose("train", overrides=[
+                f"data.path={source}", f"data.batch_key={batch_key}", "data.label_key=null",
+                "data.n_top_genes=null", f"seed={seed}", "evaluate=false", "trainer.enable_progress_bar=false",
+                *overrides,
+            ])
+        run = tasks.train(cfg, Path(tmp) / "run")
+        corrected = ad.read_h5ad(Path(tmp) / "run" / "corrected.h5ad")
+        modelled = corrected.var["batchfix_modelled"].to_numpy()
+        expression = corrected.layers["batchfix"][:, modelled]
+        expression = expression.toarray() if hasattr(expression, "toarray") else np.asarray(expression)
+        # train + correct, as a user runs it (reading input, gene placement, fit, writing the file)
+        return corrected.obsm["X_batchfix"], expression, float(run["total_seconds"])
 
 
 class PeakMemory:
@@ -120,7 +136,10 @@ def measured(fit: Callable[[], dict[str, np.ndarray]]) -> MethodResult:
 
 
 def fit_unintegrated(data: Prepared) -> MethodResult:
-    return measured(lambda: {"Unintegrated PCA": metrics.pca_embedding(data.log_expression, seed=data.seed)})
+    def fit():
+        return {"Unintegrated PCA": metrics.pca_embedding(data.log_expression, seed=data.seed)}
+
+    return measured(fit)
 
 
 def fit_combat(data: Prepared) -> MethodResult:
@@ -231,7 +250,8 @@ def select_genes(adata: ad.AnnData, batch_key: str, n_top_genes: int) -> ad.AnnD
 
 def prepare(counts: ad.AnnData, batch_key: str, seed: int) -> Prepared:
     log_expression = np.asarray(metrics.log_normalize(counts.X, TARGET_SUM))
-    return Prepared(counts, log_expression, metrics.pca_embedding(log_expression, seed=seed), batch_key, seed)
+    unintegrated = metrics.pca_embedding(log_expression, seed=seed)
+    return Prepared(counts, log_expression, unintegrated, batch_key, seed)
 
 
 def run(args: argparse.Namespace) -> pd.DataFrame:
@@ -239,8 +259,8 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
     labels = labels_from_args(args)
     adata = load(args.data, args.batch_key, labels, args.subset)
     counts = select_genes(adata, args.batch_key, args.n_top_genes)
-    print(f"{counts.n_obs} cells x {counts.n_vars} genes, {counts.obs[args.batch_key].nunique()} batches",
-          flush=True)
+    n_batches = counts.obs[args.batch_key].nunique()
+    print(f"{counts.n_obs} cells x {counts.n_vars} genes, {n_batches} batches", flush=True)
 
     rows = []
     for seed in args.seeds:
@@ -286,13 +306,14 @@ def summary(rows: pd.DataFrame) -> pd.DataFrame:
     """Mean over seeds per embedding (with the standard deviation when there are several)."""
     columns = [metrics.BATCH_SCORE, metrics.BIO_SCORE, metrics.TOTAL_SCORE,
                "fit_seconds", "cpu_seconds", "peak_mb"]
-    grouped = rows.groupby("embedding", sort=False)[columns]
-    table = grouped.mean()
+    grouped = rows.groupby("embedding", sort=False)
+    table = grouped[columns].mean()
     table.insert(0, "seeds", grouped.size())
+    headline = (metrics.TOTAL_SCORE if table[metrics.TOTAL_SCORE].notna().any()
+                else metrics.BATCH_SCORE)
     if rows["seed"].nunique() > 1:
-        table["Total sd"] = grouped[metrics.TOTAL_SCORE].std()
-    table = table.sort_values(metrics.TOTAL_SCORE if table[metrics.TOTAL_SCORE].notna().any()
-                              else metrics.BATCH_SCORE, ascending=False)
+        table[f"{headline} sd"] = grouped[headline].std()
+    table = table.sort_values(headline, ascending=False)
     table.index.name = "method"
     return table
 
