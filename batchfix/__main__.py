@@ -37,6 +37,8 @@ def run_verb(verb: str):
     from batchfix.io import InputError
     from batchfix.module import CheckpointError
 
+    # Bad input or options (InputError, CheckpointError and the ValueErrors that name a bad option)
+    # end with one clear line rather than a traceback.
     @hydra.main(version_base=None, config_path="pkg://batchfix.conf", config_name=verb)
     def entry(cfg: DictConfig):
         run_dir = HydraConfig.get().runtime.output_dir
@@ -47,7 +49,7 @@ def run_verb(verb: str):
                 tasks.correct(cfg)
                 return None
             return tasks.headline({"evaluation": tasks.evaluate(cfg, run_dir)})
-        except (InputError, CheckpointError, FileExistsError) as err:
+        except (InputError, CheckpointError, FileExistsError, FileNotFoundError, ValueError) as err:
             # A user error: one clear line, no traceback (SystemExit passes through Hydra's handler).
             logging.getLogger("batchfix").error("%s", err)
             print(f"batchfix {verb}: error: {err}", file=sys.stderr)

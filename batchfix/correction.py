@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 import batchfix
 from batchfix import ondisk
-from batchfix.io import InputError, check_h5ad_path, select_matrix
+from batchfix.io import InputError, atomic_output, check_h5ad_path, select_matrix
 from batchfix.module import TrainedModel, load_trained
 
 log = logging.getLogger(__name__)
@@ -318,7 +318,7 @@ def correct_file(input_path: str | Path, output_path: str | Path, checkpoint: st
                               batch_size=batch_size)
         info = provenance(corrector, checkpoint, chunk_size, max_missing_fraction, key_added)
         k = corrector.n_out
-        with ondisk.atomic_output(target, overwrite) as tmp, h5py.File(tmp, "w") as dst:
+        with atomic_output(target, overwrite) as tmp, h5py.File(tmp, "w") as dst:
             ondisk.copy_file_except(src, dst, top_skip={"var"},
                                     skip={"layers": {key_added}, "obsm": {latent_key}, "uns": {key_added}})
             ondisk.replace_var_column(src, dst, modelled_column, corrector.modelled_mask)

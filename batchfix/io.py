@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import anndata as ad
-import h5py
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
@@ -77,12 +78,12 @@ def read_h5ad(path: str | os.PathLike, backed: bool = False) -> ad.AnnData:
         raise InputError(f"Cannot read {p} as AnnData: {type(err).__name__}: {err}") from err
 
 
-def require_obs_column(adata: ad.AnnData, key: str, what: str, option: str) -> np.ndarray:
+def require_obs_column(adata: ad.AnnData, key: str, what: str, option: str, hint: str = "") -> np.ndarray:
     """Return obs[key] as strings, or raise an error listing the obs columns that exist."""
     if key not in adata.obs.columns:
         raise InputError(
             f"{what} key '{key}' is not an obs column. Columns present: "
-            f"{list(map(str, adata.obs.columns)) or '(none)'}. Set it with {option}=<column>."
+            f"{list(map(str, adata.obs.columns)) or '(none)'}. Set it with {option}=<column>{hint}."
         )
     values = adata.obs[key]
     if values.isna().any():
@@ -154,7 +155,8 @@ def load_expression(
         raise InputError(f"data.scale must be 'counts' or 'log', got '{scale}'.")
     adata = read_h5ad(path)
     batch = require_obs_column(adata, batch_key, "Batch", "data.batch_key")
-    labels = require_obs_column(adata, label_key, "Label", "data.label_key") if label_key else None
+    labels = require_obs_column(adata, label_key, "Label", "data.label_key",
+                                "; data.label_key=null trains without labels") if label_key else None
     counts = as_float32_csr(select_matrix(adata, counts_layer))
     check_values(counts, scale)
     var = adata.var.copy()
@@ -189,20 +191,44 @@ def _current_umask() -> int:
     return mask
 
 
+@contextmanager
+def atomic_output(target: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a temporary path beside `target`; on success move it to `target`, on any failure delete it.
+
+    Without `overwrite` the final step is a hard link, which fails if `target` appeared meanwhile, so an
+    existing file is never replaced; with it, an atomic rename replaces the old file in one step.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())  # the data is on disk before the name points at it
+        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600 files; match a plain write
+        if overwrite:
+            os.replace(tmp, target)
+        else:
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                raise FileExistsError(f"Output {target} exists; pass overwrite=true to replace it.") from None
+            except OSError:  # a file system without hard links
+                if target.exists():
+                    raise FileExistsError(f"Output {target} exists; pass overwrite=true to replace it.") from None
+                os.replace(tmp, target)
+            tmp.unlink(missing_ok=True)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_h5ad_atomic(adata: ad.AnnData, path: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Write AnnData to a temporary file beside `path`, then rename it into place."""
+    """Write a whole AnnData to a temporary file beside `path`, then move it into place."""
     target = Path(path).expanduser()
     if target.exists() and not overwrite:
         raise FileExistsError(f"Output {target} exists; pass overwrite=true to replace it.")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
+    with atomic_output(target, overwrite) as tmp:
         adata.write_h5ad(tmp)
-        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600 files; match a plain write
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return target
-

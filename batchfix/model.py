@@ -31,7 +31,7 @@ class ModelConfig:
     max_wavelength: float = 3e8
     likelihood: str = "nb"
     kl_weight: float = 1.0
-    adversarial_weight: float = 0.0
+    adversarial_weight: float = 10.0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -9,16 +9,13 @@ cells, never for the whole matrix:
   as compression kept, values byte for byte), leaving out the entries the correction replaces.
 - `create_csr` / `create_array` make the new entries with anndata's on-disk encoding
   (encoding-type / encoding-version attributes), to be filled slice by slice.
-- `atomic_output` gives a temporary path beside the target and renames it into place only when
-  the writing finished, so a failed run leaves neither a partial output nor a temporary file.
+- Outputs go through `batchfix.io.atomic_output`: a temporary path beside the target, moved into
+  place only when the writing finished, so a failed run leaves neither a partial output nor a
+  temporary file.
 """
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import h5py
@@ -31,7 +28,7 @@ try:  # anndata >= 0.11
 except ImportError:  # pragma: no cover - older anndata
     from anndata.experimental import read_elem, write_elem
 
-from batchfix.io import InputError
+from batchfix.io import InputError, atomic_output
 
 log = logging.getLogger(__name__)
 
@@ -222,40 +219,3 @@ def write_uns_entry(dst: h5py.File, key: str, value: dict) -> None:
     write_elem(dst["uns"], key, value)
 
 
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-@contextmanager
-def atomic_output(target: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary path beside `target`; on success move it to `target`, on any failure delete it.
-
-    Without `overwrite` the final step is a hard link, which fails if `target` appeared meanwhile, so an
-    existing file is never replaced; with it, an atomic rename replaces the old file in one step.
-    """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
-        yield tmp
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())  # the data is on disk before the name points at it
-        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600 files; match a plain write
-        if overwrite:
-            os.replace(tmp, target)
-        else:
-            try:
-                os.link(tmp, target)
-            except FileExistsError:
-                raise FileExistsError(f"Output {target} exists; pass overwrite=true to replace it.") from None
-            except OSError:  # a file system without hard links
-                if target.exists():
-                    raise FileExistsError(f"Output {target} exists; pass overwrite=true to replace it.") from None
-                os.replace(tmp, target)
-            tmp.unlink(missing_ok=True)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

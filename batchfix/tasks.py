@@ -16,7 +16,7 @@ from pytorch_lightning.loggers import CSVLogger
 
 from batchfix.correction import correct_file
 from batchfix.data import CellDataModule, prepare
-from batchfix.io import InputError, load_expression
+from batchfix.io import InputError, atomic_output, load_expression
 from batchfix.module import BatchfixModule, load_trained
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     max_epochs = planned_epochs(cfg, steps_per_epoch)
     trainer.fit_loop.max_epochs = max_epochs
     model_params = OmegaConf.to_container(cfg.model, resolve=True)
+    if cfg.data.scale == "counts" and model_params["likelihood"] == "gaussian":
+        raise InputError("model.likelihood=gaussian is for log-scale input: set data.scale=log as well.")
     if cfg.data.scale == "log":
         model_params["likelihood"] = "gaussian"
     module = BatchfixModule(
@@ -121,8 +123,9 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     checkpoint = run_dir / "model.ckpt"
     if trainer.global_rank != 0:
         return {}
-    shutil.copyfile(trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path,
-                    checkpoint)
+    with atomic_output(checkpoint, overwrite=True) as tmp:
+        shutil.copyfile(trainer.checkpoint_callback.best_model_path or trainer.checkpoint_callback.last_model_path,
+                        tmp)
 
     correct_started = time.perf_counter()
     corrected_path = correct_file(path, run_dir / "corrected.h5ad", checkpoint, counts_layer=cfg.data.counts_layer,
@@ -144,7 +147,8 @@ def train(cfg: DictConfig, run_dir: str | Path) -> dict:
     if cfg.get("evaluate") and cfg.data.label_key:
         from batchfix.evaluate import evaluate_file
 
-        metrics["evaluation"] = evaluate_file(corrected_path, cfg.data.batch_key, cfg.data.label_key, run_dir)
+        metrics["evaluation"] = evaluate_file(corrected_path, cfg.data.batch_key, cfg.data.label_key, run_dir,
+                                              counts_layer=cfg.data.counts_layer)
     metrics["total_seconds"] = round(time.perf_counter() - started, 2)
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     log.info("Run folder: %s (model.ckpt, corrected.h5ad, metrics.json).", run_dir)
@@ -158,7 +162,7 @@ def correct(cfg: DictConfig) -> Path:
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg.threads))
     source = input_path(cfg.input)
-    output = cfg.output or str(Path(source).with_suffix("")) + ".corrected.h5ad"
+    output = cfg.output or Path.cwd() / (Path(source).stem + ".corrected.h5ad")
     written = correct_file(source, output, cfg.checkpoint, reference=cfg.reference, counts_layer=cfg.counts_layer,
                            key_added=cfg.get("key_added", "batchfix"), chunk_size=cfg.chunk_size,
                            max_missing_fraction=cfg.max_missing_fraction, overwrite=cfg.overwrite,

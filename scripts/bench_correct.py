@@ -17,7 +17,7 @@ the measured rate; the peak RSS is then the peak over the part that ran (after t
 input's other groups, memory is flat: every chunk needs the same).
 
     python scripts/bench_correct.py --cells 100000 1000000 --max-seconds 300 --threads 1
-    python scripts/bench_correct.py --cells 100000 --checkpoint RUN/model.ckpt --workdir /tmp/bench
+    python scripts/bench_correct.py --cells 100000 --checkpoint RUN/model.ckpt --workdir bench_work
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -36,8 +37,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-BUNDLED = ROOT / "data" / "cellbench5.h5ad"
+from batchfix.tasks import bundled_dataset
+
+BUNDLED = Path(bundled_dataset())
 GENERATE_CHUNK = 20_000
 
 
@@ -254,7 +256,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cells", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--checkpoint", type=Path, help="a model trained on the bundled data (default: train one)")
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/batchfix_bench"))
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "batchfix_bench")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--chunk-size", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=128)

@@ -1,10 +1,10 @@
-"""Rebuild data/cellbench5.h5ad, the bundled copy of the shared CellBench 5-batch dataset.
+"""Rebuild data/cellbench5.h5ad, the bundled copy of the CellBench 5-batch dataset.
 
 Every cell, gene, count and annotation is kept. X is stored dense (float32) with HDF5's
 shuffle + gzip filters, which packs these integer counts into about half the space of the
 sparse original; anndata reads it back as a dense array holding the same values.
 
-    python scripts/make_bundled_data.py ../shared/data/cellbench5.h5ad data/cellbench5.h5ad
+    python scripts/make_bundled_data.py SOURCE.h5ad data/cellbench5.h5ad
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def pack(source: Path, target: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("source", type=Path, help="the shared cellbench5.h5ad")
+    parser.add_argument("source", type=Path, help="the sparse CellBench 5-batch .h5ad")
     parser.add_argument("target", type=Path, help="where to write the bundled copy")
     args = parser.parse_args()
     pack(args.source, args.target)
