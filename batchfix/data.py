@@ -23,14 +23,12 @@ class PreparedData:
     """Modelled genes in genomic order, and the cells' values and batch codes for them.
 
     counts: (cells, modelled genes) CSR, columns in genomic order.
-    file_columns: (modelled genes,) column of each modelled gene in the input's var.
     """
 
     counts: sp.csr_matrix
     batch_index: np.ndarray
     batch_categories: list[str]
     genes: list[str]
-    file_columns: np.ndarray
     coordinates: GeneCoordinates
     gene_mean: np.ndarray
     gene_std: np.ndarray
@@ -68,7 +66,6 @@ def prepare(inp: ExpressionInput, n_top_genes: int | None, genome: str, gtf: str
         batch_index=np.searchsorted(categories, inp.batch).astype(np.int64),
         batch_categories=categories,
         genes=inp.var.index[file_columns].tolist(),
-        file_columns=file_columns,
         coordinates=coordinates.subset(order),
         gene_mean=mean.astype(np.float32),
         gene_std=std.astype(np.float32),

@@ -69,11 +69,11 @@ def check_h5ad_path(path: str | os.PathLike) -> Path:
     return p
 
 
-def read_h5ad(path: str | os.PathLike, backed: bool = False) -> ad.AnnData:
-    """Read an .h5ad file (fully, or backed read-only), with clear errors."""
+def read_h5ad(path: str | os.PathLike) -> ad.AnnData:
+    """Read a whole .h5ad file into memory, with clear errors."""
     p = check_h5ad_path(path)
     try:
-        return ad.read_h5ad(p, backed="r" if backed else None)
+        return ad.read_h5ad(p)
     except Exception as err:  # anndata raises many kinds for corrupt files
         raise InputError(f"Cannot read {p} as AnnData: {type(err).__name__}: {err}") from err
 

@@ -18,14 +18,14 @@ LIBRARY_SIZE = 1e4  # counts per cell of the corrected (log1p-normalized) expres
 class ModelConfig:
     """Hyperparameters of the network (the `model` config group, minus data-derived sizes)."""
 
-    genes_per_token: int = 16
+    genes_per_token: int = 32
     d_model: int = 64
     n_heads: int = 4
     n_layers: int = 2
     dropout: float = 0.0
     latent_dim: int = 30
     decoder_hidden: int = 128
-    attention: str = "sdpa"
+    attention: str = "guarded"
     position_encoding: str = "real"
     min_wavelength: float = 1e3
     max_wavelength: float = 3e8

@@ -7,7 +7,6 @@ no Hydra, no unpickling of arbitrary objects.
 """
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,8 +17,6 @@ import torch
 
 from batchfix.genome import GeneCoordinates, LocusWindows, make_windows
 from batchfix.model import BatchfixNet, ModelConfig
-
-log = logging.getLogger(__name__)
 
 
 class BatchfixModule(pl.LightningModule):
