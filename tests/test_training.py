@@ -285,3 +285,22 @@ def test_ddp_two_cpu_processes_through_cli(train_h5ad, tmp_path):
     assert output.count("Run folder:") == 1
     assert ad.read_h5ad(run_dir / "corrected.h5ad").obsm["X_batchfix"].shape == (200, 8)
     assert not (run_dir / ".hydra" / "overrides.yaml").read_text().count("train_ddp_process")
+
+
+# ---------------------------------------------------------------- a Hydra multirun sweep
+
+
+def test_cli_sweep_over_heads_writes_summary(train_h5ad, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    overrides = [o for o in tiny_overrides(train_h5ad) if not o.startswith("model.n_heads=")]
+    result = run_cli(["train", "-m", "model.n_heads=1,2", *overrides, "trainer.max_epochs=2",
+                      f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for job in ("0", "1"):
+        assert (sweep_dir / job / "model.ckpt").is_file()
+    table = pd.read_csv(sweep_dir / "sweep_summary.csv")
+    assert sorted(table["model.n_heads"]) == [1, 2]
+    assert {"fit_seconds", "losses.val_elbo"} <= set(table.columns)
+    assert table["losses.val_elbo"].notna().all()
+    assert (sweep_dir / "sweep_summary.md").read_text().count("|") > 10
+    assert list(sweep_dir.glob("sweep_*.png")), "no metric plot written"
