@@ -47,7 +47,7 @@ from tqdm.auto import tqdm
 
 import batchfix
 from batchfix import ondisk
-from batchfix.io import InputError, atomic_output, check_h5ad_path, select_matrix
+from batchfix.io import InputError, atomic_output, check_h5ad_path, count_bad_values, select_matrix
 from batchfix.module import TrainedModel, load_trained
 
 log = logging.getLogger(__name__)
@@ -150,14 +150,12 @@ class Corrector:
 
     def check(self, values: np.ndarray, first_cell: int) -> None:
         cells = f"cells {first_cell}-{first_cell + len(values) - 1}"
-        bad = ~np.isfinite(values)
-        if bad.any():
-            raise InputError(f"The input ({self.source}) holds {int(bad.sum())} NaN or infinite values in the "
+        n_bad, n_negative, n_fraction = count_bad_values(values)
+        if n_bad:
+            raise InputError(f"The input ({self.source}) holds {n_bad} NaN or infinite values in the "
                              f"modelled genes of {cells}; clean them first.")
         if self.trained.scale != "counts":
             return
-        n_negative = int((values < 0).sum())
-        n_fraction = int((values != np.round(values)).sum())
         if n_negative or n_fraction:
             raise InputError(
                 f"The input ({self.source}) does not hold raw counts: {n_negative} negative and {n_fraction} "
@@ -198,10 +196,6 @@ def check_chunk_size(chunk_size: int) -> int:
     if int(chunk_size) < 1:
         raise InputError(f"chunk_size must be a positive number of cells, got {chunk_size}.")
     return int(chunk_size)
-
-
-def index_dtype(nnz: int, n_vars: int):
-    return np.int32 if max(nnz, n_vars) < np.iinfo(np.int32).max else np.int64
 
 
 def provenance(corrector: Corrector, checkpoint: str | Path, chunk_size: int, max_missing_fraction: float,
@@ -266,7 +260,7 @@ def correct_adata(adata: ad.AnnData, checkpoint: str | Path, reference: str | No
                                                     progress):
         latent[start:stop] = mu
         data[start * k:stop * k] = values.ravel()
-    dtype = index_dtype(data.size, adata.n_vars)
+    dtype = ondisk.index_dtype(data.size, adata.n_vars)
     layer = sp.csr_matrix((data, np.tile(corrector.out_columns.astype(dtype), n_obs),
                            np.arange(n_obs + 1, dtype=dtype) * k), shape=adata.shape, copy=False)
     info = provenance(corrector, checkpoint, chunk_size, max_missing_fraction, key_added)

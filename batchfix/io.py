@@ -112,16 +112,19 @@ def as_float32_csr(matrix) -> sp.csr_matrix:
     return sp.csr_matrix(np.asarray(matrix, dtype=np.float32))
 
 
+def count_bad_values(values: np.ndarray) -> tuple[int, int, int]:
+    """(NaN or infinite, negative, non-integer) counts among `values`."""
+    return (int((~np.isfinite(values)).sum()), int((values < 0).sum()),
+            int((values != np.round(values)).sum()))
+
+
 def check_values(counts: sp.csr_matrix, scale: str) -> None:
     """Raise on NaN/inf values, and on non-count values when counts are needed."""
-    values = counts.data
-    n_bad = int((~np.isfinite(values)).sum())
+    n_bad, n_negative, n_fraction = count_bad_values(counts.data)
     if n_bad:
         raise InputError(f"The expression matrix holds {n_bad} NaN or infinite values; clean them first.")
     if scale != "counts":
         return
-    n_negative = int((values < 0).sum())
-    n_fraction = int((values != np.round(values)).sum())
     if n_negative or n_fraction:
         raise InputError(
             "The expression matrix does not hold raw counts "

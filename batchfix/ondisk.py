@@ -187,6 +187,11 @@ def create_array(group: h5py.Group, name: str, shape: tuple[int, int], dtype=np.
     return dataset
 
 
+def index_dtype(nnz: int, n_vars: int):
+    """int32 CSR indices while they fit, else int64 (what anndata/scipy accept)."""
+    return np.int32 if max(nnz, n_vars) < np.iinfo(np.int32).max else np.int64
+
+
 def create_csr(group: h5py.Group, name: str, shape: tuple[int, int], nnz: int,
                dtype=np.float32) -> tuple[h5py.Dataset, h5py.Dataset, h5py.Dataset]:
     """An empty CSR matrix with anndata's 'csr_matrix' encoding: (data, indices, indptr) to fill.
@@ -196,13 +201,13 @@ def create_csr(group: h5py.Group, name: str, shape: tuple[int, int], nnz: int,
     csr = group.create_group(name)
     csr.attrs.update(CSR_ENCODING)
     csr.attrs["shape"] = np.array(shape, dtype=np.int64)
-    index_dtype = np.int32 if max(nnz, shape[1]) < np.iinfo(np.int32).max else np.int64
+    position_dtype = index_dtype(nnz, shape[1])
     data = csr.create_dataset("data", shape=(nnz,), dtype=dtype, chunks=_chunks(nnz, np.dtype(dtype).itemsize))
     compression = INDEX_COMPRESSION if nnz else {}
-    indices = csr.create_dataset("indices", shape=(nnz,), dtype=index_dtype,
-                                 chunks=_chunks(nnz, np.dtype(index_dtype).itemsize), **compression)
-    indptr = csr.create_dataset("indptr", shape=(shape[0] + 1,), dtype=index_dtype,
-                                chunks=_chunks(shape[0] + 1, np.dtype(index_dtype).itemsize))
+    indices = csr.create_dataset("indices", shape=(nnz,), dtype=position_dtype,
+                                 chunks=_chunks(nnz, np.dtype(position_dtype).itemsize), **compression)
+    indptr = csr.create_dataset("indptr", shape=(shape[0] + 1,), dtype=position_dtype,
+                                chunks=_chunks(shape[0] + 1, np.dtype(position_dtype).itemsize))
     return data, indices, indptr
 
 
