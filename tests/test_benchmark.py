@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_benchmark_script_on_a_subset(tmp_path):
+    pytest.importorskip("harmonypy", reason="the Harmony baseline is in the bench extra: pip install -e '.[bench]'")
     out = tmp_path / "results.csv"
     run = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "benchmark.py"), str(ROOT / "data" / "cellbench5.h5ad"),
