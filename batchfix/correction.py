@@ -47,15 +47,12 @@ from tqdm.auto import tqdm
 
 import batchfix
 from batchfix import ondisk
-from batchfix.io import InputError, atomic_output, check_h5ad_path, count_bad_values, select_matrix
-from batchfix.module import TrainedModel, load_trained
+from batchfix.config import CorrectionSettings
+from batchfix.errors import InputError
+from batchfix.io import OutputKeys, atomic_output, check_h5ad_path, check_values, output_exists, select_matrix
+from batchfix.module import BatchfixModel
 
 log = logging.getLogger(__name__)
-
-DEFAULT_CHUNK_SIZE = 4096  # cells read and written at a time
-# Cells per forward pass. On CPU the attention over ~60 locus tokens runs 2-4x faster per cell in
-# batches of 64-128 than of thousands (its (cells, heads, tokens, tokens) scores stay in cache).
-DEFAULT_BATCH_SIZE = 128
 
 
 def file_sha256(path: str | Path) -> str:
@@ -66,7 +63,7 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def reference_index(trained: TrainedModel, reference: str | None) -> int | None:
+def reference_index(trained: BatchfixModel, reference: str | None) -> int | None:
     """Decoder batch for correction: None = average over the training batches."""
     if reference in (None, "average"):
         return None
@@ -76,10 +73,8 @@ def reference_index(trained: TrainedModel, reference: str | None) -> int | None:
     return trained.batch_categories.index(reference)
 
 
-def gene_columns(var_names: pd.Index, trained: TrainedModel, max_missing_fraction: float) -> np.ndarray:
+def gene_columns(var_names: pd.Index, trained: BatchfixModel, max_missing_fraction: float) -> np.ndarray:
     """Column of each modelled gene in the file (-1 when missing), refusing past the allowed share."""
-    if not 0.0 <= max_missing_fraction <= 1.0:
-        raise InputError(f"max_missing_fraction must be between 0 and 1, got {max_missing_fraction}.")
     var_names = pd.Index(var_names).astype(str)
     duplicated = var_names.duplicated()
     if duplicated.any():
@@ -111,17 +106,16 @@ class Corrector:
     sorted by its column in the input (`out_columns`), ready to be the CSR indices of a row.
     """
 
-    def __init__(self, trained: TrainedModel, var_names: pd.Index, reference: str | None = None,
-                 max_missing_fraction: float = 0.2, source: str = "X", batch_size: int = DEFAULT_BATCH_SIZE):
-        if batch_size < 1:
-            raise InputError(f"batch_size must be a positive number of cells, got {batch_size}.")
+    def __init__(self, trained: BatchfixModel, var_names: pd.Index, settings: CorrectionSettings,
+                 source: str = "X"):
         self.trained = trained
-        self.batch_size = int(batch_size)
-        self.reference = reference_index(trained, reference)
-        self.reference_name = "average" if self.reference is None else str(reference)
+        self.settings = settings
+        self.batch_size = settings.batch_size
+        self.reference = reference_index(trained, settings.reference)
+        self.reference_name = "average" if self.reference is None else str(settings.reference)
         self.source = source
         self.n_vars = len(var_names)
-        columns = gene_columns(var_names, trained, max_missing_fraction)
+        columns = gene_columns(var_names, trained, settings.max_missing_fraction)
         self.missing_genes = [g for g, c in zip(trained.genes, columns) if c < 0]
         self.in_model = np.flatnonzero(columns >= 0)  # model genes fed from the input ...
         self.in_columns = columns[self.in_model]  # ... and their input columns
@@ -150,18 +144,8 @@ class Corrector:
 
     def check(self, values: np.ndarray, first_cell: int) -> None:
         cells = f"cells {first_cell}-{first_cell + len(values) - 1}"
-        n_bad, n_negative, n_fraction = count_bad_values(values)
-        if n_bad:
-            raise InputError(f"The input ({self.source}) holds {n_bad} NaN or infinite values in the "
-                             f"modelled genes of {cells}; clean them first.")
-        if self.trained.scale != "counts":
-            return
-        if n_negative or n_fraction:
-            raise InputError(
-                f"The input ({self.source}) does not hold raw counts: {n_negative} negative and {n_fraction} "
-                f"non-integer values in the modelled genes of {cells}. The model was trained on counts: point "
-                "counts_layer at a layer of raw counts."
-            )
+        check_values(values, self.trained.scale, where=f"The input ({self.source}), in the modelled genes of {cells},",
+                     hint="The model was trained on counts: point counts_layer at a layer of raw counts.")
 
     @torch.inference_mode()
     def __call__(self, chunk, first_cell: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -192,34 +176,28 @@ def corrected_chunks(corrector: Corrector, rows, n_obs: int, chunk_size: int,
              n_obs / max(seconds, 1e-9))
 
 
-def check_chunk_size(chunk_size: int) -> int:
-    if int(chunk_size) < 1:
-        raise InputError(f"chunk_size must be a positive number of cells, got {chunk_size}.")
-    return int(chunk_size)
-
-
-def provenance(corrector: Corrector, checkpoint: str | Path, chunk_size: int, max_missing_fraction: float,
-               key_added: str) -> dict:
+def provenance(corrector: Corrector) -> dict:
     """uns[key_added]: what produced the correction."""
-    trained = corrector.trained
+    trained, settings = corrector.trained, corrector.settings
+    keys = OutputKeys(settings.key_added)
     return {
         "version": batchfix.__version__,
-        "checkpoint": str(Path(checkpoint).expanduser().resolve()),
-        "checkpoint_sha256": file_sha256(Path(checkpoint).expanduser()),
+        "checkpoint": str(trained.path.resolve()) if trained.path else "(in memory, not saved)",
+        "checkpoint_sha256": file_sha256(trained.path) if trained.path else "",
         "reference_batch": corrector.reference_name,
         "training_batches": trained.batch_categories,
         "modelled_genes": trained.genes,
         "n_modelled_genes": len(trained.genes),
         "missing_genes": corrector.missing_genes,
         "n_missing_genes": len(corrector.missing_genes),
-        "layer": f"layers['{key_added}']: corrected log1p(expression per 10k counts); only the genes marked in "
-                 f"var['{key_added}_modelled'] are stored, other genes read as 0",
+        "layer": f"layers['{keys.layer}']: corrected log1p(expression per 10k counts); only the genes marked in "
+                 f"var['{keys.modelled}'] are stored, other genes read as 0",
         "params": {
             "counts": corrector.source,
             "scale": trained.scale,
-            "chunk_size": int(chunk_size),
-            "batch_size": corrector.batch_size,
-            "max_missing_fraction": float(max_missing_fraction),
+            "chunk_size": settings.chunk_size,
+            "batch_size": settings.batch_size,
+            "max_missing_fraction": float(settings.max_missing_fraction),
             "model": dict(trained.module.hparams["model"]),
         },
     }
@@ -234,10 +212,12 @@ def _for_hdf5(value):
     return value
 
 
-def correct_adata(adata: ad.AnnData, checkpoint: str | Path, reference: str | None = None,
-                  counts_layer: str | None = None, key_added: str = "batchfix",
-                  chunk_size: int = DEFAULT_CHUNK_SIZE, max_missing_fraction: float = 0.2, copy: bool = False,
-                  batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = False) -> ad.AnnData | None:
+def source_name(counts_layer: str | None) -> str:
+    return "X" if counts_layer is None else f"layers['{counts_layer}']"
+
+
+def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
+                  counts_layer: str | None = None, copy: bool = False, progress: bool = False) -> ad.AnnData | None:
     """Add corrected expression to an in-memory AnnData, scanpy style.
 
     Adds layers[key_added] (CSR, corrected log1p expression per 10k; only modelled genes stored),
@@ -245,38 +225,32 @@ def correct_adata(adata: ad.AnnData, checkpoint: str | Path, reference: str | No
     `adata` is left unchanged when an error is raised. Returns the corrected copy when copy=True,
     else None.
     """
-    chunk_size = check_chunk_size(chunk_size)
-    trained = load_trained(checkpoint)
-    corrector = Corrector(trained, adata.var_names, reference, max_missing_fraction,
-                          source="X" if counts_layer is None else f"layers['{counts_layer}']", batch_size=batch_size)
-    if counts_layer is not None and counts_layer not in adata.layers:
-        raise InputError(f"Layer '{counts_layer}' not found. Layers present: {list(adata.layers.keys()) or '(none)'}. "
-                         "Use counts_layer=None to read X.")
-    matrix = select_matrix(adata, counts_layer)
+    matrix = select_matrix(adata, counts_layer, option="counts_layer")
+    corrector = Corrector(trained, adata.var_names, settings, source=source_name(counts_layer))
     n_obs, k = adata.n_obs, corrector.n_out
     latent = np.empty((n_obs, corrector.latent_dim), dtype=np.float32)
     data = np.empty(n_obs * k, dtype=np.float32)
-    for start, stop, mu, values in corrected_chunks(corrector, ondisk.InMemoryRows(matrix), n_obs, chunk_size,
-                                                    progress):
+    for start, stop, mu, values in corrected_chunks(corrector, ondisk.InMemoryRows(matrix), n_obs,
+                                                    settings.chunk_size, progress):
         latent[start:stop] = mu
         data[start * k:stop * k] = values.ravel()
     dtype = ondisk.index_dtype(data.size, adata.n_vars)
     layer = sp.csr_matrix((data, np.tile(corrector.out_columns.astype(dtype), n_obs),
                            np.arange(n_obs + 1, dtype=dtype) * k), shape=adata.shape, copy=False)
-    info = provenance(corrector, checkpoint, chunk_size, max_missing_fraction, key_added)
+    info = provenance(corrector)
 
+    keys = OutputKeys(settings.key_added)
     adata = adata.copy() if copy else adata
-    adata.layers[key_added] = layer
-    adata.obsm[f"X_{key_added}"] = latent
-    adata.var[f"{key_added}_modelled"] = corrector.modelled_mask
-    adata.uns[key_added] = info
+    adata.layers[keys.layer] = layer
+    adata.obsm[keys.latent] = latent
+    adata.var[keys.modelled] = corrector.modelled_mask
+    adata.uns[keys.uns] = info
     return adata if copy else None
 
 
-def correct_file(input_path: str | Path, output_path: str | Path, checkpoint: str | Path,
-                 reference: str | None = None, counts_layer: str | None = None, key_added: str = "batchfix",
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, max_missing_fraction: float = 0.2, overwrite: bool = False,
-                 batch_size: int = DEFAULT_BATCH_SIZE, progress: bool = True) -> Path:
+def correct_file(input_path: str | Path, output_path: str | Path, trained: BatchfixModel,
+                 settings: CorrectionSettings, counts_layer: str | None = None, overwrite: bool = False,
+                 progress: bool = True) -> Path:
     """Correct an .h5ad into a new .h5ad, streaming chunks of cells (memory bounded by chunk_size).
 
     The output is the input's content (X, layers, obs, var, obsm, obsp, varm, varp, uns, raw: copied
@@ -284,7 +258,6 @@ def correct_file(input_path: str | Path, output_path: str | Path, checkpoint: st
     beside `output_path` and renamed into place when complete. An existing output is refused
     unless overwrite=True. The input is opened read-only.
     """
-    chunk_size = check_chunk_size(chunk_size)
     source = check_h5ad_path(input_path)
     target = Path(output_path).expanduser()
     if target.exists() and target.samefile(source):
@@ -292,9 +265,8 @@ def correct_file(input_path: str | Path, output_path: str | Path, checkpoint: st
     if target.is_dir():
         raise InputError(f"The output {target} is a folder; name an .h5ad file.")
     if target.exists() and not overwrite:
-        raise FileExistsError(f"Output {target} exists; pass overwrite=true to replace it.")
-    trained = load_trained(checkpoint)
-    latent_key, modelled_column = f"X_{key_added}", f"{key_added}_modelled"
+        raise output_exists(target)
+    keys = OutputKeys(settings.key_added)
 
     try:
         src = h5py.File(source, "r")
@@ -307,25 +279,23 @@ def correct_file(input_path: str | Path, output_path: str | Path, checkpoint: st
         rows = ondisk.open_rows(ondisk.matrix_element(src, counts_layer))
         if rows.shape != (n_obs, len(var_names)):
             raise InputError(f"{source}: the matrix is {rows.shape} but obs x var is {(n_obs, len(var_names))}.")
-        corrector = Corrector(trained, var_names, reference, max_missing_fraction,
-                              source="X" if counts_layer is None else f"layers['{counts_layer}']",
-                              batch_size=batch_size)
-        info = provenance(corrector, checkpoint, chunk_size, max_missing_fraction, key_added)
+        corrector = Corrector(trained, var_names, settings, source=source_name(counts_layer))
+        info = provenance(corrector)
         k = corrector.n_out
         with atomic_output(target, overwrite) as tmp, h5py.File(tmp, "w") as dst:
             ondisk.copy_file_except(src, dst, top_skip={"var"},
-                                    skip={"layers": {key_added}, "obsm": {latent_key}, "uns": {key_added}})
-            ondisk.replace_var_column(src, dst, modelled_column, corrector.modelled_mask)
-            data, indices, indptr = ondisk.create_csr(dst["layers"], key_added, (n_obs, len(var_names)), n_obs * k)
-            latent = ondisk.create_array(dst["obsm"], latent_key, (n_obs, corrector.latent_dim))
+                                    skip={"layers": {keys.layer}, "obsm": {keys.latent}, "uns": {keys.uns}})
+            ondisk.replace_var_column(src, dst, keys.modelled, corrector.modelled_mask)
+            data, indices, indptr = ondisk.create_csr(dst["layers"], keys.layer, (n_obs, len(var_names)), n_obs * k)
+            latent = ondisk.create_array(dst["obsm"], keys.latent, (n_obs, corrector.latent_dim))
             row_indices = corrector.out_columns.astype(indices.dtype)
-            for start, stop, mu, values in corrected_chunks(corrector, rows, n_obs, chunk_size, progress):
+            for start, stop, mu, values in corrected_chunks(corrector, rows, n_obs, settings.chunk_size, progress):
                 latent[start:stop] = mu
                 data[start * k:stop * k] = values.ravel()
                 indices[start * k:stop * k] = np.tile(row_indices, stop - start)
                 indptr[start + 1:stop + 1] = np.arange(start + 1, stop + 1, dtype=indptr.dtype) * k
             indptr[0] = 0
-            ondisk.write_uns_entry(dst, key_added, _for_hdf5(info))
+            ondisk.write_uns_entry(dst, keys.uns, _for_hdf5(info))
     log.info("Wrote %s (%d cells; layers['%s'] with %d modelled genes, %d missing; reference: %s).", target,
-             n_obs, key_added, k, len(corrector.missing_genes), corrector.reference_name)
+             n_obs, keys.layer, k, len(corrector.missing_genes), corrector.reference_name)
     return target

@@ -10,9 +10,10 @@ import scipy.sparse as sp
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
+from batchfix.config import DataConfig
 from batchfix.genome import GeneCoordinates, place_genes
 from batchfix.io import ExpressionInput
-from batchfix.model import LIBRARY_SIZE
+from batchfix.normalize import log_cp10k
 from batchfix.select import highly_variable_genes
 
 log = logging.getLogger(__name__)
@@ -34,29 +35,18 @@ class PreparedData:
     gene_std: np.ndarray
 
 
-def log_normalized(counts: sp.csr_matrix, scale: str) -> sp.csr_matrix:
-    """log1p(counts per 10k) for counts; log-scale input unchanged (matches BatchfixNet.log_expression)."""
-    if scale != "counts":
-        return counts
-    library = np.asarray(counts.sum(axis=1)).ravel().clip(min=1.0)
-    return sp.csr_matrix(sp.diags(LIBRARY_SIZE / library) @ counts).log1p()
-
-
-def prepare(inp: ExpressionInput, n_top_genes: int | None, genome: str, gtf: str | None,
-            unplaced: str = "keep") -> PreparedData:
+def prepare(inp: ExpressionInput, data: DataConfig) -> PreparedData:
     """Place genes, select HVGs, order them genomically; standardization statistics for the encoder."""
-    if unplaced not in ("keep", "drop"):
-        raise ValueError(f"data.unplaced must be 'keep' or 'drop', got '{unplaced}'.")
-    selected = np.flatnonzero(highly_variable_genes(inp.counts, inp.batch, n_top_genes, inp.scale))
-    coordinates = place_genes(inp.var.iloc[selected], genome, gtf)
-    if unplaced == "drop":
+    selected = np.flatnonzero(highly_variable_genes(inp.counts, inp.batch, data.n_top_genes, inp.scale))
+    coordinates = place_genes(inp.var.iloc[selected], data.genome, data.gtf)
+    if data.unplaced == "drop":
         keep = coordinates.placed
         log.info("Dropping %d unplaced genes of %d modelled (data.unplaced=drop).", int((~keep).sum()), len(keep))
         selected, coordinates = selected[keep], coordinates.subset(np.flatnonzero(keep))
     order = coordinates.genomic_order()
     file_columns = selected[order]
     counts = inp.counts[:, file_columns].tocsr()
-    values = log_normalized(counts, inp.scale)
+    values = log_cp10k(counts) if inp.scale == "counts" else counts  # what BatchfixNet.log_expression sees
     mean = np.asarray(values.mean(axis=0)).ravel()
     sq_mean = np.asarray(values.multiply(values).mean(axis=0)).ravel()
     std = np.sqrt(np.clip(sq_mean - mean**2, 0.0, None)) + 1e-2

@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import anndata as ad
-
 from batchfix import metrics
+from batchfix.config import CorrectionOptions
+from batchfix.io import OutputKeys, read_h5ad
 
 METRICS_JSON = "metrics.json"
 METRICS_MD = "metrics.md"
@@ -18,22 +18,18 @@ def evaluate_file(
     batch_key: str,
     label_key: str | None,
     out_dir,
-    layer: str | None = "batchfix",
-    latent_key: str | None = "X_batchfix",
     counts_layer: str | None = None,
+    key_added: str = CorrectionOptions.key_added,
 ) -> dict:
     """Score a corrected file (never modified) and write metrics.json, metrics.md, umap.png.
 
-    Scored: the latent `obsm[latent_key]`, the PCA of `layers[layer]` and the uncorrected PCA,
-    all on the modelled genes (see `batchfix.metrics.evaluation_embeddings`). Returns the
+    Scored: the latent `obsm['X_<key_added>']`, the PCA of `layers[key_added]` and the uncorrected
+    PCA, all on the modelled genes (see `batchfix.metrics.evaluation_embeddings`). Returns the
     metrics dict written to metrics.json.
     """
-    input_path = Path(input_path)
-    if not input_path.is_file():
-        raise ValueError(f"Input file not found: {input_path}")
-    adata = ad.read_h5ad(input_path)
+    adata = read_h5ad(input_path)
     metrics.check_obs_keys(adata.obs, batch_key, label_key)
-    embeddings, info = metrics.evaluation_embeddings(adata, layer, latent_key, counts_layer)
+    embeddings, info = metrics.evaluation_embeddings(adata, OutputKeys(key_added), counts_layer)
     table, result = metrics.score_evaluation(
         adata.obs, embeddings, {"input": str(input_path), **info}, batch_key, label_key
     )

@@ -19,13 +19,39 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from batchfix.config import DataKeys
+from batchfix.errors import InputError, OutputExistsError
+
 log = logging.getLogger(__name__)
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 
-class InputError(ValueError):
-    """Bad user input: the message names the problem and what exists instead."""
+@dataclass(frozen=True)
+class OutputKeys:
+    """Where a correction stored under `key_added` lives in an AnnData."""
+
+    key_added: str
+
+    @property
+    def layer(self) -> str:
+        """layers[...]: corrected log1p(counts per 10k), values in the modelled genes only."""
+        return self.key_added
+
+    @property
+    def latent(self) -> str:
+        """obsm[...]: the batch-free latent."""
+        return f"X_{self.key_added}"
+
+    @property
+    def modelled(self) -> str:
+        """var[...]: True for the genes the model corrected."""
+        return f"{self.key_added}_modelled"
+
+    @property
+    def uns(self) -> str:
+        """uns[...]: provenance of the correction."""
+        return self.key_added
 
 
 @dataclass
@@ -91,18 +117,20 @@ def require_obs_column(adata: ad.AnnData, key: str, what: str, option: str, hint
     return values.astype(str).to_numpy()
 
 
-def select_matrix(adata: ad.AnnData, layer: str | None):
-    """Return X or the named layer, or raise an error listing the layers that exist."""
+def missing_matrix(layer: str | None, present: list[str], option: str = "data.counts_layer") -> InputError:
+    """The error for X or a layer that is not there, naming the layers that are."""
     if layer is None:
-        if adata.X is None:
-            raise InputError(f"The file has no X matrix. Layers present: {list(adata.layers.keys())}.")
-        return adata.X
-    if layer not in adata.layers:
-        raise InputError(
-            f"Layer '{layer}' not found. Layers present: {list(adata.layers.keys()) or '(none)'}. "
-            f"Use data.counts_layer=null to read X."
-        )
-    return adata.layers[layer]
+        return InputError(f"The file has no X matrix. Layers present: {present or '(none)'}; set {option}.")
+    return InputError(f"Layer '{layer}' not found. Layers present: {present or '(none)'}. "
+                      f"Use {option}=null to read X.")
+
+
+def select_matrix(adata: ad.AnnData, layer: str | None, option: str = "data.counts_layer"):
+    """Return X or the named layer, or raise an error listing the layers that exist."""
+    matrix = adata.X if layer is None else adata.layers.get(layer)
+    if matrix is None:
+        raise missing_matrix(layer, list(adata.layers.keys()), option)
+    return matrix
 
 
 def as_float32_csr(matrix) -> sp.csr_matrix:
@@ -118,20 +146,19 @@ def count_bad_values(values: np.ndarray) -> tuple[int, int, int]:
             int((values != np.round(values)).sum()))
 
 
-def check_values(counts: sp.csr_matrix, scale: str) -> None:
+TRAINING_COUNTS_HINT = ("batchfix models counts by default: point data.counts_layer at a layer of raw counts, or "
+                        "set data.scale=log for log-normalized input (Gaussian likelihood).")
+
+
+def check_values(values: np.ndarray, scale: str, where: str = "The expression matrix",
+                 hint: str = TRAINING_COUNTS_HINT) -> None:
     """Raise on NaN/inf values, and on non-count values when counts are needed."""
-    n_bad, n_negative, n_fraction = count_bad_values(counts.data)
+    n_bad, n_negative, n_fraction = count_bad_values(values)
     if n_bad:
-        raise InputError(f"The expression matrix holds {n_bad} NaN or infinite values; clean them first.")
-    if scale != "counts":
-        return
-    if n_negative or n_fraction:
-        raise InputError(
-            "The expression matrix does not hold raw counts "
-            f"({n_negative} negative and {n_fraction} non-integer values). batchfix models counts by "
-            "default: point data.counts_layer at a layer of raw counts, or set data.scale=log for "
-            "log-normalized input (Gaussian likelihood)."
-        )
+        raise InputError(f"{where} holds {n_bad} NaN or infinite values; clean them first.")
+    if scale == "counts" and (n_negative or n_fraction):
+        raise InputError(f"{where} does not hold raw counts ({n_negative} negative and {n_fraction} non-integer "
+                         f"values). {hint}")
 
 
 def drop_empty(counts: sp.csr_matrix, var: pd.DataFrame) -> tuple[sp.csr_matrix, pd.DataFrame, np.ndarray]:
@@ -145,38 +172,33 @@ def drop_empty(counts: sp.csr_matrix, var: pd.DataFrame) -> tuple[sp.csr_matrix,
     return counts[cell_ok][:, gene_ok].tocsr(), var.loc[gene_ok], cell_ok
 
 
-def load_expression(
-    path: str | os.PathLike,
-    batch_key: str = "batch",
-    label_key: str | None = None,
-    counts_layer: str | None = None,
-    scale: str = "counts",
-    for_training: bool = True,
-) -> ExpressionInput:
-    """Read and validate an .h5ad file for training (or evaluation)."""
-    if scale not in ("counts", "log"):
-        raise InputError(f"data.scale must be 'counts' or 'log', got '{scale}'.")
-    adata = read_h5ad(path)
-    batch = require_obs_column(adata, batch_key, "Batch", "data.batch_key")
-    labels = require_obs_column(adata, label_key, "Label", "data.label_key",
-                                "; data.label_key=null trains without labels") if label_key else None
-    counts = as_float32_csr(select_matrix(adata, counts_layer))
-    check_values(counts, scale)
+def load_expression(path: str | os.PathLike, keys: DataKeys, scale: str = "counts") -> ExpressionInput:
+    """Read and validate an .h5ad file for training."""
+    return expression_input(read_h5ad(path), keys, scale, source=str(path))
+
+
+def expression_input(adata: ad.AnnData, keys: DataKeys, scale: str = "counts",
+                     source: str = "the AnnData") -> ExpressionInput:
+    """Validate an AnnData for training and take what training needs from it (`adata` is not changed)."""
+    batch = require_obs_column(adata, keys.batch_key, "Batch", "data.batch_key")
+    labels = require_obs_column(adata, keys.label_key, "Label", "data.label_key",
+                                "; data.label_key=null trains without labels") if keys.label_key else None
+    counts = as_float32_csr(select_matrix(adata, keys.counts_layer))
+    check_values(counts.data, scale)
     var = adata.var.copy()
     var.index = var.index.astype(str)
     counts, var, cell_ok = drop_empty(counts, var)
     if counts.shape[0] == 0 or counts.shape[1] == 0:
-        raise InputError(f"{path} has no non-empty cells or genes ({adata.n_obs} x {adata.n_vars}).")
-    if for_training:
-        # Counted after dropping empty cells: a batch whose cells are all empty is not trained on.
-        found = sorted(pd.unique(batch[cell_ok]).tolist())
-        if len(found) < 2:
-            lost = sorted(set(pd.unique(batch).tolist()) - set(found))
-            detail = f" (batches with only empty cells: {lost})" if lost else ""
-            raise InputError(
-                f"Training needs at least two batches in obs['{batch_key}']; found one: {found}{detail}. "
-                "Is data.batch_key the column that names the batches?"
-            )
+        raise InputError(f"{source} has no non-empty cells or genes ({adata.n_obs} x {adata.n_vars}).")
+    # Counted after dropping empty cells: a batch whose cells are all empty is not trained on.
+    found = sorted(pd.unique(batch[cell_ok]).tolist())
+    if len(found) < 2:
+        lost = sorted(set(pd.unique(batch).tolist()) - set(found))
+        detail = f" (batches with only empty cells: {lost})" if lost else ""
+        raise InputError(
+            f"Training needs at least two batches in obs['{keys.batch_key}']; found one: {found}{detail}. "
+            "Is data.batch_key the column that names the batches?"
+        )
     return ExpressionInput(
         counts=counts,
         batch=batch[cell_ok],
@@ -184,7 +206,7 @@ def load_expression(
         obs_names=adata.obs_names[cell_ok],
         var=var,
         scale=scale,
-        path=str(path),
+        path=source,
     )
 
 
@@ -216,10 +238,10 @@ def atomic_output(target: Path, overwrite: bool) -> Iterator[Path]:
             try:
                 os.link(tmp, target)
             except FileExistsError:
-                raise FileExistsError(f"Output {target} exists; pass overwrite=true to replace it.") from None
+                raise output_exists(target) from None
             except OSError:  # a file system without hard links
                 if target.exists():
-                    raise FileExistsError(f"Output {target} exists; pass overwrite=true to replace it.") from None
+                    raise output_exists(target) from None
                 os.replace(tmp, target)
             tmp.unlink(missing_ok=True)
     except BaseException:
@@ -227,11 +249,15 @@ def atomic_output(target: Path, overwrite: bool) -> Iterator[Path]:
         raise
 
 
+def output_exists(target: Path) -> OutputExistsError:
+    return OutputExistsError(f"Output {target} exists; pass overwrite=true to replace it.")
+
+
 def write_h5ad_atomic(adata: ad.AnnData, path: str | os.PathLike, overwrite: bool = False) -> Path:
     """Write a whole AnnData to a temporary file beside `path`, then move it into place."""
     target = Path(path).expanduser()
     if target.exists() and not overwrite:
-        raise FileExistsError(f"Output {target} exists; pass overwrite=true to replace it.")
+        raise output_exists(target)
     with atomic_output(target, overwrite) as tmp:
         adata.write_h5ad(tmp)
     return target

@@ -23,12 +23,15 @@ import scipy.sparse as sp
 from matplotlib.figure import Figure
 from scib_metrics.benchmark import BatchCorrection, Benchmarker, BioConservation
 
+from batchfix.errors import InputError
+from batchfix.io import OutputKeys
+from batchfix.normalize import log_cp10k
+
 BATCH_SCORE = "Batch correction"
 BIO_SCORE = "Bio conservation"
 TOTAL_SCORE = "Total"
 AGGREGATE_COLUMNS = [BATCH_SCORE, BIO_SCORE, TOTAL_SCORE]
 
-MODELLED_GENES_COLUMN = "batchfix_modelled"
 UNINTEGRATED = "Unintegrated PCA"
 LATENT = "batchfix latent"
 CORRECTED = "batchfix corrected expression (PCA)"
@@ -41,14 +44,6 @@ _LABEL_FREE_BATCH_METRICS = BatchCorrection(
     bras=False, kbet_per_label=False, graph_connectivity=False
 )
 _DUMMY_LABEL = "_batchfix_no_label"
-
-
-def log_normalize(counts, target_sum: float = 1e4) -> np.ndarray | sp.csr_matrix:
-    """log1p of counts scaled to `target_sum` per cell (scanpy's normalize_total + log1p)."""
-    tmp = ad.AnnData(counts.astype(np.float32, copy=True))
-    sc.pp.normalize_total(tmp, target_sum=target_sum)
-    sc.pp.log1p(tmp)
-    return tmp.X
 
 
 def pca_embedding(matrix, n_comps: int = 50, seed: int = 0) -> np.ndarray:
@@ -118,48 +113,43 @@ def score_embeddings(
 
 def evaluation_embeddings(
     adata: ad.AnnData,
-    layer: str | None = "batchfix",
-    latent_key: str | None = "X_batchfix",
+    keys: OutputKeys,
     counts_layer: str | None = None,
     n_comps: int = 50,
     seed: int = 0,
 ) -> tuple[dict[str, np.ndarray], dict]:
-    """The embeddings to score for a corrected AnnData, first the uncorrected PCA.
+    """The embeddings to score for an AnnData corrected under `keys`, first the uncorrected PCA.
 
-    Genes are those the correction modelled (`var['batchfix_modelled']`, else all). The
-    uncorrected PCA is of log1p(normalize_total 1e4) of the counts (X or `counts_layer`)
-    restricted to those genes first, so library sizes are over the same genes the correction
-    models; values that are not whole numbers are taken as already log-scale and used as given.
-    Returns (embeddings by name, a JSON-able description of what was used).
+    Genes are those the correction modelled (`var[keys.modelled]`, else all). The uncorrected
+    PCA is of log1p(counts per 10k) of the counts (X or `counts_layer`) restricted to those genes
+    first, so library sizes are over the same genes the correction models; values that are not
+    whole numbers are taken as already log-scale and used as given. Returns (embeddings by name,
+    a JSON-able description of what was used).
     """
-    _check_adata_keys(adata, layer=layer, latent_key=latent_key, counts_layer=counts_layer)
-    if layer is None and latent_key is None:
-        raise ValueError("Nothing to evaluate: both the corrected layer and the latent key are None.")
-    genes = _modelled_genes(adata)
+    _check_adata_keys(adata, keys, counts_layer=counts_layer)
+    genes = _modelled_genes(adata, keys)
 
     counts = adata.layers[counts_layer] if counts_layer else adata.X
     counts = counts[:, genes]
     integer_counts = _is_integer_valued(counts)
-    uncorrected = log_normalize(counts) if integer_counts else counts
-    embeddings = {UNINTEGRATED: pca_embedding(uncorrected, n_comps, seed)}
-    if latent_key is not None:
-        embeddings[LATENT] = np.asarray(adata.obsm[latent_key], dtype=np.float32)
-    if layer is not None:
-        embeddings[CORRECTED] = pca_embedding(adata.layers[layer][:, genes], n_comps, seed)
+    uncorrected = log_cp10k(counts) if integer_counts else counts
+    embeddings = {
+        UNINTEGRATED: pca_embedding(uncorrected, n_comps, seed),
+        LATENT: np.asarray(adata.obsm[keys.latent], dtype=np.float32),
+        CORRECTED: pca_embedding(adata.layers[keys.layer][:, genes], n_comps, seed),
+    }
 
     info = {
         "n_cells": int(adata.n_obs),
         "n_genes_scored": int(genes.sum()),
-        "genes": f"var['{MODELLED_GENES_COLUMN}']"
-        if MODELLED_GENES_COLUMN in adata.var
-        else "all genes",
+        "genes": f"var['{keys.modelled}']" if keys.modelled in adata.var else "all genes",
         "uncorrected_source": (
-            f"{counts_layer or 'X'} counts, normalize_total 1e4 + log1p"
+            f"{counts_layer or 'X'} counts, log1p(counts per 10k)"
             if integer_counts
             else f"{counts_layer or 'X'} as given (not whole-number counts: taken as log-scale)"
         ),
-        "corrected_layer": layer,
-        "latent_key": latent_key,
+        "corrected_layer": keys.layer,
+        "latent_key": keys.latent,
         "pca_components": int(embeddings[UNINTEGRATED].shape[1]),
     }
     return embeddings, info
@@ -169,13 +159,12 @@ def evaluate_corrected(
     adata: ad.AnnData,
     batch_key: str,
     label_key: str | None,
-    layer: str | None = "batchfix",
-    latent_key: str | None = "X_batchfix",
+    keys: OutputKeys,
     counts_layer: str | None = None,
 ) -> dict:
     """Score the latent, the PCA of the corrected layer and the uncorrected PCA of `adata`."""
     check_obs_keys(adata.obs, batch_key, label_key)
-    embeddings, info = evaluation_embeddings(adata, layer, latent_key, counts_layer)
+    embeddings, info = evaluation_embeddings(adata, keys, counts_layer)
     return score_evaluation(adata.obs, embeddings, info, batch_key, label_key)[1]
 
 
@@ -282,27 +271,28 @@ def _category_colors(n: int) -> list:
 def check_obs_keys(obs: pd.DataFrame, batch_key: str, label_key: str | None) -> None:
     for what, key in (("batch key", batch_key), ("label key", label_key)):
         if key is not None and key not in obs.columns:
-            raise ValueError(
+            raise InputError(
                 f"The {what} {key!r} is not an obs column; obs has: {sorted(map(str, obs.columns))}"
             )
 
 
-def _check_adata_keys(adata, layer, latent_key, counts_layer) -> None:
+def _check_adata_keys(adata, keys: OutputKeys, counts_layer) -> None:
     for what, key, where in (
-        ("corrected layer", layer, adata.layers),
+        ("corrected layer", keys.layer, adata.layers),
         ("counts layer", counts_layer, adata.layers),
-        ("latent obsm key", latent_key, adata.obsm),
+        ("latent obsm key", keys.latent, adata.obsm),
     ):
         if key is not None and key not in where:
-            raise ValueError(f"The {what} {key!r} is missing; the file has: {sorted(where.keys())}")
+            raise InputError(f"The {what} {key!r} is missing; the file has: {sorted(where.keys())}. "
+                             "Was it corrected under another key_added?")
 
 
-def _modelled_genes(adata: ad.AnnData) -> np.ndarray:
-    if MODELLED_GENES_COLUMN not in adata.var:
+def _modelled_genes(adata: ad.AnnData, keys: OutputKeys) -> np.ndarray:
+    if keys.modelled not in adata.var:
         return np.ones(adata.n_vars, dtype=bool)
-    mask = adata.var[MODELLED_GENES_COLUMN].to_numpy().astype(bool)
+    mask = adata.var[keys.modelled].to_numpy().astype(bool)
     if not mask.any():
-        raise ValueError(f"var['{MODELLED_GENES_COLUMN}'] marks no gene as modelled.")
+        raise InputError(f"var['{keys.modelled}'] marks no gene as modelled.")
     return mask
 
 

@@ -1,40 +1,15 @@
 """The batchfix network in pure torch: locus-token encoder -> batch-free latent -> batch-conditioned decoder."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from batchfix.attention import GenomicCoordinateEncoding, TransformerBlock
+from batchfix.config import ModelConfig
 from batchfix.genome import LocusWindows
-
-LIBRARY_SIZE = 1e4  # counts per cell of the corrected (log1p-normalized) expression
-
-
-@dataclass
-class ModelConfig:
-    """Hyperparameters of the network (the `model` config group, minus data-derived sizes)."""
-
-    genes_per_token: int = 32
-    d_model: int = 64
-    n_heads: int = 4
-    n_layers: int = 2
-    dropout: float = 0.0
-    latent_dim: int = 30
-    decoder_hidden: int = 128
-    attention: str = "guarded"
-    position_encoding: str = "real"
-    min_wavelength: float = 1e3
-    max_wavelength: float = 3e8
-    likelihood: str = "nb"
-    kl_weight: float = 1.0
-    adversarial_weight: float = 10.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from batchfix.normalize import LIBRARY_SIZE, log_cp10k
 
 
 class GradientReversal(torch.autograd.Function):
@@ -120,8 +95,6 @@ class BatchfixNet(nn.Module):
     def __init__(self, cfg: ModelConfig, windows: LocusWindows, n_genes: int, n_batches: int,
                  gene_mean: np.ndarray, gene_std: np.ndarray):
         super().__init__()
-        if cfg.likelihood not in ("nb", "gaussian"):
-            raise ValueError(f"model.likelihood must be 'nb' or 'gaussian', got '{cfg.likelihood}'.")
         self.cfg, self.n_genes, self.n_batches = cfg, n_genes, n_batches
         self.register_buffer("gene_mean", torch.as_tensor(gene_mean, dtype=torch.float32))
         self.register_buffer("gene_std", torch.as_tensor(gene_std, dtype=torch.float32))
@@ -131,9 +104,7 @@ class BatchfixNet(nn.Module):
 
     def log_expression(self, x: torch.Tensor) -> torch.Tensor:
         """Counts -> log1p(counts per 10k); log-scale input passes through."""
-        if self.cfg.likelihood == "gaussian":
-            return x
-        return torch.log1p(x / x.sum(-1, keepdim=True).clamp_min(1.0) * LIBRARY_SIZE)
+        return x if self.cfg.likelihood == "gaussian" else log_cp10k(x)
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         standardized = (self.log_expression(x) - self.gene_mean) / self.gene_std

@@ -15,8 +15,11 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from batchfix.config import ModelConfig
+from batchfix.errors import CheckpointError
 from batchfix.genome import GeneCoordinates, LocusWindows, make_windows
-from batchfix.model import BatchfixNet, ModelConfig
+from batchfix.io import atomic_output
+from batchfix.model import BatchfixNet
 
 
 class BatchfixModule(pl.LightningModule):
@@ -70,15 +73,40 @@ class BatchfixModule(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, truncated, tampered with, or not a batchfix checkpoint."""
-
-
 @dataclass
-class TrainedModel:
-    """A trained network plus what inference must check: genes, their order, batch categories."""
+class BatchfixModel:
+    """A trained batchfix model: the network plus what inference must check (genes, their order, batches).
+
+    `BatchfixModel.load(path)` reads a checkpoint (a run folder's model.ckpt, or one `save` wrote);
+    `save(path)` writes the same format; `correct(adata, ...)` adds corrected expression to an AnnData.
+    """
 
     module: BatchfixModule
+    path: Path | None = None  # the checkpoint file it was loaded from or last saved to
+
+    @classmethod
+    def load(cls, path: str | Path) -> "BatchfixModel":
+        return load_trained(path)
+
+    def save(self, path: str | Path, overwrite: bool = False) -> Path:
+        """Write a checkpoint that `load` and `python -m batchfix correct checkpoint=...` read (atomically)."""
+        target = Path(path).expanduser()
+        state = {"hyper_parameters": dict(self.module.hparams), "state_dict": self.module.state_dict(),
+                 "pytorch-lightning_version": pl.__version__}
+        with atomic_output(target, overwrite) as tmp:
+            torch.save(state, tmp)
+        self.path = target
+        return target
+
+    def correct(self, adata, **options):
+        """`batchfix.correct(adata, self, **options)`: add corrected expression to an in-memory AnnData."""
+        from batchfix.api import correct
+
+        return correct(adata, self, **options)
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.module.model_config
 
     @property
     def net(self) -> BatchfixNet:
@@ -97,7 +125,7 @@ class TrainedModel:
         return self.module.hparams.scale
 
 
-def load_trained(path: str | Path) -> TrainedModel:
+def load_trained(path: str | Path) -> BatchfixModel:
     """Load a batchfix checkpoint without executing code from the file (weights_only)."""
     path = Path(path).expanduser()
     if not path.is_file():
@@ -117,4 +145,4 @@ def load_trained(path: str | Path) -> TrainedModel:
     except (TypeError, RuntimeError, ValueError, KeyError) as err:
         raise CheckpointError(f"{path} does not match the batchfix model: {err}") from err
     module.eval()
-    return TrainedModel(module)
+    return BatchfixModel(module, path)

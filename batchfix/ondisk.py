@@ -28,7 +28,8 @@ try:  # anndata >= 0.11
 except ImportError:  # pragma: no cover - older anndata
     from anndata.experimental import read_elem, write_elem
 
-from batchfix.io import InputError, atomic_output
+from batchfix.errors import InputError
+from batchfix.io import missing_matrix
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +80,9 @@ def n_obs_of(f: h5py.File) -> int:
 def matrix_element(f: h5py.File, layer: str | None):
     """The h5py object of X or of layers/<layer>, with errors naming what exists."""
     layers = list(f["layers"].keys()) if "layers" in f else []
-    if layer is None:
-        if "X" not in f:
-            raise InputError(f"The file has no X matrix. Layers present: {layers or '(none)'}; set counts_layer.")
-        return f["X"]
-    if layer not in layers:
-        raise InputError(f"Layer '{layer}' not found. Layers present: {layers or '(none)'}. "
-                         "Use counts_layer=null to read X.")
-    return f["layers"][layer]
+    if (layer is None and "X" not in f) or (layer is not None and layer not in layers):
+        raise missing_matrix(layer, layers, "counts_layer")
+    return f["X"] if layer is None else f["layers"][layer]
 
 
 class DenseRows:

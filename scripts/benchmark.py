@@ -9,12 +9,25 @@ Methods (their own packages, default settings):
   unintegrated  PCA of the log-normalized expression
   combat        scanpy.pp.combat on the log-normalized expression, then PCA
   harmony       harmonypy on the unintegrated PCA (the PCA is not counted in its fit time)
-  scanorama     scanorama.integrate_scanpy on the per-batch log-normalized expression
+  scanorama     scanorama.correct_scanpy(return_dimred=True) on the per-batch log-normalized
+                expression: its integrated embedding (X_scanorama, as integrate_scanpy gives) is
+                scored, and its corrected expression matrix for the gene-level scores
   scvi          scvi-tools SCVI on raw counts: latent, and batch-corrected expression
                 (get_normalized_expression over all batches, library size 1e4) -> log1p -> PCA
   batchfix      `run_batchfix`: latent, and PCA of the corrected log expression
 With `--ablation`, batchfix runs once per coordinate encoding (model.position_encoding =
 real, none, shuffled) for every seed.
+
+Gene-level scores (batchfix.fidelity: DE-rank agreement, marker recall, within-type 10-NN kept,
+HVG conservation) judge each method's corrected *matrix* against the within-batch reference
+log1p(counts per 10k) of the same raw counts on the same genes. They are given on the row of the
+embedding made from that matrix: "Unintegrated PCA" (the uncorrected log matrix itself, which is
+the reference up to float32 rounding: a sanity row that scores ~1.0), "ComBat" (its corrected
+log matrix), "Scanorama" (its corrected expression: Scanorama scales each cell's log values to
+unit L2 norm before adding its correction vectors, and the matrix is scored on that scale as
+returned, genes put back in the input order), "scVI corrected expression (PCA)" (the log1p of the
+decoded expression above) and "batchfix corrected expression (PCA)". Methods that give no matrix
+(Harmony, the latents) get n/a. Without labels only HVG conservation is computed.
 
 fit seconds: wall-clock time of the method's own work (for batchfix: as `run_batchfix` reports,
 plus the PCA of its corrected expression), scoring excluded; it depends on what else the
@@ -34,7 +47,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import anndata as ad
@@ -43,12 +56,12 @@ import pandas as pd
 import psutil
 import scanpy as sc
 
-from batchfix import metrics
+from batchfix import fidelity, metrics
+from batchfix.normalize import LIBRARY_SIZE, log_cp10k
 
 BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi"]
 ALL_METHODS = ["batchfix", *BASELINES]
 ABLATION_ENCODINGS = ["real", "none", "shuffled"]
-TARGET_SUM = 1e4
 
 
 @dataclass
@@ -68,6 +81,8 @@ class MethodResult:
     fit_seconds: float
     cpu_seconds: float
     peak_mb: float
+    # corrected log-expression matrix (cells x genes) by the name of the embedding made from it
+    matrices: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def run_batchfix(
@@ -81,6 +96,7 @@ def run_batchfix(
     from hydra import compose, initialize_config_module
 
     from batchfix import tasks
+    from batchfix.config import TrainConfig, validated
 
     with tempfile.TemporaryDirectory(prefix="batchfix-bench-") as tmp:
         source = Path(tmp) / "input.h5ad"
@@ -91,7 +107,7 @@ def run_batchfix(
                 "data.n_top_genes=null", f"seed={seed}", "evaluate=false", "trainer.enable_progress_bar=false",
                 *overrides,
             ])
-        run = tasks.train(cfg, Path(tmp) / "run")
+        run = tasks.train(validated(cfg, TrainConfig), Path(tmp) / "run")
         corrected = ad.read_h5ad(Path(tmp) / "run" / "corrected.h5ad")
         modelled = corrected.var["batchfix_modelled"].to_numpy()
         expression = corrected.layers["batchfix"][:, modelled]
@@ -126,18 +142,21 @@ class PeakMemory:
             self._peak = max(self._peak, self._process.memory_info().rss)
 
 
-def measured(fit: Callable[[], dict[str, np.ndarray]]) -> MethodResult:
-    """Run `fit`, timing it and tracking its peak memory."""
+def measured(
+    fit: Callable[[], tuple[dict[str, np.ndarray], dict[str, np.ndarray]]],
+) -> MethodResult:
+    """Run `fit` (returning (embeddings, matrices)), timing it and tracking its peak memory."""
     with PeakMemory() as memory:
         start, cpu_start = time.perf_counter(), time.process_time()
-        embeddings = fit()
+        embeddings, matrices = fit()
         seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
-    return MethodResult(embeddings, seconds, cpu, memory.peak_mb)
+    return MethodResult(embeddings, seconds, cpu, memory.peak_mb, matrices)
 
 
 def fit_unintegrated(data: Prepared) -> MethodResult:
     def fit():
-        return {"Unintegrated PCA": metrics.pca_embedding(data.log_expression, seed=data.seed)}
+        name = "Unintegrated PCA"
+        return {name: metrics.pca_embedding(data.log_expression, seed=data.seed)}, {name: data.log_expression}
 
     return measured(fit)
 
@@ -146,7 +165,7 @@ def fit_combat(data: Prepared) -> MethodResult:
     def fit():
         log_adata = ad.AnnData(data.log_expression.copy(), obs=data.counts.obs)
         sc.pp.combat(log_adata, key=data.batch_key)
-        return {"ComBat": metrics.pca_embedding(log_adata.X, seed=data.seed)}
+        return {"ComBat": metrics.pca_embedding(log_adata.X, seed=data.seed)}, {"ComBat": log_adata.X}
 
     return measured(fit)
 
@@ -158,7 +177,7 @@ def fit_harmony(data: Prepared) -> MethodResult:
         result = harmonypy.run_harmony(
             data.unintegrated, data.counts.obs, data.batch_key, random_state=data.seed, verbose=False
         )
-        return {"Harmony": np.asarray(result.Z_corr, dtype=np.float32)}
+        return {"Harmony": np.asarray(result.Z_corr, dtype=np.float32)}, {}
 
     return measured(fit)
 
@@ -170,11 +189,18 @@ def fit_scanorama(data: Prepared) -> MethodResult:
         log_adata = ad.AnnData(data.log_expression, obs=data.counts.obs, var=data.counts.var[[]])
         batches = log_adata.obs[data.batch_key].astype(str)
         parts = [log_adata[(batches == b).to_numpy()].copy() for b in pd.unique(batches)]
-        scanorama.integrate_scanpy(parts, seed=data.seed, verbose=0)
+        # the same embedding integrate_scanpy gives, plus the corrected expression
+        parts = scanorama.correct_scanpy(parts, return_dimred=True, seed=data.seed, verbose=0)
         integrated = pd.concat(
             [pd.DataFrame(p.obsm["X_scanorama"], index=p.obs_names) for p in parts]
         ).loc[log_adata.obs_names]
-        return {"Scanorama": integrated.to_numpy(dtype=np.float32)}
+        # Scanorama sorts genes by name: back to the input order
+        expression = ad.concat(parts)[log_adata.obs_names, log_adata.var_names].X
+        expression = expression.toarray() if hasattr(expression, "toarray") else np.asarray(expression)
+        return (
+            {"Scanorama": integrated.to_numpy(dtype=np.float32)},
+            {"Scanorama": expression.astype(np.float32)},
+        )
 
     return measured(fit)
 
@@ -191,13 +217,15 @@ def fit_scvi(data: Prepared) -> MethodResult:
         latent = model.get_latent_representation()
         corrected = model.get_normalized_expression(
             transform_batch=list(adata.obs[data.batch_key].astype("category").cat.categories),
-            library_size=TARGET_SUM,
+            library_size=LIBRARY_SIZE,
             return_numpy=True,
         )
+        log_corrected = np.log1p(corrected)
+        name = "scVI corrected expression (PCA)"
         return {
             "scVI latent": np.asarray(latent, dtype=np.float32),
-            "scVI corrected expression (PCA)": metrics.pca_embedding(np.log1p(corrected), seed=data.seed),
-        }
+            name: metrics.pca_embedding(log_corrected, seed=data.seed),
+        }, {name: log_corrected}
 
     return measured(fit)
 
@@ -216,7 +244,8 @@ def fit_batchfix(data: Prepared, overrides: list[str], name: str = "batchfix") -
         f"{name} latent": np.asarray(latent, dtype=np.float32),
         f"{name} corrected expression (PCA)": corrected_pca,
     }
-    return MethodResult(embeddings, fit_seconds + pca_seconds, cpu, memory.peak_mb)
+    matrices = {f"{name} corrected expression (PCA)": corrected}
+    return MethodResult(embeddings, fit_seconds + pca_seconds, cpu, memory.peak_mb, matrices)
 
 
 BASELINE_FITS = {
@@ -249,7 +278,7 @@ def select_genes(adata: ad.AnnData, batch_key: str, n_top_genes: int) -> ad.AnnD
 
 
 def prepare(counts: ad.AnnData, batch_key: str, seed: int) -> Prepared:
-    log_expression = np.asarray(metrics.log_normalize(counts.X, TARGET_SUM))
+    log_expression = np.asarray(log_cp10k(counts.X), dtype=np.float32)
     unintegrated = metrics.pca_embedding(log_expression, seed=seed)
     return Prepared(counts, log_expression, unintegrated, batch_key, seed)
 
@@ -290,11 +319,13 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
         scoring = time.perf_counter() - start
         print(f"seed {seed}: scored {len(embeddings)} embeddings in {scoring:.1f} s "
               f"({scoring / len(embeddings):.1f} s each)", flush=True)
+        genes = gene_scores(counts, results, args.batch_key, labels)
         for method, result in results.values():
             for name in result.embeddings:
                 rows.append({
                     "embedding": name, "method": method, "seed": seed,
                     **table.loc[name].to_dict(),
+                    **genes.get(name, dict.fromkeys(fidelity.GENE_METRICS, np.nan)),
                     "fit_seconds": result.fit_seconds, "cpu_seconds": result.cpu_seconds,
                     "peak_mb": result.peak_mb,
                     "scoring_seconds_each": scoring / len(embeddings),
@@ -302,10 +333,33 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def gene_scores(
+    counts: ad.AnnData, results: dict[str, tuple[str, MethodResult]], batch_key: str,
+    label_key: str | None,
+) -> dict[str, dict[str, float]]:
+    """Gene-level fidelity (batchfix.fidelity) of every corrected matrix, by embedding name,
+    against the within-batch log1p(counts per 10k) of the same raw counts; NaN where not computed."""
+    matrices = {k: m for _, r in results.values() for k, m in r.matrices.items()}
+    batch = counts.obs[batch_key].to_numpy()
+    labels = counts.obs[label_key].to_numpy() if label_key else None
+    scores, notes = {}, set()
+    start = time.perf_counter()
+    for name, matrix in matrices.items():
+        result = fidelity.gene_fidelity(counts.X, matrix, batch, labels)
+        scores[name] = {k: np.nan if result[k] is None else result[k] for k in fidelity.GENE_METRICS}
+        if "note" in result and result["note"] not in notes:
+            notes.add(result["note"])
+            print(f"gene-level scores: {result['note']}", flush=True)
+    if matrices:
+        print(f"gene-level scores of {len(matrices)} matrices in {time.perf_counter() - start:.1f} s",
+              flush=True)
+    return scores
+
+
 def summary(rows: pd.DataFrame) -> pd.DataFrame:
     """Mean over seeds per embedding (with the standard deviation when there are several)."""
     columns = [metrics.BATCH_SCORE, metrics.BIO_SCORE, metrics.TOTAL_SCORE,
-               "fit_seconds", "cpu_seconds", "peak_mb"]
+               *fidelity.GENE_METRICS, "fit_seconds", "cpu_seconds", "peak_mb"]
     grouped = rows.groupby("embedding", sort=False)
     table = grouped[columns].mean()
     table.insert(0, "seeds", grouped.size())
@@ -330,7 +384,10 @@ def markdown(rows: pd.DataFrame, table: pd.DataFrame, args: argparse.Namespace) 
         "process over the same span; peak MB: growth of the process's resident memory during the "
         "fit (psutil, 20 ms samples; a lower bound).",
         "",
-        *([metrics.LABEL_FREE_NOTE, ""] if labels_from_args(args) is None else []),
+        GENE_SCORES_NOTE,
+        "",
+        *([metrics.LABEL_FREE_NOTE, fidelity.NO_LABELS_NOTE, ""]
+          if labels_from_args(args) is None else []),
         "## Summary (mean over seeds)",
         "",
         metrics.markdown_table(table, digits=3),
@@ -339,6 +396,22 @@ def markdown(rows: pd.DataFrame, table: pd.DataFrame, args: argparse.Namespace) 
         metrics.markdown_table(rows.set_index("embedding").drop(columns="method"), digits=3),
     ]
     return "\n".join(lines)
+
+
+GENE_SCORES_NOTE = (
+    "Gene-level scores (batchfix.fidelity) compare a method's corrected expression matrix with "
+    "log1p(counts per 10k) of the uncorrected counts on the same genes, within each batch: "
+    f"{fidelity.DE_RANK} = Spearman correlation of per-gene label-vs-rest mean differences "
+    f"(within batches with >= {fidelity.MIN_CELLS_DE} cells of the label and of the rest, averaged "
+    f"over them; mean over labels); {fidelity.MARKER_RECALL} = shared top-{fidelity.N_MARKERS} "
+    f"up-regulated genes / {fidelity.N_MARKERS}; {fidelity.WITHIN_TYPE} = Jaccard index of each "
+    f"cell's {fidelity.N_NEIGHBORS}-NN on {fidelity.N_PCS}-PC PCAs within (batch, label) groups of "
+    f">= {fidelity.MIN_CELLS_GROUP} cells (mean over cells, then unweighted over groups); "
+    f"{fidelity.HVG_CONSERVATION} = shared top-{fidelity.N_HVG} highest-variance genes per batch "
+    f"/ {fidelity.N_HVG}, mean over batches. The uncorrected matrix (Unintegrated PCA row) is the "
+    "reference itself; Scanorama's matrix is on its own scale (each cell's log values scaled to "
+    "unit L2 norm, plus its corrections), scored as returned. n/a: the method gives no matrix."
+)
 
 
 def labels_from_args(args: argparse.Namespace) -> str | None:
@@ -372,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.to_csv(out, index=False)
     out.with_suffix(".md").write_text(markdown(rows, table, args))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
-        print(table.round(3).to_string())
+        print(table.round(3).to_string(na_rep="n/a"))
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
 

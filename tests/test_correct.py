@@ -26,9 +26,10 @@ import torch
 
 import batchfix
 from batchfix import correction, ondisk
-from batchfix.correction import correct_adata, correct_file
-from batchfix.io import InputError
-from batchfix.module import CheckpointError, load_trained
+from batchfix.config import CorrectConfig, CorrectionSettings, validated
+from batchfix.correction import correct_file
+from batchfix.errors import CheckpointError, InputError
+from batchfix.module import load_trained
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING_BATCHES = 3
@@ -62,6 +63,7 @@ def trained_run(subset, tmp_path_factory) -> dict:
     from hydra import compose, initialize_config_module
 
     from batchfix import tasks
+    from batchfix.config import TrainConfig
 
     folder = tmp_path_factory.mktemp("trained")
     batches = sorted(subset.obs["batch"].astype(str).unique())
@@ -74,7 +76,7 @@ def trained_run(subset, tmp_path_factory) -> dict:
             "trainer.max_epochs=1", "trainer.enable_progress_bar=false", "evaluate=false", "threads=1",
         ])
     torch.set_num_threads(1)
-    tasks.train(cfg, folder / "run")
+    tasks.train(validated(cfg, TrainConfig), folder / "run")
     checkpoint = folder / "run" / "model.ckpt"
     assert checkpoint.is_file()
     return {"checkpoint": checkpoint, "seen": seen, "unseen": batches[TRAINING_BATCHES:],
@@ -99,8 +101,10 @@ def rich_input(subset, tmp_path) -> tuple[ad.AnnData, Path]:
     return adata, path
 
 
-def correct_quiet(source, target, checkpoint, **kwargs) -> Path:
-    return correct_file(source, target, checkpoint, progress=False, **kwargs)
+def correct_quiet(source, target, checkpoint, counts_layer=None, overwrite=False, **options) -> Path:
+    """correct_file with the checkpoint loaded and `options` as its CorrectionSettings, no progress bar."""
+    return correct_file(source, target, load_trained(checkpoint), CorrectionSettings(**options),
+                        counts_layer=counts_layer, overwrite=overwrite, progress=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -183,7 +187,7 @@ def test_unseen_batches_are_corrected(trained_run, rich_input, tmp_path):
     assert np.isfinite(out.obsm["X_batchfix"][unseen]).all()
     # Decoded as one training batch, unseen cells get that batch's expression profile.
     reference = trained_run["seen"][0]
-    as_reference = correct_adata(adata, trained_run["checkpoint"], reference=reference, copy=True)
+    as_reference = batchfix.correct(adata, trained_run["checkpoint"], reference=reference, copy=True)
     assert as_reference.uns["batchfix"]["reference_batch"] == reference
     assert not np.allclose(dense(as_reference.layers["batchfix"][unseen]), dense(out.layers["batchfix"][unseen]))
 
@@ -423,12 +427,12 @@ def test_cli_writes_the_output_and_reports_errors(trained_run, rich_input, tmp_p
     _, source = rich_input
     target = tmp_path / "cli.h5ad"
     args = ["correct", f"input={source}", f"output={target}", f"checkpoint={trained_run['checkpoint']}",
-            f"reference={trained_run['seen'][1]}", "chunk_size=64", "threads=1", "progress=false",
-            f"hydra.run.dir={tmp_path / 'hydra'}"]
+            f"reference={trained_run['seen'][1]}", "chunk_size=64", "threads=1", "progress=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "batchfix", *args], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert files_in(tmp_path) == ["cli.h5ad", "input.h5ad"], "correct wrote more than its output"
     out = ad.read_h5ad(target)
     assert out.uns["batchfix"]["reference_batch"] == trained_run["seen"][1]
     assert out.layers["batchfix"].nnz == out.n_obs * len(trained_run["genes"])
@@ -439,7 +443,7 @@ def test_cli_writes_the_output_and_reports_errors(trained_run, rich_input, tmp_p
     from batchfix import tasks
 
     with initialize_config_module(config_module="batchfix.conf", version_base=None):
-        cfg = compose("correct", overrides=[a for a in args[1:] if not a.startswith("hydra.")])
+        cfg = validated(compose("correct", overrides=args[1:]), CorrectConfig)
     before = sha256(target)
     with pytest.raises(FileExistsError, match="exists; pass overwrite=true"):
         tasks.correct(cfg)

@@ -12,6 +12,8 @@ import scanpy as sc
 
 from batchfix import metrics
 from batchfix.evaluate import evaluate_file
+from batchfix.io import OutputKeys
+from batchfix.normalize import log_cp10k
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "cellbench5.h5ad"
 N_CELLS = 300
@@ -32,7 +34,7 @@ def small() -> ad.AnnData:
 
 @pytest.fixture(scope="module")
 def log_expr(small) -> np.ndarray:
-    return np.asarray(metrics.log_normalize(small.X))
+    return np.asarray(log_cp10k(small.X), dtype=np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -145,16 +147,33 @@ def test_evaluate_file_writes_report_and_leaves_input_alone(corrected_file, tmp_
 def test_evaluate_file_names_what_exists_when_keys_are_missing(corrected_file, tmp_path):
     with pytest.raises(ValueError, match=r"label key 'celltype'.*cell_type"):
         evaluate_file(corrected_file, "batch", "celltype", tmp_path)
-    with pytest.raises(ValueError, match=r"corrected layer 'corrected'.*batchfix"):
-        evaluate_file(corrected_file, "batch", "cell_type", tmp_path, layer="corrected")
-    with pytest.raises(ValueError, match=r"latent obsm key 'X_scvi'.*X_batchfix"):
-        evaluate_file(corrected_file, "batch", "cell_type", tmp_path, latent_key="X_scvi")
+    with pytest.raises(ValueError, match=r"corrected layer 'corrected'.*batchfix.*another key_added"):
+        evaluate_file(corrected_file, "batch", "cell_type", tmp_path, key_added="corrected")
+    without_latent = ad.read_h5ad(corrected_file)
+    del without_latent.obsm["X_batchfix"]
+    without_latent.obsm["X_scvi"] = np.zeros((without_latent.n_obs, 2), dtype=np.float32)
+    without_latent.write_h5ad(tmp_path / "no_latent.h5ad")
+    with pytest.raises(ValueError, match=r"latent obsm key 'X_batchfix'.*X_scvi"):
+        evaluate_file(tmp_path / "no_latent.h5ad", "batch", "cell_type", tmp_path)
     assert not (tmp_path / "metrics.json").exists()
+
+
+def test_evaluate_file_honours_key_added(corrected_file, tmp_path):
+    """A file corrected with key_added=other is scored on var['other_modelled'], layers['other'], obsm['X_other']."""
+    adata = ad.read_h5ad(corrected_file)
+    renamed = ad.AnnData(adata.X, obs=adata.obs, var=adata.var[[]].copy())
+    renamed.var["other_modelled"] = adata.var["batchfix_modelled"].to_numpy()
+    renamed.layers["other"] = adata.layers["batchfix"]
+    renamed.obsm["X_other"] = adata.obsm["X_batchfix"]
+    renamed.write_h5ad(tmp_path / "other.h5ad")
+    result = evaluate_file(tmp_path / "other.h5ad", "batch", "cell_type", tmp_path / "eval", key_added="other")
+    assert result["n_genes_scored"] == N_GENES - 200 and result["genes"] == "var['other_modelled']"
+    assert result["corrected_layer"] == "other" and result["latent_key"] == "X_other"
 
 
 def test_evaluate_corrected_without_labels_scores_batch_mixing_only(corrected_file, tmp_path):
     adata = ad.read_h5ad(corrected_file)
-    result = metrics.evaluate_corrected(adata, "batch", None)
+    result = metrics.evaluate_corrected(adata, "batch", None, OutputKeys("batchfix"))
     assert result["bio_conservation_scored"] is False and "not scored" in result["note"]
     json.dumps(result, allow_nan=False)
     for scores in result["scores"].values():

@@ -19,8 +19,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from batchfix import tasks
-from batchfix.io import InputError
+from batchfix import tasks, training
+from batchfix.config import TrainConfig, validated
+from batchfix.errors import InputError
 from batchfix.module import BatchfixModule, load_trained
 
 N_TOP_GENES = 200
@@ -52,9 +53,9 @@ def train_h5ad(tmp_path_factory, bundled_adata, _subset_index) -> Path:
     return path
 
 
-def compose_train(h5ad: Path, *extra: str):
+def compose_train(h5ad: Path, *extra: str) -> TrainConfig:
     with initialize_config_module(config_module="batchfix.conf", version_base=None):
-        return compose(config_name="train", overrides=[*tiny_overrides(h5ad), *extra])
+        return validated(compose(config_name="train", overrides=[*tiny_overrides(h5ad), *extra]), TrainConfig)
 
 
 def logged_epochs(run_dir: Path) -> pd.DataFrame:
@@ -69,8 +70,7 @@ def logged_epochs(run_dir: Path) -> pd.DataFrame:
 
 
 def run_cli(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "BATCHFIX_VERB"}
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
     return subprocess.run([sys.executable, "-m", "batchfix", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -144,11 +144,14 @@ def test_cli_loss_falls(cli_run):
     assert list(epochs["step"]) == [STEPS_PER_EPOCH * (e + 1) - 1 for e in range(CLI_EPOCHS)]
 
 
-def test_cli_without_verb_prints_usage(tmp_path):
-    """Only the verb (or BATCHFIX_VERB, which DDP child processes inherit) selects a command."""
+def test_cli_without_verb_prints_usage(tmp_path, monkeypatch):
+    """Only the first argument selects a verb; nothing in the environment does."""
+    monkeypatch.setenv("BATCHFIX_VERB", "train")
     result = run_cli(["trainer.max_epochs=1"], cwd=tmp_path, timeout=60)
     assert result.returncode == 2
     assert "usage: python -m batchfix" in result.stdout
+    assert "'trainer.max_epochs=1' is not a verb" in result.stderr
+    assert not (tmp_path / "outputs").exists()
 
 
 # ---------------------------------------------------------------- in-process runs through tasks.train
@@ -164,7 +167,7 @@ def capture_module(monkeypatch):
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    monkeypatch.setattr(tasks, "BatchfixModule", Recorded)
+    monkeypatch.setattr(training, "BatchfixModule", Recorded)
     return built
 
 
@@ -241,14 +244,14 @@ def test_precision_16_mixed_runs_as_bf16_on_cpu(train_h5ad, tmp_path, caplog):
 
 def test_default_precision_follows_the_accelerator(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert tasks.resolve_precision(None) == "32-true"
-    assert tasks.resolve_precision("bf16-mixed") == "bf16-mixed"
+    assert training.resolve_precision(None) == "32-true"
+    assert training.resolve_precision("bf16-mixed") == "bf16-mixed"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert tasks.resolve_precision(None, "auto") == "16-mixed"
-    assert tasks.resolve_precision(None, "gpu") == "16-mixed"
+    assert training.resolve_precision(None, "auto") == "16-mixed"
+    assert training.resolve_precision(None, "gpu") == "16-mixed"
     # A GPU host told to train on its CPU: 32-true by default, and 16-mixed said to become bf16-mixed.
-    assert tasks.resolve_precision(None, "cpu") == "32-true"
-    assert tasks.resolve_precision("16-mixed", "cpu") == "bf16-mixed"
+    assert training.resolve_precision(None, "cpu") == "32-true"
+    assert training.resolve_precision("16-mixed", "cpu") == "bf16-mixed"
 
 
 # ---------------------------------------------------------------- DDP: two CPU processes (gloo)
@@ -262,7 +265,7 @@ def test_ddp_two_cpu_processes_through_cli(train_h5ad, tmp_path):
                      cwd=tmp_path, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    # The second process was started by Lightning (python -m batchfix <overrides>, verb from BATCHFIX_VERB).
+    # The second process was started by Lightning (python -m batchfix.cli.train <same overrides>).
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output
     assert "distributed_backend=gloo" in output
     child_log = run_dir / "train_ddp_process_1.log"
@@ -280,7 +283,7 @@ def test_ddp_two_cpu_processes_through_cli(train_h5ad, tmp_path):
     assert checkpoint_lr(run_dir / "checkpoints" / "last.ckpt") == pytest.approx(0.1 * LEARNING_RATE)
 
     # Only rank 0 wrote the outputs.
-    assert "Run folder:" in (run_dir / "__main__.log").read_text()
+    assert "Run folder:" in (run_dir / "train.log").read_text()
     assert "Run folder:" not in child_log.read_text()
     assert output.count("Run folder:") == 1
     assert ad.read_h5ad(run_dir / "corrected.h5ad").obsm["X_batchfix"].shape == (200, 8)

@@ -1,0 +1,104 @@
+"""The Python API, for notebooks: train and correct in-memory AnnData, no YAML and no run folder.
+
+    model = batchfix.train(adata, batch_key="sample", n_heads=8, max_epochs=40)
+    batchfix.correct(adata, model)              # or model.correct(adata); in place, scanpy style
+    model.save("model.ckpt"); model = batchfix.BatchfixModel.load("model.ckpt")
+
+Options are the command line's, by their last name (`n_heads` is `model.n_heads`), with the same
+defaults and the same validation (batchfix.config).
+"""
+from __future__ import annotations
+
+import difflib
+import tempfile
+from pathlib import Path
+
+import anndata as ad
+
+from batchfix import training
+from batchfix.config import CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
+from batchfix.correction import correct_adata
+from batchfix.errors import ConfigError
+from batchfix.module import BatchfixModel, load_trained
+
+# Options of the command line that have no meaning for an in-memory AnnData.
+NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a run folder: use the command line",
+                   "evaluate": "score with batchfix.metrics or `python -m batchfix evaluate`"}
+_CORRECTION = CorrectionSettings()
+
+
+def train_config(**options) -> TrainConfig:
+    """A validated TrainConfig from options named as in the config (`n_heads=8`, `max_epochs=20`, ...)."""
+    names = flat_option_names(TrainConfig)
+    nested: dict = {}
+    for name, value in options.items():
+        if name in NOT_API_OPTIONS:
+            raise ConfigError(f"'{name}' is not an option of batchfix.train: {NOT_API_OPTIONS[name]}.")
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=3)
+            raise ConfigError(f"Unknown option '{name}'" + (f"; did you mean {close}?" if close else ".") +
+                              " Options: batchfix.config (data, model, fit, trainer, correction).")
+        *groups, last = names[name].split(".")
+        node = nested
+        for group in groups:
+            node = node.setdefault(group, {})
+        node[last] = value
+    return validated(nested, TrainConfig)
+
+
+def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: str | None = None,
+          counts_layer: str | None = None, **options) -> BatchfixModel:
+    """Train batchfix on an in-memory AnnData (raw counts in X, or in `counts_layer`); returns the model.
+
+    `options` are any train options by name, e.g. `n_top_genes=3000, n_heads=8, max_epochs=40,
+    seed=1, enable_progress_bar=False` (see batchfix.config). `adata` is not changed.
+    """
+    cfg = train_config(batch_key=batch_key, label_key=label_key, counts_layer=counts_layer, **options)
+    training.seed_and_threads(cfg.seed, cfg.threads)
+    prepared = training.load_training_data(cfg.data, adata)
+    with tempfile.TemporaryDirectory(prefix="batchfix-train-") as scratch:
+        result = training.fit(cfg, prepared, Path(scratch))
+        model = load_trained(result.best_checkpoint)
+    model.path = None  # the checkpoint it came from is gone: model.save(path) keeps it
+    return model
+
+
+def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, counts_layer: str | None = None,
+            copy: bool = False, progress: bool = False, reference: str | None = _CORRECTION.reference,
+            key_added: str = _CORRECTION.key_added, chunk_size: int = _CORRECTION.chunk_size,
+            batch_size: int = _CORRECTION.batch_size,
+            max_missing_fraction: float = _CORRECTION.max_missing_fraction) -> ad.AnnData | None:
+    """Batch-correct an in-memory AnnData with a trained model (or a checkpoint path), scanpy style.
+
+    Parameters
+    ----------
+    adata
+        Cells x genes; var_names are matched to the model's genes by name. Raw counts in X, or in
+        `counts_layer` (log-normalized values for a model trained with data.scale=log).
+    model
+        A `BatchfixModel` (from `batchfix.train` or `BatchfixModel.load`), or the path of a
+        checkpoint such as `<run folder>/model.ckpt` (loaded without executing code from the file).
+    reference
+        A training batch to express every cell as, or None / "average" for the average over the
+        training batches. Cells of batches the model never saw are corrected too.
+    key_added
+        Names what is added: layers[key_added], var[f"{key_added}_modelled"], obsm[f"X_{key_added}"],
+        uns[key_added].
+    copy
+        Return a corrected copy instead of adding to `adata` (which is then left unchanged).
+    max_missing_fraction
+        Refuse (InputError) when more than this share of the model's genes is missing from var_names;
+        fewer missing genes enter the model as zeros and are listed in uns[key_added]["missing_genes"].
+    chunk_size, batch_size
+        Cells processed at a time, and cells per forward pass of the network.
+
+    Adds layers[key_added] (float32 CSR, corrected log1p expression per 10k counts, values stored for
+    the modelled genes only: other genes read as 0 and are False in var[f"{key_added}_modelled"]),
+    obsm[f"X_{key_added}"] (the latent) and uns[key_added] (version, checkpoint sha256, reference
+    batch, modelled and missing genes, parameters). Returns the copy when copy=True, else None.
+    For .h5ad files of any size use `python -m batchfix correct`, which streams cells from disk.
+    """
+    settings = validated(dict(reference=reference, key_added=key_added, chunk_size=chunk_size, batch_size=batch_size,
+                              max_missing_fraction=max_missing_fraction), CorrectionSettings)
+    trained = model if isinstance(model, BatchfixModel) else load_trained(model)
+    return correct_adata(adata, trained, settings, counts_layer=counts_layer, copy=copy, progress=progress)

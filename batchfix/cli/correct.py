@@ -1,0 +1,21 @@
+"""`python -m batchfix correct input=IN output=OUT checkpoint=RUN/model.ckpt`: write a corrected copy of an .h5ad."""
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from batchfix.cli.common import user_errors_reported
+from batchfix.config import CorrectConfig, validated
+
+
+@hydra.main(version_base=None, config_path="pkg://batchfix.conf", config_name="correct")
+def main(cfg: DictConfig) -> None:
+    """Correct (batchfix.tasks.correct): the output file is all it writes."""
+    with user_errors_reported("correct"):
+        from batchfix import tasks
+
+        tasks.correct(validated(cfg, CorrectConfig))
+
+
+if __name__ == "__main__":
+    main()

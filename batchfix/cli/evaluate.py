@@ -1,0 +1,23 @@
+"""`python -m batchfix evaluate input=X.corrected.h5ad`: score batch mixing and biology conservation."""
+from __future__ import annotations
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from batchfix.cli.common import user_errors_reported
+from batchfix.config import EvaluateConfig, validated
+
+
+@hydra.main(version_base=None, config_path="pkg://batchfix.conf", config_name="evaluate")
+def main(cfg: DictConfig) -> float | None:
+    """Evaluate (batchfix.tasks.evaluate) into the run folder; return the corrected-expression Total."""
+    with user_errors_reported("evaluate"):
+        from batchfix import tasks
+
+        evaluation = tasks.evaluate(validated(cfg, EvaluateConfig), HydraConfig.get().runtime.output_dir)
+        return tasks.headline({"evaluation": evaluation})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Every option of batchfix: its type, its one default, and the values it accepts.
+
+These dataclasses are the schemas Hydra composes the YAML presets of `conf/` onto (registered in
+Hydra's ConfigStore by `register_schemas`), so a value of the wrong type is refused while the
+command line is parsed (`fit.batch_size=abc`). Ranges and combinations are checked in each
+schema's `__post_init__`, which runs when a composed config becomes these objects (`validated`),
+and when the Python API builds them from keyword options (`train_config`): no option reaches
+torch or scanpy unchecked, and every error names the option and what it accepts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, ClassVar, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from batchfix.errors import ConfigError
+
+GENOMES = ("GRCh38", "mm10")
+SCALES = ("counts", "log")
+UNPLACED_CHOICES = ("keep", "drop")
+ATTENTION_BACKENDS = ("guarded", "sdpa")
+POSITION_ENCODINGS = ("real", "shuffled", "none")
+LIKELIHOODS = ("nb", "gaussian")
+PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
+
+
+def one_of(option: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{option} must be one of {list(choices)}, got {value!r}.")
+
+
+def at_least(option: str, value, minimum, what: str = "") -> None:
+    if value < minimum:
+        raise ConfigError(f"{option} must be >= {minimum}{what}, got {value!r}.")
+
+
+def within(option: str, value, low, high, high_open: bool = False) -> None:
+    if not (low <= value < high if high_open else low <= value <= high):
+        raise ConfigError(f"{option} must be in [{low}, {high}{')' if high_open else ']'}, got {value!r}.")
+
+
+def non_empty(option: str, value) -> None:
+    if value is not None and not str(value).strip():
+        raise ConfigError(f"{option} must name something (got an empty string); use null to leave it unset.")
+
+
+@dataclass
+class DataKeys:
+    """Where a file keeps its batches, labels and counts (`data.*` of every verb)."""
+
+    batch_key: str = "batch"  # obs column naming each cell's batch
+    label_key: Optional[str] = None  # obs column of cell labels (scoring only); null = no labels
+    counts_layer: Optional[str] = None  # null = X; else the layer holding raw counts
+
+    def __post_init__(self):
+        for name in ("batch_key", "label_key", "counts_layer"):
+            non_empty(f"data.{name}", getattr(self, name))
+        if self.label_key is not None and self.label_key == self.batch_key:
+            raise ConfigError(f"data.label_key and data.batch_key both name obs column '{self.batch_key}'.")
+
+
+@dataclass
+class DataConfig(DataKeys):
+    """The input file and how its genes become the model's tokens (`data.*` of train)."""
+
+    path: Optional[str] = None  # .h5ad file; null = the bundled CellBench dataset
+    scale: str = "counts"  # counts (negative binomial) | log (log-normalized input, Gaussian)
+    n_top_genes: Optional[int] = 2000  # batch-aware highly variable genes; null = all genes
+    genome: str = "GRCh38"  # GRCh38 | mm10: the bundled coordinate table for genes var does not place
+    gtf: Optional[str] = None  # a GTF file to place genes instead of the bundled table
+    unplaced: str = "keep"  # keep (a trailing 'unplaced' group) | drop genes with no coordinates
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("path", "gtf"):
+            non_empty(f"data.{name}", getattr(self, name))
+        one_of("data.scale", self.scale, SCALES)
+        one_of("data.genome", self.genome, GENOMES)
+        one_of("data.unplaced", self.unplaced, UNPLACED_CHOICES)
+        if self.n_top_genes is not None:
+            at_least("data.n_top_genes", self.n_top_genes, 1, " (or null for all genes)")
+
+
+@dataclass
+class ModelConfig:
+    """Network hyperparameters (`model.*`); sizes derived from the data (genes, batches) are not options."""
+
+    genes_per_token: int = 32  # genes per locus token; attention cost grows with (genes / genes_per_token)^2
+    d_model: int = 64  # token width
+    n_heads: int = 4  # attention heads; must divide d_model
+    n_layers: int = 2  # transformer blocks
+    dropout: float = 0.0
+    latent_dim: int = 30  # batch-free latent space
+    decoder_hidden: int = 128
+    attention: str = "guarded"  # guarded (written-out softmax with the fp16 guards) | sdpa (fused kernel)
+    position_encoding: str = "real"  # real | none | shuffled (ablations)
+    min_wavelength: float = 1e3  # bp; sinusoid wavelengths span min..max geometrically
+    max_wavelength: float = 3e8
+    likelihood: str = "nb"  # nb on counts | gaussian (set automatically for data.scale=log)
+    kl_weight: float = 1.0
+    adversarial_weight: float = 10.0  # batch classifier on the latent through gradient reversal (0 = off)
+
+    def __post_init__(self):
+        for name in ("genes_per_token", "d_model", "n_heads", "n_layers", "latent_dim", "decoder_hidden"):
+            at_least(f"model.{name}", getattr(self, name), 1)
+        at_least("model.d_model", self.d_model, 2, " (the sinusoidal encoding needs a sine and a cosine)")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}).")
+        within("model.dropout", self.dropout, 0.0, 1.0, high_open=True)
+        one_of("model.attention", self.attention, ATTENTION_BACKENDS)
+        one_of("model.position_encoding", self.position_encoding, POSITION_ENCODINGS)
+        one_of("model.likelihood", self.likelihood, LIKELIHOODS)
+        if not 0 < self.min_wavelength < self.max_wavelength:
+            raise ConfigError("model.min_wavelength and model.max_wavelength must satisfy 0 < min < max, got "
+                              f"{self.min_wavelength!r} and {self.max_wavelength!r}.")
+        at_least("model.kl_weight", self.kl_weight, 0.0)
+        at_least("model.adversarial_weight", self.adversarial_weight, 0.0)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass
+class FitConfig:
+    """The optimisation (`fit.*`)."""
+
+    batch_size: int = 128  # cells per minibatch
+    learning_rate: float = 2e-3  # AdamW peak rate; cosine decay to 0.1x over the planned steps
+    weight_decay: float = 1e-4  # AdamW decay of weight matrices (biases and LayerNorm are not decayed)
+    kl_warmup_fraction: float = 0.3  # share of the planned steps over which the KL weight ramps 0 -> 1
+    validation_fraction: float = 0.1  # held-out cells for early stopping (none below 50 cells)
+    early_stopping_patience: int = 10  # epochs without a better validation ELBO; 0 = off
+    target_steps: int = 500  # with trainer.max_epochs=null: epochs = ceil(target_steps / steps per epoch) ...
+    min_auto_epochs: int = 5  # ... but at least this many ...
+    max_auto_epochs: int = 400  # ... and at most this many
+
+    def __post_init__(self):
+        at_least("fit.batch_size", self.batch_size, 1)
+        if not self.learning_rate > 0:
+            raise ConfigError(f"fit.learning_rate must be > 0, got {self.learning_rate!r}.")
+        at_least("fit.weight_decay", self.weight_decay, 0.0)
+        within("fit.kl_warmup_fraction", self.kl_warmup_fraction, 0.0, 1.0)
+        within("fit.validation_fraction", self.validation_fraction, 0.0, 1.0, high_open=True)
+        at_least("fit.early_stopping_patience", self.early_stopping_patience, 0, " (0 = off)")
+        at_least("fit.target_steps", self.target_steps, 1)
+        at_least("fit.min_auto_epochs", self.min_auto_epochs, 1)
+        at_least("fit.max_auto_epochs", self.max_auto_epochs, self.min_auto_epochs, " (fit.min_auto_epochs)")
+
+
+@dataclass
+class TrainerConfig:
+    """Lightning Trainer arguments (`trainer.*`)."""
+
+    accelerator: str = "auto"  # auto | cpu | gpu | ...
+    devices: Any = 1  # number of devices, a list of indices, or "auto"
+    strategy: str = "auto"  # auto | ddp | ddp_find_unused_parameters_true | ...
+    num_nodes: int = 1
+    precision: Optional[str] = None  # null = 16-mixed on a GPU, 32-true on CPU
+    max_epochs: Optional[int] = None  # null = sized to the data (fit.target_steps)
+    gradient_clip_val: Optional[float] = 1.0
+    log_every_n_steps: int = 5
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = False
+    deterministic: bool = False
+
+    def __post_init__(self):
+        if self.precision is not None:
+            one_of("trainer.precision", str(self.precision), PRECISIONS)
+        if self.max_epochs is not None:
+            at_least("trainer.max_epochs", self.max_epochs, 1, " (or null: sized to the data)")
+        if self.gradient_clip_val is not None:
+            at_least("trainer.gradient_clip_val", self.gradient_clip_val, 0.0)
+        at_least("trainer.log_every_n_steps", self.log_every_n_steps, 1)
+        at_least("trainer.num_nodes", self.num_nodes, 1)
+        devices = self.devices
+        if isinstance(devices, bool) or not (
+            devices == "auto" or (isinstance(devices, int) and (devices >= 1 or devices == -1))
+            or (isinstance(devices, (list, tuple)) and devices and all(isinstance(d, int) and d >= 0 for d in devices))
+        ):
+            raise ConfigError(f"trainer.devices must be a positive count, -1 (all), a list of device indices or "
+                              f"'auto', got {devices!r}.")
+
+
+@dataclass
+class CorrectionOptions:
+    """How corrected expression is made, in `train`'s run folder and by `correct`."""
+
+    PREFIX: ClassVar[str] = "correction."  # how the options are named in messages
+    reference: Optional[str] = None  # a training batch to express every cell as; null / average = all batches
+    key_added: str = "batchfix"  # writes layers[KEY], var[KEY_modelled], obsm[X_KEY], uns[KEY]
+
+    def __post_init__(self):
+        non_empty(f"{self.PREFIX}reference", self.reference)
+        if self.key_added is None or not str(self.key_added).strip():
+            raise ConfigError(f"{self.PREFIX}key_added must be a non-empty name, got {self.key_added!r}.")
+        if "/" in self.key_added:
+            raise ConfigError(f"{self.PREFIX}key_added must not contain '/', got {self.key_added!r}.")
+
+
+@dataclass
+class InferenceOptions:
+    """How many cells correction handles at a time."""
+
+    chunk_size: int = 4096  # cells read, corrected and written at a time (memory grows with it)
+    # Cells per forward pass: on CPU the attention over ~60 locus tokens runs 2-4x faster per cell in
+    # batches of 64-128 than of thousands (its (cells, heads, tokens, tokens) scores stay in cache).
+    batch_size: int = 128
+    max_missing_fraction: float = 0.2  # refuse when more of the model's genes than this are missing
+
+    def __post_init__(self):
+        at_least("chunk_size", self.chunk_size, 1)
+        at_least("batch_size", self.batch_size, 1)
+        within("max_missing_fraction", self.max_missing_fraction, 0.0, 1.0)
+
+
+@dataclass
+class CorrectionSettings(CorrectionOptions, InferenceOptions):
+    """Everything the correction core needs besides the data and the model."""
+
+    PREFIX: ClassVar[str] = ""
+
+    def __post_init__(self):
+        CorrectionOptions.__post_init__(self)
+        InferenceOptions.__post_init__(self)
+
+
+@dataclass
+class TrainConfig:
+    """`python -m batchfix train`: fit a model, write model.ckpt, corrected.h5ad and metrics.json."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fit: FitConfig = field(default_factory=FitConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    correction: CorrectionOptions = field(default_factory=CorrectionOptions)
+    seed: int = 0
+    threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
+    resume: Optional[str] = None  # a previous run folder: continue from its checkpoints/last.ckpt
+    evaluate: bool = True  # score batch mixing into metrics.json when data.label_key is set
+
+    def __post_init__(self):
+        if self.threads is not None:
+            at_least("threads", self.threads, 1, " (or null: all cores)")
+        non_empty("resume", self.resume)
+        if self.data.scale == "counts" and self.model.likelihood == "gaussian":
+            raise ConfigError("model.likelihood=gaussian is for log-scale input: set data.scale=log as well.")
+
+
+@dataclass
+class CorrectConfig(CorrectionSettings):
+    """`python -m batchfix correct`: add corrected expression to an .h5ad with a trained checkpoint."""
+
+    input: Optional[str] = None  # .h5ad to correct; null = the bundled dataset
+    output: Optional[str] = None  # null = <input name>.corrected.h5ad in the working folder
+    checkpoint: Optional[str] = None  # a run folder's model.ckpt
+    counts_layer: Optional[str] = None  # null = X; else the layer holding raw counts
+    overwrite: bool = False  # replace an existing output
+    progress: bool = True  # progress bar (cells/s) on stderr
+    threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("input", "output", "counts_layer"):
+            non_empty(name, getattr(self, name))
+        if not self.checkpoint or not str(self.checkpoint).strip():
+            raise ConfigError("correct needs checkpoint=<run folder>/model.ckpt.")
+        if self.threads is not None:
+            at_least("threads", self.threads, 1, " (or null: all cores)")
+
+
+@dataclass
+class EvaluateConfig:
+    """`python -m batchfix evaluate`: score a corrected file's batch mixing and biology conservation."""
+
+    input: Optional[str] = None  # a corrected .h5ad; null = the bundled dataset
+    data: DataKeys = field(default_factory=DataKeys)  # counts_layer: the uncorrected counts to compare with
+    key_added: str = CorrectionOptions.key_added  # the key the correction was written under
+
+    def __post_init__(self):
+        non_empty("input", self.input)
+        if not self.key_added or not str(self.key_added).strip():
+            raise ConfigError(f"key_added must be a non-empty name, got {self.key_added!r}.")
+
+
+SCHEMAS = {"train": TrainConfig, "correct": CorrectConfig, "evaluate": EvaluateConfig}
+GROUP_SCHEMAS = {"data": DataConfig, "model": ModelConfig, "fit": FitConfig, "trainer": TrainerConfig}
+
+
+def register_schemas() -> None:
+    """Put every schema in Hydra's ConfigStore: `<verb>_schema` for the verbs, `<group>/schema` for groups."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for verb, schema in SCHEMAS.items():
+        store.store(name=f"{verb}_schema", node=schema)
+    for group, schema in GROUP_SCHEMAS.items():
+        store.store(group=group, name="schema", node=schema)
+
+
+def readable(err: OmegaConfBaseException) -> str:
+    """One line from an OmegaConf error: the option and what was wrong with it."""
+    message = str(getattr(err, "msg", None) or err).splitlines()[0]
+    key = getattr(err, "full_key", None)
+    return f"{key}: {message}" if key and not message.startswith(str(key)) else message
+
+
+def validated(cfg: DictConfig | dict, schema: type):
+    """The composed config as schema objects; every range and combination checked (ConfigError)."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(readable(err)) from None
+
+
+def flat_option_names(schema: type = TrainConfig) -> dict[str, str]:
+    """{option name: dotted key} of a schema's options, e.g. {'n_heads': 'model.n_heads', 'seed': 'seed'}."""
+    names: dict[str, str] = {}
+    for top in fields(schema):
+        group = top.default_factory if is_dataclass(top.default_factory) else None
+        pairs = [(f.name, f"{top.name}.{f.name}") for f in fields(group)] if group else [(top.name, top.name)]
+        for name, dotted in pairs:
+            if name in names:
+                raise AssertionError(f"option name '{name}' is ambiguous: {names[name]} and {dotted}")
+            names[name] = dotted
+    return names

@@ -1,0 +1,152 @@
+"""Fitting: validated options and data in, a trained model out.
+
+The steps `python -m batchfix train` (batchfix.tasks) and the Python API (batchfix.api) share:
+read and prepare the data, plan the epochs, build the Lightning Trainer and module, fit.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import anndata as ad
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
+
+from batchfix.config import DataConfig, FitConfig, TrainConfig, TrainerConfig
+from batchfix.data import CellDataModule, PreparedData, prepare
+from batchfix.errors import InputError
+from batchfix.io import expression_input, load_expression
+from batchfix.module import BatchfixModule, load_trained
+
+log = logging.getLogger(__name__)
+
+
+def bundled_dataset() -> str:
+    """Path of the bundled CellBench dataset (the default input of every command)."""
+    from importlib import resources
+
+    return str(resources.files("batchfix.bundled").joinpath("cellbench5.h5ad"))
+
+
+def input_path(path: str | None) -> str:
+    """A user's input path, or the bundled dataset for null / 'bundled'."""
+    return bundled_dataset() if path in (None, "", "bundled") else str(Path(path).expanduser())
+
+
+def seed_and_threads(seed: int, threads: int | None) -> None:
+    pl.seed_everything(seed, workers=True)
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def load_training_data(data: DataConfig, adata: ad.AnnData | None = None) -> PreparedData:
+    """Validated cells and modelled genes in genomic order, from `adata` or else the file data.path."""
+    if adata is None:
+        inp = load_expression(input_path(data.path), data, data.scale)
+    else:
+        inp = expression_input(adata, data, data.scale)
+    return prepare(inp, data)
+
+
+def resolve_precision(requested: str | None, accelerator: str = "auto") -> str:
+    """16-mixed on a GPU, 32-true on CPU unless asked; say what runs (Lightning makes 16-mixed bf16 on CPU)."""
+    on_gpu = torch.cuda.is_available() and str(accelerator) in ("auto", "gpu", "cuda")
+    precision = str(requested) if requested is not None else ("16-mixed" if on_gpu else "32-true")
+    if not on_gpu and precision in ("16-mixed", "16"):
+        log.warning("precision=16-mixed asked on CPU: Lightning runs bf16-mixed instead (fp16 needs a GPU).")
+        precision = "bf16-mixed"
+    log.info("Training precision: %s on %s.", precision, "GPU" if on_gpu else "CPU")
+    return precision
+
+
+def planned_epochs(trainer: TrainerConfig, fit: FitConfig, steps_per_epoch: int) -> int:
+    """trainer.max_epochs, or when null a size-scaled count giving about fit.target_steps gradient steps."""
+    if trainer.max_epochs is not None:
+        return trainer.max_epochs
+    epochs = math.ceil(fit.target_steps / steps_per_epoch)
+    return int(min(max(epochs, fit.min_auto_epochs), fit.max_auto_epochs))
+
+
+def build_trainer(cfg: TrainConfig, run_dir: Path, has_validation: bool) -> pl.Trainer:
+    """The Trainer; its max_epochs is set by the caller once the per-process steps are known."""
+    options = cfg.trainer
+    # The negative ELBO, not the training loss: the adversarial term rises as mixing succeeds.
+    monitor = "val_elbo" if has_validation else "train_elbo"
+    callbacks = [ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="best", monitor=monitor, save_top_k=1,
+                                 save_last=True)]
+    if cfg.fit.early_stopping_patience and has_validation:
+        callbacks.append(EarlyStopping(monitor=monitor, patience=cfg.fit.early_stopping_patience))
+    return pl.Trainer(
+        default_root_dir=str(run_dir), callbacks=callbacks, logger=CSVLogger(str(run_dir), name="logs", version=""),
+        accelerator=options.accelerator, devices=options.devices, strategy=options.strategy,
+        num_nodes=options.num_nodes, precision=resolve_precision(options.precision, options.accelerator),
+        gradient_clip_val=options.gradient_clip_val, log_every_n_steps=options.log_every_n_steps,
+        enable_progress_bar=options.enable_progress_bar, enable_model_summary=options.enable_model_summary,
+        deterministic=options.deterministic, **({} if has_validation else {"limit_val_batches": 0}),
+    )
+
+
+def build_module(cfg: TrainConfig, prepared: PreparedData, planned_steps: int) -> BatchfixModule:
+    """The Lightning module for the prepared genes and batches, with their standardisation statistics."""
+    model = replace(cfg.model, likelihood="gaussian") if cfg.data.scale == "log" else cfg.model
+    coordinates = prepared.coordinates
+    module = BatchfixModule(
+        model=model.to_dict(), genes=prepared.genes, chromosome=list(coordinates.chromosome),
+        start=coordinates.start.tolist(), end=coordinates.end.tolist(), batch_categories=prepared.batch_categories,
+        scale=cfg.data.scale, learning_rate=cfg.fit.learning_rate, weight_decay=cfg.fit.weight_decay,
+        kl_warmup_fraction=cfg.fit.kl_warmup_fraction, planned_steps=planned_steps,
+    )
+    module.set_normalization(prepared.gene_mean, prepared.gene_std)
+    return module
+
+
+def resume_checkpoint(resume: str | None, prepared: PreparedData) -> Path | None:
+    """The last.ckpt of the run folder `resume`, checked to be a run on the same genes and batches."""
+    if not resume:
+        return None
+    checkpoint = Path(resume).expanduser() / "checkpoints" / "last.ckpt"
+    if not checkpoint.is_file():
+        raise InputError(f"Cannot resume: no checkpoint at {checkpoint}.")
+    saved = load_trained(checkpoint)
+    if saved.genes != prepared.genes or saved.batch_categories != prepared.batch_categories:
+        raise InputError(f"Cannot resume from {resume}: it was trained on other genes or batches "
+                         "(same data and data.* options are needed).")
+    return checkpoint
+
+
+@dataclass
+class FitResult:
+    """A finished fit: the trainer (rank, epochs, logged metrics), the module and the best checkpoint."""
+
+    trainer: pl.Trainer
+    module: BatchfixModule
+    n_train_cells: int
+    seconds: float
+
+    @property
+    def best_checkpoint(self) -> Path:
+        callback = self.trainer.checkpoint_callback
+        return Path(callback.best_model_path or callback.last_model_path)
+
+
+def fit(cfg: TrainConfig, prepared: PreparedData, run_dir: Path) -> FitResult:
+    """Train on the prepared data; checkpoints and logs/metrics.csv go into run_dir."""
+    datamodule = CellDataModule(prepared, cfg.fit.batch_size, cfg.fit.validation_fraction, cfg.seed)
+    trainer = build_trainer(cfg, run_dir, has_validation=len(datamodule.validation_rows) > 0)
+    # Under DDP each process takes every world_size-th minibatch: steps per epoch shrink accordingly.
+    steps_per_epoch = math.ceil(math.ceil(len(datamodule.train_rows) / cfg.fit.batch_size) / trainer.world_size)
+    max_epochs = planned_epochs(cfg.trainer, cfg.fit, steps_per_epoch)
+    trainer.fit_loop.max_epochs = max_epochs
+    module = build_module(cfg, prepared, planned_steps=max_epochs * steps_per_epoch)
+    log.info("Modelling %d genes as %d locus tokens of %d genes, %d cells, %d batches; %d epochs planned.",
+             len(prepared.genes), module.windows.n_tokens, cfg.model.genes_per_token, prepared.counts.shape[0],
+             len(prepared.batch_categories), max_epochs)
+    resume_from = resume_checkpoint(cfg.resume, prepared)
+    started = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
+    return FitResult(trainer, module, len(datamodule.train_rows), time.perf_counter() - started)
