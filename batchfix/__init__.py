@@ -12,7 +12,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 # The API pulls in torch and Lightning: imported on first use, so `python -m batchfix --help` stays quick.
-_LAZY = {"train": "batchfix.api", "correct": "batchfix.api", "BatchfixModel": "batchfix.module"}
+_LAZY = {"train": "batchfix.api", "correct": "batchfix.api", "BatchfixModel": "batchfix.module",
+         "bundled_dataset": "batchfix.training"}
 
 
 def __getattr__(name: str):
@@ -23,4 +24,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'batchfix' has no attribute '{name}'")
 
 
-__all__ = ["train", "correct", "BatchfixModel", "__version__"]
+__all__ = ["train", "correct", "BatchfixModel", "bundled_dataset", "__version__"]

@@ -34,6 +34,7 @@ agreement and neighbours.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -67,123 +68,143 @@ NO_LABELS_NOTE = (
 )
 
 
-def gene_fidelity(
-    counts,
-    corrected,
-    batch: Sequence,
-    labels: Sequence | None = None,
-    *,
-    min_cells_de: int = MIN_CELLS_DE,
-    min_cells_group: int = MIN_CELLS_GROUP,
-    n_markers: int = N_MARKERS,
-    n_pcs: int = N_PCS,
-    n_neighbors: int = N_NEIGHBORS,
-    n_hvg: int = N_HVG,
-    require_integer_counts: bool = True,
-) -> dict:
+@dataclass(frozen=True)
+class Thresholds:
+    """The sizes the definitions use (module constants by default)."""
+
+    min_cells_de: int = MIN_CELLS_DE
+    min_cells_group: int = MIN_CELLS_GROUP
+    n_markers: int = N_MARKERS
+    n_pcs: int = N_PCS
+    n_neighbors: int = N_NEIGHBORS
+    n_hvg: int = N_HVG
+
+    def __post_init__(self):
+        for name, value in asdict(self).items():
+            if int(value) != value or value < 1:
+                raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+        if self.min_cells_group < 2:
+            raise ValueError(f"min_cells_group must be >= 2 (a cell needs a neighbour); got {self.min_cells_group}.")
+
+
+@dataclass
+class WithinBatch:
+    """What the pass over batches collects: HVG overlaps, DE difference sums, neighbour scores."""
+
+    hvg_per_batch: dict[str, float] = field(default_factory=dict)
+    de_sum_ref: dict[str, np.ndarray] = field(default_factory=dict)
+    de_sum_cor: dict[str, np.ndarray] = field(default_factory=dict)
+    de_batches: dict[str, list[str]] = field(default_factory=dict)
+    group_scores: dict[str, float] = field(default_factory=dict)
+
+
+def gene_fidelity(counts, corrected, batch: Sequence, labels: Sequence | None = None, *,
+                  require_integer_counts: bool = True, **thresholds) -> dict:
     """Score `corrected` (cells x genes, log scale) against the within-batch reference of `counts`.
 
     `counts`: raw counts of the same cells and genes (dense or sparse; whole numbers unless
-    `require_integer_counts=False`). `batch`, `labels`: one entry per cell. Returns a JSON-able
-    dict: the four scores under `GENE_METRICS` (None where not computed), how many labels, groups
-    and batches were scored, per-label and per-batch values, the parameters, and a `note` naming
-    what was not computed and why (absent when everything was). See the module docstring for the
-    definitions. Bad input raises ValueError naming the problem.
+    `require_integer_counts=False`). `batch`, `labels`: one entry per cell. `thresholds`: fields of
+    `Thresholds` (min_cells_de, min_cells_group, n_markers, n_pcs, n_neighbors, n_hvg). Returns a
+    JSON-able dict: the four scores under `GENE_METRICS` (None where not computed), how many labels,
+    groups and batches were scored, per-label and per-batch values, the parameters, and a `note`
+    naming what was not computed and why (absent when everything was). See the module docstring
+    for the definitions. Bad input raises ValueError naming the problem.
     """
+    params = Thresholds(**thresholds)
     counts, corrected = _check_matrices(counts, corrected, require_integer_counts)
     n_cells, n_genes = counts.shape
     batch = _check_labels(batch, n_cells, "batch")
     labels = None if labels is None else _check_labels(labels, n_cells, "labels")
-    for name, value in (("min_cells_de", min_cells_de), ("min_cells_group", min_cells_group),
-                        ("n_markers", n_markers), ("n_pcs", n_pcs), ("n_neighbors", n_neighbors),
-                        ("n_hvg", n_hvg)):
-        if int(value) != value or value < 1:
-            raise ValueError(f"{name} must be a positive integer; got {value!r}.")
-    if min_cells_group < 2:
-        raise ValueError(f"min_cells_group must be >= 2 (a cell needs a neighbour); got {min_cells_group}.")
-    k_markers, k_hvg = min(n_markers, n_genes), min(n_hvg, n_genes)
+    k_markers, k_hvg = min(params.n_markers, n_genes), min(params.n_hvg, n_genes)
+    within = _within_batch(counts, corrected, batch, labels, params, k_hvg)
+    per_label, flat_reference = _label_scores(within, k_markers)
+    result = {
+        DE_RANK: _mean([v[DE_RANK] for v in per_label.values()]),
+        MARKER_RECALL: _mean([v[MARKER_RECALL] for v in per_label.values()]),
+        WITHIN_TYPE: _mean(list(within.group_scores.values())),
+        HVG_CONSERVATION: _mean(list(within.hvg_per_batch.values())),
+        "n_cells": int(n_cells),
+        "n_genes": int(n_genes),
+        "n_labels_scored": len(per_label),
+        "n_groups_scored": len(within.group_scores),
+        "n_batches_scored": len(within.hvg_per_batch),
+        "labels_given": labels is not None,
+        "per_label": per_label,
+        "per_group": within.group_scores,
+        "per_batch": within.hvg_per_batch,
+        "parameters": {**asdict(params), "n_markers": int(k_markers), "n_hvg": int(k_hvg)},
+    }
+    notes = _notes(within, per_label, flat_reference, labels, params)
+    if notes:
+        result["note"] = " ".join(notes)
+    return result
 
-    hvg_per_batch: dict[str, float] = {}
-    de_sum_ref: dict[str, np.ndarray] = {}
-    de_sum_cor: dict[str, np.ndarray] = {}
-    de_batches: dict[str, list[str]] = {}
-    group_scores: dict[str, float] = {}
+
+def _within_batch(counts, corrected, batch: np.ndarray, labels: np.ndarray | None, params: Thresholds,
+                  k_hvg: int) -> WithinBatch:
+    """One pass over batches: everything is compared within a batch, never across."""
+    within = WithinBatch()
     for b in pd.unique(batch):
         rows = np.flatnonzero(batch == b)
         ref = log_cp10k(_dense_rows(counts, rows))
         cor = _dense_rows(corrected, rows)
         if len(rows) >= 2:
-            hvg_per_batch[b] = _top_overlap(ref.var(axis=0), cor.var(axis=0), k_hvg)
+            within.hvg_per_batch[b] = _top_overlap(ref.var(axis=0), cor.var(axis=0), k_hvg)
         if labels is None:
             continue
         cell_labels = labels[rows]
         for label in pd.unique(cell_labels):
             in_label = cell_labels == label
             n_in = int(in_label.sum())
-            if n_in >= min_cells_de and len(rows) - n_in >= min_cells_de:
-                for sums, values in ((de_sum_ref, ref), (de_sum_cor, cor)):
+            if n_in >= params.min_cells_de and len(rows) - n_in >= params.min_cells_de:
+                for sums, values in ((within.de_sum_ref, ref), (within.de_sum_cor, cor)):
                     diff = values[in_label].mean(axis=0) - values[~in_label].mean(axis=0)
                     sums[label] = sums.get(label, 0.0) + diff
-                de_batches.setdefault(label, []).append(b)
-            if n_in >= min_cells_group:
-                group_scores[f"{b} / {label}"] = _neighbours_kept(
-                    ref[in_label], cor[in_label], n_pcs, n_neighbors
-                )
+                within.de_batches.setdefault(label, []).append(b)
+            if n_in >= params.min_cells_group:
+                within.group_scores[f"{b} / {label}"] = _neighbours_kept(
+                    ref[in_label], cor[in_label], params.n_pcs, params.n_neighbors)
+    return within
 
-    per_label: dict[str, dict] = {}
+
+def _label_scores(within: WithinBatch, k_markers: int) -> tuple[dict[str, dict], list[str]]:
+    """DE-rank agreement and marker recall per label, and the labels whose reference is flat."""
+    per_label, flat_reference = {}, []
+    for label in sorted(within.de_batches):
+        n = len(within.de_batches[label])
+        diff_ref, diff_cor = within.de_sum_ref[label] / n, within.de_sum_cor[label] / n
+        if np.ptp(diff_ref) == 0:
+            flat_reference.append(label)
+            continue
+        per_label[label] = {
+            DE_RANK: _spearman(diff_ref, diff_cor),
+            MARKER_RECALL: _top_overlap(diff_ref, diff_cor, k_markers),
+            "batches": within.de_batches[label],
+        }
+    return per_label, flat_reference
+
+
+def _notes(within: WithinBatch, per_label: dict, flat_reference: list[str], labels: np.ndarray | None,
+           params: Thresholds) -> list[str]:
+    """What was not computed, and why."""
     notes = []
-    if labels is not None:
-        flat_reference = []
-        for label in sorted(de_batches):
-            n = len(de_batches[label])
-            diff_ref, diff_cor = de_sum_ref[label] / n, de_sum_cor[label] / n
-            if np.ptp(diff_ref) == 0:
-                flat_reference.append(label)
-                continue
-            per_label[label] = {
-                DE_RANK: _spearman(diff_ref, diff_cor),
-                MARKER_RECALL: _top_overlap(diff_ref, diff_cor, k_markers),
-                "batches": de_batches[label],
-            }
+    if labels is None:
+        notes.append(NO_LABELS_NOTE)
+    else:
         unscored = sorted(set(map(str, pd.unique(labels))) - set(per_label))
         if unscored:
             notes.append(
                 f"Labels without DE scores: {unscored} (a label needs a batch with >= "
-                f"{min_cells_de} of its cells and >= {min_cells_de} other cells"
+                f"{params.min_cells_de} of its cells and >= {params.min_cells_de} other cells"
                 + (f"; {flat_reference} have identical reference means in and out of the label"
                    if flat_reference else "") + ")."
             )
-        if not group_scores:
-            notes.append(f"No (batch, label) group has >= {min_cells_group} cells: within-type "
+        if not within.group_scores:
+            notes.append(f"No (batch, label) group has >= {params.min_cells_group} cells: within-type "
                          "neighbours were not computed.")
-    else:
-        notes.append(NO_LABELS_NOTE)
-    if not hvg_per_batch:
+    if not within.hvg_per_batch:
         notes.append("No batch has >= 2 cells: HVG conservation was not computed.")
-
-    result = {
-        DE_RANK: _mean([v[DE_RANK] for v in per_label.values()]),
-        MARKER_RECALL: _mean([v[MARKER_RECALL] for v in per_label.values()]),
-        WITHIN_TYPE: _mean(list(group_scores.values())),
-        HVG_CONSERVATION: _mean(list(hvg_per_batch.values())),
-        "n_cells": int(n_cells),
-        "n_genes": int(n_genes),
-        "n_labels_scored": len(per_label),
-        "n_groups_scored": len(group_scores),
-        "n_batches_scored": len(hvg_per_batch),
-        "labels_given": labels is not None,
-        "per_label": per_label,
-        "per_group": group_scores,
-        "per_batch": hvg_per_batch,
-        "parameters": {
-            "min_cells_de": int(min_cells_de),
-            "min_cells_group": int(min_cells_group), "n_markers": int(k_markers),
-            "n_pcs": int(n_pcs), "n_neighbors": int(n_neighbors), "n_hvg": int(k_hvg),
-        },
-    }
-    if notes:
-        result["note"] = " ".join(notes)
-    return result
+    return notes
 
 
 def _dense_rows(matrix, rows: np.ndarray) -> np.ndarray:

@@ -60,9 +60,15 @@ class BatchfixModule(pl.LightningModule):
         losses = self.net.loss(values, batch_index, kl_scale=1.0)
         self.log_dict({f"val_{k}": v for k, v in losses.items()}, batch_size=values.shape[0], sync_dist=True)
 
+    def parameter_groups(self) -> list[dict]:
+        """AdamW groups: weight matrices (and embedding tables) decay; biases, LayerNorm scales and the
+        NB dispersions (every parameter of fewer than 2 dimensions) do not, as in most transformer code."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.hparams.weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.learning_rate,
-                                      weight_decay=self.hparams.weight_decay)
+        optimizer = torch.optim.AdamW(self.parameter_groups(), lr=self.hparams.learning_rate)
         # Cosine decay to 0.1 x learning_rate over planned_steps, then flat: a closed form of the step, so a
         # resumed run with more epochs follows its own plan (a restored CosineAnnealingLR would keep the old
         # T_max and climb back to the peak rate past it).

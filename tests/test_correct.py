@@ -176,6 +176,24 @@ def test_output_is_valid_anndata_in_backed_mode(trained_run, rich_input, tmp_pat
         assert dict(f["obsm/X_batchfix"].attrs)["encoding-type"] == "array"
 
 
+def test_the_file_gene_order_does_not_change_the_correction(trained_run, rich_input, tmp_path):
+    """Genes go into genomic order on the way in and back to the file's order on the way out: a file
+    with its genes shuffled gets, gene by gene, the same corrected values and the same latent."""
+    adata, source = rich_input
+    permutation = np.random.default_rng(3).permutation(adata.n_vars)
+    shuffled = adata[:, permutation].copy()
+    shuffled.write_h5ad(tmp_path / "shuffled.h5ad")
+    original = ad.read_h5ad(correct_quiet(source, tmp_path / "a.h5ad", trained_run["checkpoint"]))
+    reordered = ad.read_h5ad(correct_quiet(tmp_path / "shuffled.h5ad", tmp_path / "b.h5ad", trained_run["checkpoint"]))
+    assert list(reordered.var_names) == list(adata.var_names[permutation])
+    back = reordered[:, adata.var_names]
+    np.testing.assert_allclose(dense(back.layers["batchfix"]), dense(original.layers["batchfix"]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(back.var["batchfix_modelled"], original.var["batchfix_modelled"])
+    np.testing.assert_allclose(reordered.obsm["X_batchfix"], original.obsm["X_batchfix"], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(dense(reordered.layers["batchfix"]), dense(original.layers["batchfix"])), \
+        "the shuffle moved modelled genes to other columns"
+
+
 def test_unseen_batches_are_corrected(trained_run, rich_input, tmp_path):
     adata, source = rich_input
     unseen = adata.obs["batch"].astype(str).isin(trained_run["unseen"]).to_numpy()

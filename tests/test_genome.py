@@ -293,20 +293,6 @@ def test_genomic_order_real(real_coords):
     assert names == [str(i) for i in range(1, 23)] + ["X"]
 
 
-def test_permutation_round_trip_real(bundled_adata, real_coords):
-    order = real_coords.genomic_order()
-    inverse = np.argsort(order)
-    names = bundled_adata.var_names.to_numpy()
-    assert not np.array_equal(names[order], names)  # the order really permutes
-    np.testing.assert_array_equal(names[order][inverse], names)
-    X = np.asarray(bundled_adata.X[:50])
-    np.testing.assert_array_equal(X[:, order][:, inverse], X)
-    back = real_coords.subset(order).subset(inverse)
-    np.testing.assert_array_equal(back.chromosome, real_coords.chromosome)
-    np.testing.assert_array_equal(back.start, real_coords.start)
-    np.testing.assert_array_equal(back.end, real_coords.end)
-
-
 # --------------------------------------------------------------------------------------------
 # Locus windows
 

@@ -1,0 +1,99 @@
+"""The Python API: the README's example as written, the same numbers as the command line, and the
+trained-model object's checkpoint shared with the command line."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pytest
+
+import batchfix
+from batchfix.api import train_config
+from batchfix.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).resolve().parent / "data" / "tiny_run_seed0.npz"
+# The options of the regression run (tests/data/tiny_run_seed0.npz): the test_training.py tiny model, 4 epochs.
+TINY = dict(n_top_genes=200, genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8, decoder_hidden=32,
+            batch_size=64, learning_rate=2e-3, threads=1, enable_progress_bar=False, max_epochs=4, seed=0)
+
+
+def readme_example() -> str:
+    """The first python code block under the README's 'Python API' heading."""
+    section = (ROOT / "README.md").read_text().split("## Python API", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_the_readme_example_runs_as_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(readme_example(), "README.md", "exec"), namespace)
+    adata, model, corrected = namespace["adata"], namespace["model"], namespace["corrected"]
+    assert isinstance(model, batchfix.BatchfixModel) and (tmp_path / "model.ckpt").is_file()
+    modelled = adata.var["batchfix_modelled"].to_numpy()
+    assert modelled.sum() == len(model.genes) == 2000
+    assert adata.obsm["X_batchfix"].shape == (adata.n_obs, 30)
+    assert corrected.uns["bf"]["reference_batch"] == "sc_dropseq" and "bf" not in adata.layers
+    assert namespace["expr"].shape == (adata.n_obs, 2000)
+
+
+def test_api_training_gives_the_recorded_regression_values(small_adata):
+    """Same data, options and seed as tests/data/tiny_run_seed0.npz, recorded with the command-line route
+    (tasks.train on the file) before the configuration and API were reorganised: the same numbers."""
+    golden = np.load(GOLDEN)
+    model = batchfix.train(small_adata, batch_key="batch", **TINY)
+    assert model.genes == list(golden["genes"])
+    corrected = batchfix.correct(small_adata, model, copy=True)
+    columns = corrected.var_names.get_indexer(model.genes)
+    np.testing.assert_allclose(corrected.layers["batchfix"].toarray()[:, columns], golden["corrected"], atol=2e-3)
+    np.testing.assert_allclose(corrected.obsm["X_batchfix"], golden["latent"], atol=2e-3)
+
+
+def test_a_saved_model_is_a_checkpoint_the_command_line_reads(small_adata, small_h5ad, tmp_path):
+    model = batchfix.train(small_adata, batch_key="batch", **{**TINY, "max_epochs": 1})
+    in_memory = batchfix.correct(small_adata, model, copy=True)
+    assert in_memory.uns["batchfix"]["checkpoint"] == "(in memory, not saved)"
+    path = model.save(tmp_path / "api.ckpt")
+    with pytest.raises(FileExistsError, match="overwrite=true"):
+        model.save(path)
+    reloaded = batchfix.BatchfixModel.load(path)
+    assert reloaded.genes == model.genes and reloaded.batch_categories == model.batch_categories
+    out = tmp_path / "cli.h5ad"
+    run = subprocess.run([sys.executable, "-m", "batchfix", "correct", f"input={small_h5ad}", f"output={out}",
+                          f"checkpoint={path}", "progress=false", "threads=1"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    from_cli = ad.read_h5ad(out)
+    np.testing.assert_allclose(from_cli.layers["batchfix"].toarray(), in_memory.layers["batchfix"].toarray(),
+                               atol=1e-5)
+    assert from_cli.uns["batchfix"]["checkpoint"] == str(path.resolve())
+
+
+def test_options_mirror_the_config_with_its_defaults_and_validation():
+    cfg = train_config(n_heads=8, max_epochs=3, batch_key="sample", reference="b1")
+    assert (cfg.model.n_heads, cfg.trainer.max_epochs, cfg.data.batch_key, cfg.correction.reference) == (
+        8, 3, "sample", "b1")
+    assert cfg.model.d_model == 64 and cfg.fit.batch_size == 128  # the schema's defaults
+    with pytest.raises(ConfigError, match=r"fit.batch_size: Value 'abc'"):
+        train_config(batch_size="abc")
+    with pytest.raises(ConfigError, match=r"model.latent_dim must be >= 1, got 0"):
+        train_config(latent_dim=0)
+    with pytest.raises(ConfigError, match=r"Unknown option 'n_head'; did you mean \['n_heads'"):
+        train_config(n_head=2)
+    with pytest.raises(ConfigError, match="'path' is not an option of batchfix.train"):
+        train_config(path="x.h5ad")
+
+
+def test_api_errors_are_user_errors_and_leave_the_anndata_unchanged(small_adata):
+    before = small_adata.copy()
+    with pytest.raises(ConfigError, match="batch_size"):
+        batchfix.correct(small_adata, "nowhere.ckpt", batch_size=0)
+    with pytest.raises(ConfigError, match="trainer.max_epochs must be >= 1"):
+        batchfix.train(small_adata, max_epochs=-1)
+    assert not small_adata.layers and not small_adata.obsm and small_adata.var.equals(before.var)
