@@ -198,16 +198,20 @@ class LocusWindows:
         return self.gene_index.shape[0]
 
 
+def chromosome_runs(coords: GeneCoordinates) -> list[np.ndarray]:
+    """Positions of the genes (in genomic order) of each chromosome; unplaced genes form one trailing run."""
+    names = np.array(["\0unplaced" if c is None else c for c in coords.chromosome], dtype=object)
+    boundaries = np.flatnonzero(names[1:] != names[:-1]) + 1
+    return np.split(np.arange(len(names)), boundaries)
+
+
 def make_windows(coords: GeneCoordinates, genes_per_token: int) -> LocusWindows:
     """Group genes (already in genomic order) into windows that never cross a chromosome."""
     if genes_per_token < 1:
         raise ValueError(f"model.genes_per_token must be >= 1, got {genes_per_token}.")
     n_genes = len(coords.chromosome)
     codes = np.array([chromosome_code(c) for c in coords.chromosome])
-    # Runs of equal chromosome name (unplaced genes form one trailing run).
-    names = np.array(["\0unplaced" if c is None else c for c in coords.chromosome], dtype=object)
-    boundaries = np.flatnonzero(names[1:] != names[:-1]) + 1
-    runs = np.split(np.arange(n_genes), boundaries)
+    runs = chromosome_runs(coords)
     gene_index, pad_mask, position, chromosome = [], [], [], []
     for run in runs:
         for first in range(0, len(run), genes_per_token):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from batchfix.cli.common import user_errors_reported
+from batchfix.cli.common import run, user_errors_reported
 from batchfix.config import CorrectConfig, validated
 
 
@@ -18,4 +18,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main, "correct")
