@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 import batchfix
-from batchfix import ondisk
+from batchfix import ondisk, signals
 from batchfix.config import CorrectionSettings
 from batchfix.errors import InputError
 from batchfix.io import (OutputKeys, atomic_output, check_h5ad_path, check_values, duplicate_genes_error,
@@ -167,6 +167,7 @@ def corrected_chunks(corrector: Corrector, rows, n_obs: int, chunk_size: int,
     with tqdm(total=n_obs, unit="cell", unit_scale=True, desc="batchfix correct", disable=not progress,
               mininterval=1.0, smoothing=0.1) as bar:
         for start in range(0, n_obs, chunk_size):
+            signals.raise_pending()
             stop = min(start + chunk_size, n_obs)
             latent, values = corrector(rows.rows(start, stop), start)
             yield start, stop, latent, values

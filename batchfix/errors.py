@@ -36,8 +36,10 @@ class TrainingError(UserError):
     """Training that cannot go on (the loss became NaN or infinite): the message names the options to change."""
 
 
-class Interrupted(Exception):
-    """A signal (SIGTERM, SIGINT) stopped the command: the command line exits with status 128 + its number."""
+class Interrupted(BaseException):
+    """A signal (SIGTERM, SIGINT) stopped the command: the command line exits with status 128 + its number.
+
+    A BaseException, as KeyboardInterrupt is, so that no `except Exception` on the way swallows it."""
 
     def __init__(self, signum: int, detail: str = ""):
         self.signum = int(signum)

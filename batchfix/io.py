@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from batchfix import signals
 from batchfix.config import DataKeys
 from batchfix.errors import InputError, OutputError, OutputExistsError, UserError
 
@@ -146,9 +147,13 @@ def as_float32_csr(matrix) -> sp.csr_matrix:
     if dtype is None or not (np.issubdtype(dtype, np.number) or np.issubdtype(dtype, np.bool_)) \
             or np.issubdtype(dtype, np.complexfloating):
         raise InputError(f"The expression matrix holds {dtype or type(matrix).__name__} values, not real numbers.")
-    if sp.issparse(matrix):
-        return sp.csr_matrix(matrix, dtype=np.float32)
-    return sp.csr_matrix(np.asarray(matrix, dtype=np.float32))
+    matrix = sp.csr_matrix(matrix) if sp.issparse(matrix) else sp.csr_matrix(np.asarray(matrix))
+    with np.errstate(invalid="ignore"):
+        too_large = int((np.abs(matrix.data) > np.finfo(np.float32).max).sum()) if matrix.nnz else 0
+    if too_large and np.isfinite(matrix.data).all():
+        raise InputError(f"The expression matrix holds {too_large} values beyond float32's range "
+                         f"({np.finfo(np.float32).max:.2e}); these are not counts or log-expression values.")
+    return matrix.astype(np.float32)
 
 
 def count_bad_values(values: np.ndarray) -> tuple[int, int, int]:
@@ -304,7 +309,7 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 
 
 def _temporary(target: Path) -> Path:
-    """A new empty temporary file beside `target`, named after this host and process."""
+    """A new empty temporary file beside `target` (its folder made if needed), named after this host and process."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(target)
@@ -325,21 +330,43 @@ def atomic_output(target: Path, overwrite: bool) -> Iterator[Path]:
     files left by killed writers of the same target are removed first; a write that fails for lack of
     space or permission raises OutputError.
     """
-    tmp = _temporary(target)
+    made = missing_folders(target.parent)
+    tmp = None
     try:
+        tmp = _temporary(target)
         yield tmp
+        signals.raise_pending()  # a signal whose exception was lost on the way: never finish this output
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())  # the data is on disk before the name points at it
         os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600 files; match a plain write
         _move_into_place(tmp, target, overwrite)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        if isinstance(err, UserError) or err.errno not in WRITE_ERRNOS:
+    except BaseException as err:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        remove_empty(made)
+        if not isinstance(err, OSError) or isinstance(err, UserError) or err.errno not in WRITE_ERRNOS:
             raise
         raise cannot_write(target, err) from err
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """`folder` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    folder = folder.expanduser().resolve()
+    for path in (folder, *folder.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    return missing
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove the folders (deepest first) while they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _move_into_place(tmp: Path, target: Path, overwrite: bool) -> None:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import copy
 import logging
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
 
-from batchfix.errors import ConfigError, OutputExistsError
+from batchfix.errors import ConfigError, OutputError, OutputExistsError
+from batchfix.io import missing_folders, remove_empty
 
 log = logging.getLogger(__name__)
 
@@ -75,18 +77,22 @@ def claim(run_dir: Path, overwrite: bool, resume: str | None) -> None:
         log.warning("overwrite=true: deleted the previous run's %s from %s.", ", ".join(found), run_dir)
 
 
-_made_for: dict[Path, Path | None] = {}  # run folder -> its first folder that did not exist before the run
+_made_for: dict[Path, list[Path]] = {}  # run folder -> the folders made for it (deepest first)
 
 
-def note_new_folders(run_dir: str | Path) -> None:
-    """Remember, before the run folder is made, which of its parent folders the run will make too."""
+def make_run_folder(run_dir: str | Path) -> None:
+    """Make the run folder, check it is writable, and remember which folders were made for it."""
     run_dir = Path(run_dir).expanduser().resolve()
-    first_new = None
-    for folder in (run_dir, *run_dir.parents):
-        if folder.exists():
-            break
-        first_new = folder
-    _made_for[run_dir] = first_new
+    made = missing_folders(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as err:
+        remove_empty(made)
+        raise OutputError(f"Cannot write the run folder {run_dir}: {err.strerror or err}; set hydra.run.dir to a "
+                          "writable folder.") from None
+    _made_for[run_dir] = made
 
 
 def remove_if_unused(run_dir: str | Path) -> None:
@@ -101,21 +107,21 @@ def remove_if_unused(run_dir: str | Path) -> None:
         return
     for name in RUN_FILES:
         (run_dir / name).unlink(missing_ok=True)
-    made = _made_for.get(run_dir, run_dir)  # not noted (a sweep job): the run folder alone
-    made_folders = [] if made is None else [run_dir, *(f for f in run_dir.parents if f.is_relative_to(made))]
-    for folder in (run_dir / ".hydra", run_dir / LOGS, run_dir / CHECKPOINTS, *made_folders):
+    for folder in (run_dir / ".hydra", run_dir / LOGS, run_dir / CHECKPOINTS):
         try:
             folder.rmdir()
         except OSError:  # missing, or holds something else
             pass
+    remove_empty(_made_for.get(run_dir, [run_dir]))  # not noted (a sweep job): the run folder alone
 
 
 class RunFolderCheck(Callback):
-    """Hydra callback: before Hydra makes and writes the run folder, note which folders it will make (for
-    `remove_if_unused`) and, for `train` (check=True), refuse bad options and a folder that holds a run."""
+    """Hydra callback: before Hydra writes into the run folder, make it (writable, or a one-line error) and
+    remember the folders made for it (`remove_if_unused`); for `train`, refuse bad options and a folder that
+    holds a run, so that Hydra never replaces a previous run's .hydra/ files."""
 
-    def __init__(self, check: bool = True):
-        self.check = check
+    def __init__(self, verb: str = "train"):
+        self.verb = verb
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.hydra_config import HydraConfig
@@ -125,12 +131,11 @@ class RunFolderCheck(Callback):
 
         HydraConfig.instance().set_config(config)  # as Hydra does next, so ${hydra:...} resolves
         run_dir = Path(str(config.hydra.run.dir))
-        note_new_folders(run_dir)
-        if not self.check:
-            return
-        task = copy.deepcopy(config)
-        with read_write(task), open_dict(task):
-            del task["hydra"]
-        with user_errors_reported("train"):
-            cfg = validated(task, TrainConfig)
-            check_reuse(run_dir, cfg.overwrite, cfg.resume)
+        with user_errors_reported(self.verb):
+            if self.verb == "train":
+                task = copy.deepcopy(config)
+                with read_write(task), open_dict(task):
+                    del task["hydra"]
+                cfg = validated(task, TrainConfig)
+                check_reuse(run_dir, cfg.overwrite, cfg.resume)
+            make_run_folder(run_dir)

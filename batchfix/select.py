@@ -38,7 +38,8 @@ def ranked_batches(counts: sp.csr_matrix, batch: np.ndarray) -> np.ndarray | Non
     names, sizes = np.unique(batch, return_counts=True)
     usable = [name for name, size in zip(names, sizes)
               if size >= MIN_BATCH_CELLS and varying_genes(counts[batch == name]) >= MIN_VARYING_GENES]
-    small = [f"{name} ({size} cell{'' if size == 1 else 's'})" for name, size in zip(names, sizes) if name not in usable]
+    small = [f"{name} ({size} cell{'' if size == 1 else 's'})"
+             for name, size in zip(names, sizes) if name not in usable]
     if small and len(usable) >= 2:
         log.warning("Batches too small to rank genes in (fewer than %d cells or %d varying genes): %s. Highly "
                     "variable genes are ranked in the other %d batches; every cell is still trained on.",

@@ -5,6 +5,10 @@ wherever the program is, so every `finally` and `atomic_output` cleanup runs (no
 temporary file) and the command exits with 128 + the signal number. Inside `deferred()` (around
 Lightning's fit) a signal is only recorded; the training loop raises it at the next step boundary
 (`batchfix.training.StopOnSignal`), after saving a checkpoint that `resume=` continues.
+
+A signal is also recorded, so that `raise_pending()` at safe points (each chunk of cells, before an
+output is moved into place) raises it again if the first raise was lost: a handler's exception that
+fires inside a destructor or a weakref callback is printed and ignored by Python.
 """
 from __future__ import annotations
 
@@ -19,24 +23,17 @@ _state: dict = {"deferred": False, "pending": None, "raised": False}
 
 
 def _handler(signum: int, frame) -> None:
-    if _state["raised"]:
-        return  # the first signal is being handled: let its cleanup finish
-    if _state["deferred"]:
-        _state["pending"] = signum
-        return
+    _state["pending"] = signum
+    if _state["deferred"] or _state["raised"]:
+        return  # held back until a step ends, or a raised one is being cleaned up after
     _state["raised"] = True
     raise Interrupted(signum)
 
 
-def pending() -> int | None:
-    """The signal recorded inside `deferred()` and not yet raised, if any."""
-    return _state["pending"]
-
-
 def raise_pending() -> None:
-    """Raise the recorded signal as `Interrupted` (once)."""
+    """Raise a received signal as `Interrupted` (call only where the program runs normally, not in cleanup)."""
     signum = _state["pending"]
-    if signum is not None and not _state["raised"]:
+    if signum is not None:
         _state["raised"] = True
         raise Interrupted(signum)
 
@@ -55,7 +52,7 @@ def interrupts_raised() -> Iterator[None]:
 
 @contextmanager
 def deferred() -> Iterator[None]:
-    """Inside: a signal is only recorded (`pending()`); one still pending on leaving is raised then."""
+    """Inside: a signal is only recorded; one recorded is raised on leaving (if nothing raised it before)."""
     was = _state["deferred"]
     _state["deferred"] = True
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from batchfix import runfolder, training
+from batchfix import runfolder, signals, training
 from batchfix.config import CorrectConfig, CorrectionSettings, EvaluateConfig, TrainConfig
 from batchfix.correction import correct_file, reference_index
 from batchfix.data import PreparedData
@@ -31,7 +31,11 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     runfolder.check_reuse(run_dir, cfg.overwrite, cfg.resume)
     started = time.perf_counter()
     training.seed_and_threads(cfg.seed, cfg.threads)
-    prepared = training.load_training_data(cfg.data)
+    try:
+        prepared = training.load_training_data(cfg.data)
+        signals.raise_pending()
+    except Interrupted as err:
+        raise Interrupted(err.signum, " while reading the data, before training: nothing was saved") from None
     reference_index(prepared.batch_categories, cfg.correction.reference)  # refused now, not after training
     runfolder.claim(run_dir, cfg.overwrite, cfg.resume)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -96,14 +100,27 @@ def correct(cfg: CorrectConfig) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     source = training.input_path(cfg.input)
-    output = cfg.output or Path.cwd() / (Path(source).stem + ".corrected.h5ad")
+    output = Path(cfg.output or Path.cwd() / (Path(source).stem + ".corrected.h5ad"))
+    earlier = file_identity(output)
     try:
         written = correct_file(source, output, load_trained(cfg.checkpoint), cfg, counts_layer=cfg.counts_layer,
                                overwrite=cfg.overwrite, progress=cfg.progress)
     except Interrupted as err:
-        raise Interrupted(err.signum, f"; {output} was not written") from None
+        now = file_identity(output)
+        state = ("was not written" if now is None else "is unchanged" if now == earlier
+                 else "was complete before the signal came")
+        raise Interrupted(err.signum, f"; {output} {state}") from None
     log.info("Wrote %s", written)
     return written
+
+
+def file_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of a file, None when there is none: an atomic replacement changes it."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def evaluate(cfg: EvaluateConfig, out_dir: str | Path) -> dict:

@@ -60,4 +60,5 @@ def run(main: Callable[[], object], verb: str) -> None:
         except HydraException as err:
             cause = err.__cause__
             detail = f": {readable(cause)}" if isinstance(cause, OmegaConfBaseException) else ""
-            report(verb, f"{one_line(str(err))}{detail}", 1)
+            message = str(err).split("Config search path")[0]  # Hydra's list of where it looked: noise here
+            report(verb, f"{one_line(message)}{detail}", 1)

@@ -15,9 +15,10 @@ def main(cfg: DictConfig) -> float | None:
     """Evaluate (batchfix.tasks.evaluate) into the run folder; return the corrected-expression Total."""
     out_dir = HydraConfig.get().runtime.output_dir
     with user_errors_reported("evaluate", on_error=lambda: remove_if_unused(out_dir)):
+        options = validated(cfg, EvaluateConfig)  # before the heavy imports: a bad option is reported at once
         from batchfix import tasks
 
-        evaluation = tasks.evaluate(validated(cfg, EvaluateConfig), out_dir)
+        evaluation = tasks.evaluate(options, out_dir)
         return tasks.headline({"evaluation": evaluation})
 
 

@@ -16,9 +16,10 @@ def main(cfg: DictConfig) -> float | None:
     signal before it saved anything leaves no run folder behind."""
     run_dir = HydraConfig.get().runtime.output_dir
     with user_errors_reported("train", on_error=lambda: remove_if_unused(run_dir)):
+        options = validated(cfg, TrainConfig)  # before the heavy imports: a bad option is reported at once
         from batchfix import tasks
 
-        metrics = tasks.train(validated(cfg, TrainConfig), run_dir)
+        metrics = tasks.train(options, run_dir)
         return tasks.headline(metrics)
 
 
