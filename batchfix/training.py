@@ -117,7 +117,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, has_validation: bool) -> pl.T
             enable_progress_bar=options.enable_progress_bar, enable_model_summary=options.enable_model_summary,
             deterministic=options.deterministic, **({} if has_validation else {"limit_val_batches": 0}),
         )
-    except (MisconfigurationException, ValueError, RuntimeError, ImportError) as err:  # accelerator, devices, strategy
+    except (MisconfigurationException, ValueError, RuntimeError, ImportError) as err:  # e.g. no such accelerator
         raise ConfigError(f"Lightning refused the trainer.* options (accelerator={options.accelerator}, "
                           f"devices={options.devices}, strategy={options.strategy}): {err}") from None
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anndata as ad
+import h5py
 import numpy as np
 import pandas as pd
 import pytest
@@ -568,6 +569,19 @@ def test_a_reference_that_is_not_a_training_batch_is_refused_before_training(fil
 def test_a_missing_checkpoint_is_named(files, tmp_path):
     with pytest.raises(CheckpointError, match=rf"Checkpoint not found: {re.escape(str(tmp_path / 'no.ckpt'))}"):
         batchfix.correct(ad.read_h5ad(files["small"]), tmp_path / "no.ckpt")
+
+
+def test_a_file_without_encoding_attributes_trains_but_is_not_streamed(files, tmp_path):
+    """anndata still reads files written before its on-disk encoding (0.8); streaming needs that encoding."""
+    old = tmp_path / "old.h5ad"
+    old.write_bytes(files["small"].read_bytes())
+    with h5py.File(old, "r+") as f:
+        for key in list(f.attrs):
+            del f.attrs[key]
+    assert training.load_training_data(DataConfig(path=str(old), n_top_genes=200)).counts.shape == (200, 200)
+    with pytest.raises(InputError, match=r"written by an old anndata version .*write_h5ad"):
+        correct_file(old, tmp_path / "out.h5ad", load_trained(files["ckpt"]), CorrectionSettings())
+    assert listing(tmp_path) == ["old.h5ad"]
 
 
 def test_duplicate_modelled_genes_in_a_file_to_correct_are_refused(files, subset, tmp_path):
