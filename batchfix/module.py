@@ -133,6 +133,9 @@ class BatchfixModel:
 def load_trained(path: str | Path) -> BatchfixModel:
     """Load a batchfix checkpoint without executing code from the file (weights_only)."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise CheckpointError(f"Checkpoint {path} is a folder: name the checkpoint file in it "
+                              f"(e.g. {path}/model.ckpt).")
     if not path.is_file():
         raise CheckpointError(f"Checkpoint not found: {path}")
     try:

@@ -33,13 +33,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import batchfix
-from batchfix import io, ondisk, runfolder, tasks, training
+from batchfix import io, ondisk, runfolder, signals, tasks, training
 from batchfix.api import train_config
 from batchfix.config import CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
 from batchfix.correction import correct_file
 from batchfix.data import CellDataModule
-from batchfix.errors import (CheckpointError, ConfigError, InputError, OutputError, OutputExistsError,
-                             TrainingError)
+from batchfix.errors import (CheckpointError, ConfigError, InputError, Interrupted, OutputError,
+                             OutputExistsError, TrainingError)
 from batchfix.module import load_trained
 
 TINY = ["data.n_top_genes=200", "model.genes_per_token=16", "model.d_model=16", "model.n_heads=2", "model.n_layers=1",
@@ -330,6 +330,22 @@ def test_inputs_of_signalled_and_resumed_runs_are_unchanged(signalled):
     assert {path: sha256(path) for path in signalled["inputs"]} == signalled["inputs"]
 
 
+def test_a_signal_inside_a_destructor_is_raised_just_after(capfd):
+    """Python ignores (and prints) an exception raised in a destructor: the signal must not be lost there."""
+    class Dying:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(10_000))  # the handler runs here, inside the destructor
+
+    with pytest.raises(Interrupted) as err, signals.interrupts_raised():
+        Dying()
+        for _ in range(1000):  # ordinary code, where the signal is raised again
+            time.sleep(0.01)
+    assert err.value.signum == signal.SIGINT
+    assert "Exception ignored" not in capfd.readouterr().err
+    signals.raise_pending()  # raises nothing: leaving interrupts_raised() forgot the signal
+
+
 # --------------------------------------------------------------------------------------------
 # Options, in-process: every kind the schemas refuse
 
@@ -526,7 +542,9 @@ def anndatas(draw) -> ad.AnnData:
     return ad.AnnData(matrix, obs=obs, var=var)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The same 60 examples on every run (a CI failure reproduces), and no example database left in the work tree.
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(adata=anndatas(), n_top_genes=st.sampled_from([None, 1, 5, 20]), scale=st.sampled_from(["counts", "log"]))
 def test_any_anndata_is_prepared_or_refused_with_an_input_error(adata, n_top_genes, scale):
     try:
@@ -566,9 +584,11 @@ def test_a_reference_that_is_not_a_training_batch_is_refused_before_training(fil
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_a_missing_checkpoint_is_named(files, tmp_path):
+def test_a_missing_checkpoint_or_a_folder_is_named(files, tmp_path):
     with pytest.raises(CheckpointError, match=rf"Checkpoint not found: {re.escape(str(tmp_path / 'no.ckpt'))}"):
         batchfix.correct(ad.read_h5ad(files["small"]), tmp_path / "no.ckpt")
+    with pytest.raises(CheckpointError, match=r"is a folder: name the checkpoint file in it"):
+        batchfix.correct(ad.read_h5ad(files["small"]), files["ckpt"].parent)
 
 
 def test_a_file_without_encoding_attributes_trains_but_is_not_streamed(files, tmp_path):
