@@ -52,7 +52,7 @@ class BatchfixModule(pl.LightningModule):
         losses = self.net.loss(values, batch_index, kl_scale=self.kl_scale())
         if not torch.isfinite(losses["loss"]):
             raise TrainingError(
-                f"Training diverged: the loss is {float(losses['loss'])} at step {self.global_step} (epoch "
+                f"Training diverged: the loss is {losses['loss'].item()} at step {self.global_step} (epoch "
                 f"{self.current_epoch}). Lower fit.learning_rate (now {self.hparams.learning_rate:g}), keep "
                 "trainer.gradient_clip_val set, or check the input for extreme values.")
         self.log_dict({f"train_{k}": v for k, v in losses.items()}, prog_bar=False, on_step=False, on_epoch=True,
