@@ -23,7 +23,8 @@ from batchfix.module import BatchfixModel, load_trained
 
 # Options of the command line that have no meaning for an in-memory AnnData.
 NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a run folder: use the command line",
-                   "evaluate": "score with batchfix.metrics or `python -m batchfix evaluate`"}
+                   "evaluate": "score with batchfix.metrics or `python -m batchfix evaluate`",
+                   "overwrite": "the Python API writes no run folder"}
 _CORRECTION = CorrectionSettings()
 
 

@@ -9,6 +9,7 @@ torch or scanpy unchecked, and every error names the option and what it accepts.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, Optional
 
@@ -32,12 +33,12 @@ def one_of(option: str, value, choices) -> None:
 
 
 def at_least(option: str, value, minimum, what: str = "") -> None:
-    if value < minimum:
+    if not (value >= minimum and math.isfinite(value)):  # NaN and inf are refused too
         raise ConfigError(f"{option} must be >= {minimum}{what}, got {value!r}.")
 
 
 def within(option: str, value, low, high, high_open: bool = False) -> None:
-    if not (low <= value < high if high_open else low <= value <= high):
+    if not (low <= value < high if high_open else low <= value <= high):  # False for NaN
         raise ConfigError(f"{option} must be in [{low}, {high}{')' if high_open else ']'}, got {value!r}.")
 
 
@@ -112,7 +113,7 @@ class ModelConfig:
         one_of("model.attention", self.attention, ATTENTION_BACKENDS)
         one_of("model.position_encoding", self.position_encoding, POSITION_ENCODINGS)
         one_of("model.likelihood", self.likelihood, LIKELIHOODS)
-        if not 0 < self.min_wavelength < self.max_wavelength:
+        if not 0 < self.min_wavelength < self.max_wavelength < math.inf:
             raise ConfigError("model.min_wavelength and model.max_wavelength must satisfy 0 < min < max, got "
                               f"{self.min_wavelength!r} and {self.max_wavelength!r}.")
         at_least("model.kl_weight", self.kl_weight, 0.0)
@@ -138,8 +139,8 @@ class FitConfig:
 
     def __post_init__(self):
         at_least("fit.batch_size", self.batch_size, 1)
-        if not self.learning_rate > 0:
-            raise ConfigError(f"fit.learning_rate must be > 0, got {self.learning_rate!r}.")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ConfigError(f"fit.learning_rate must be a finite number > 0, got {self.learning_rate!r}.")
         at_least("fit.weight_decay", self.weight_decay, 0.0)
         within("fit.kl_warmup_fraction", self.kl_warmup_fraction, 0.0, 1.0)
         within("fit.validation_fraction", self.validation_fraction, 0.0, 1.0, high_open=True)
@@ -235,12 +236,14 @@ class TrainConfig:
     fit: FitConfig = field(default_factory=FitConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     correction: CorrectionOptions = field(default_factory=CorrectionOptions)
-    seed: int = 0
+    seed: int = 0  # 0 .. 2**32 - 1 (what numpy accepts)
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
     resume: Optional[str] = None  # a previous run folder: continue from its checkpoints/last.ckpt
+    overwrite: bool = False  # train into a run folder that holds a run: its outputs and checkpoints are deleted first
     evaluate: bool = True  # score batch mixing into metrics.json when data.label_key is set
 
     def __post_init__(self):
+        within("seed", self.seed, 0, 2**32 - 1)
         if self.threads is not None:
             at_least("threads", self.threads, 1, " (or null: all cores)")
         non_empty("resume", self.resume)

@@ -24,7 +24,8 @@ What is added (key = key_added, default 'batchfix'):
 - uns[key]: provenance (package version, checkpoint path and sha256, reference batch, training
   batches, modelled and missing genes, correction and model parameters).
 
-Modelled genes are matched to the input by var_names. Missing ones enter the model as zero counts
+Modelled genes are matched to the input by var_names (a modelled gene named twice is refused: which
+column is meant is ambiguous). Missing ones enter the model as zero counts
 and are reported (log and uns[key]['missing_genes']); past `max_missing_fraction` the correction
 stops with an error. The encoder does not see the batch, so cells of batches the model never saw
 are corrected like any other.
@@ -46,10 +47,11 @@ import torch
 from tqdm.auto import tqdm
 
 import batchfix
-from batchfix import ondisk
+from batchfix import ondisk, signals
 from batchfix.config import CorrectionSettings
 from batchfix.errors import InputError
-from batchfix.io import OutputKeys, atomic_output, check_h5ad_path, check_values, output_exists, select_matrix
+from batchfix.io import (OutputKeys, atomic_output, check_h5ad_path, check_values, duplicate_genes_error,
+                         output_exists, repeated, select_matrix)
 from batchfix.module import BatchfixModel
 
 log = logging.getLogger(__name__)
@@ -63,25 +65,23 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def reference_index(trained: BatchfixModel, reference: str | None) -> int | None:
+def reference_index(batch_categories: list[str], reference: str | None) -> int | None:
     """Decoder batch for correction: None = average over the training batches."""
     if reference in (None, "average"):
         return None
-    if reference not in trained.batch_categories:
+    if reference not in batch_categories:
         raise InputError(f"Reference batch '{reference}' is not one the model was trained on: "
-                         f"{trained.batch_categories} (or 'average').")
-    return trained.batch_categories.index(reference)
+                         f"{batch_categories} (or 'average').")
+    return batch_categories.index(reference)
 
 
 def gene_columns(var_names: pd.Index, trained: BatchfixModel, max_missing_fraction: float) -> np.ndarray:
     """Column of each modelled gene in the file (-1 when missing), refusing past the allowed share."""
     var_names = pd.Index(var_names).astype(str)
-    duplicated = var_names.duplicated()
-    if duplicated.any():
-        repeated = set(var_names[duplicated]) & set(trained.genes)
-        if repeated:
-            log.warning("%d modelled genes appear more than once in var_names (e.g. %s): the first column of "
-                        "each is used.", len(repeated), sorted(repeated)[:3])
+    ambiguous = sorted(set(repeated(var_names)) & set(trained.genes))
+    if ambiguous:
+        raise duplicate_genes_error(ambiguous, "var_names, in genes the model corrects,")
+    duplicated = var_names.duplicated()  # genes the model does not use may repeat: they are copied as they are
     position = pd.Series(np.arange(len(var_names)), index=var_names)[~duplicated]
     columns = position.reindex(trained.genes).fillna(-1).to_numpy(dtype=np.int64)
     n_missing = int((columns < 0).sum())
@@ -111,7 +111,7 @@ class Corrector:
         self.trained = trained
         self.settings = settings
         self.batch_size = settings.batch_size
-        self.reference = reference_index(trained, settings.reference)
+        self.reference = reference_index(trained.batch_categories, settings.reference)
         self.reference_name = "average" if self.reference is None else str(settings.reference)
         self.source = source
         self.n_vars = len(var_names)
@@ -167,6 +167,7 @@ def corrected_chunks(corrector: Corrector, rows, n_obs: int, chunk_size: int,
     with tqdm(total=n_obs, unit="cell", unit_scale=True, desc="batchfix correct", disable=not progress,
               mininterval=1.0, smoothing=0.1) as bar:
         for start in range(0, n_obs, chunk_size):
+            signals.raise_pending()
             stop = min(start + chunk_size, n_obs)
             latent, values = corrector(rows.rows(start, stop), start)
             yield start, stop, latent, values

@@ -7,10 +7,7 @@ from pathlib import Path
 from batchfix import metrics
 from batchfix.config import CorrectionOptions
 from batchfix.io import OutputKeys, read_h5ad
-
-METRICS_JSON = "metrics.json"
-METRICS_MD = "metrics.md"
-UMAP_PNG = "umap.png"
+from batchfix.runfolder import METRICS_JSON, METRICS_MD, UMAP_PNG
 
 
 def evaluate_file(
