@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -14,14 +13,14 @@ from batchfix import training
 from batchfix.config import CorrectConfig, CorrectionSettings, EvaluateConfig, TrainConfig
 from batchfix.correction import correct_file
 from batchfix.data import PreparedData
-from batchfix.io import atomic_output
 from batchfix.module import load_trained
 
 log = logging.getLogger(__name__)
 
 
 def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
-    """Fit on cfg.data.path; write model.ckpt, corrected.h5ad and metrics.json into run_dir (rank 0 only)."""
+    """Fit on cfg.data.path; write model.ckpt (the best checkpoint, calibrated), corrected.h5ad and
+    metrics.json into run_dir (rank 0 only)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -30,12 +29,13 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     result = training.fit(cfg, prepared, run_dir)
     if result.trainer.global_rank != 0:
         return {}
-    checkpoint = save_model(result, run_dir)
+    model = training.trained_model(result, prepared)
+    model.save(run_dir / "model.ckpt", overwrite=True)
     metrics = fit_metrics(result, prepared)
     correct_started = time.perf_counter()
-    corrected_path = correct_file(training.input_path(cfg.data.path), run_dir / "corrected.h5ad",
-                                  load_trained(checkpoint), CorrectionSettings(**asdict(cfg.correction)),
-                                  counts_layer=cfg.data.counts_layer, overwrite=True)
+    corrected_path = correct_file(training.input_path(cfg.data.path), run_dir / "corrected.h5ad", model,
+                                  CorrectionSettings(**asdict(cfg.correction)), counts_layer=cfg.data.counts_layer,
+                                  batch_key=cfg.data.batch_key, overwrite=True)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
     if cfg.evaluate and cfg.data.label_key:
         from batchfix.evaluate import evaluate_file
@@ -46,14 +46,6 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
     log.info("Run folder: %s (model.ckpt, corrected.h5ad, metrics.json).", run_dir)
     return metrics
-
-
-def save_model(result: training.FitResult, run_dir: Path) -> Path:
-    """Copy the best checkpoint to run_dir/model.ckpt (atomically)."""
-    checkpoint = run_dir / "model.ckpt"
-    with atomic_output(checkpoint, overwrite=True) as tmp:
-        shutil.copyfile(result.best_checkpoint, tmp)
-    return checkpoint
 
 
 def fit_metrics(result: training.FitResult, prepared: PreparedData) -> dict:
@@ -79,7 +71,7 @@ def correct(cfg: CorrectConfig) -> Path:
     source = training.input_path(cfg.input)
     output = cfg.output or Path.cwd() / (Path(source).stem + ".corrected.h5ad")
     written = correct_file(source, output, load_trained(cfg.checkpoint), cfg, counts_layer=cfg.counts_layer,
-                           overwrite=cfg.overwrite, progress=cfg.progress)
+                           batch_key=cfg.batch_key, overwrite=cfg.overwrite, progress=cfg.progress)
     log.info("Wrote %s", written)
     return written
 

@@ -18,10 +18,11 @@ from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 
 from batchfix.config import DataConfig, FitConfig, TrainConfig, TrainerConfig
+from batchfix.counterfactual import calibrate
 from batchfix.data import CellDataModule, PreparedData, prepare
 from batchfix.errors import InputError
 from batchfix.io import expression_input, load_expression
-from batchfix.module import BatchfixModule, load_trained
+from batchfix.module import BatchfixModel, BatchfixModule, load_trained
 
 log = logging.getLogger(__name__)
 
@@ -150,3 +151,10 @@ def fit(cfg: TrainConfig, prepared: PreparedData, run_dir: Path) -> FitResult:
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
     return FitResult(trainer, module, len(datamodule.train_rows), time.perf_counter() - started)
+
+
+def trained_model(result: FitResult, prepared: PreparedData) -> BatchfixModel:
+    """The best checkpoint, with its training batches' residual statistics (the counterfactual output's)."""
+    model = load_trained(result.best_checkpoint)
+    calibrate(model.net, prepared)
+    return model
