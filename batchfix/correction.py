@@ -196,9 +196,11 @@ class Corrector:
         values = np.empty((x.shape[0], self.n_out), dtype=np.float32)
         for start in range(0, x.shape[0], self.batch_size):
             stop = start + self.batch_size
-            if self.statistics is None:
+            if self.settings.output_mode == "denoised":
                 mu, expression = self.trained.net.corrected(x[start:stop], self.reference)
             else:
+                if self.statistics is None:
+                    raise RuntimeError("Corrector.prepare(rows, n_obs) must run before the counterfactual output.")
                 codes = torch.from_numpy(self.batches.codes[first_cell + start:first_cell + min(stop, x.shape[0])])
                 mu, expression, n_clipped = counterfactual.corrected(self.trained.net, x[start:stop], codes,
                                                                      self.reference, self.statistics, self.present)
