@@ -25,6 +25,7 @@ ATTENTION_BACKENDS = ("guarded", "sdpa")
 POSITION_ENCODINGS = ("real", "shuffled", "none")
 LIKELIHOODS = ("nb", "gaussian")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
+OUTPUT_MODES = ("counterfactual", "denoised")
 
 
 def one_of(option: str, value, choices) -> None:
@@ -189,10 +190,14 @@ class CorrectionOptions:
     """How corrected expression is made, in `train`'s run folder and by `correct`."""
 
     PREFIX: ClassVar[str] = "correction."  # how the options are named in messages
+    # counterfactual: each cell's own expression with only what its batch explains removed (for DE and
+    # markers; needs the batch column) | denoised: every cell decoded from its latent (clustering, pictures)
+    output_mode: str = "counterfactual"
     reference: Optional[str] = None  # a training batch to express every cell as; null / average = all batches
     key_added: str = "batchfix"  # writes layers[KEY], var[KEY_modelled], obsm[X_KEY], uns[KEY]
 
     def __post_init__(self):
+        one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
         non_empty(f"{self.PREFIX}reference", self.reference)
         if self.key_added is None or not str(self.key_added).strip():
             raise ConfigError(f"{self.PREFIX}key_added must be a non-empty name, got {self.key_added!r}.")
@@ -259,6 +264,7 @@ class CorrectConfig(CorrectionSettings):
     output: Optional[str] = None  # null = <input name>.corrected.h5ad in the working folder
     checkpoint: Optional[str] = None  # a run folder's model.ckpt
     counts_layer: Optional[str] = None  # null = X; else the layer holding raw counts
+    batch_key: str = DataKeys.batch_key  # obs column of each cell's batch (read by output_mode=counterfactual)
     overwrite: bool = False  # replace an existing output
     progress: bool = True  # progress bar (cells/s) on stderr
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
@@ -267,6 +273,8 @@ class CorrectConfig(CorrectionSettings):
         super().__post_init__()
         for name in ("input", "output", "counts_layer"):
             non_empty(name, getattr(self, name))
+        if self.batch_key is None or not str(self.batch_key).strip():
+            raise ConfigError(f"batch_key must name an obs column, got {self.batch_key!r}.")
         if not self.checkpoint or not str(self.checkpoint).strip():
             raise ConfigError("correct needs checkpoint=<run folder>/model.ckpt.")
         if self.threads is not None:

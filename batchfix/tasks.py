@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -22,7 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
-    """Fit on cfg.data.path; write model.ckpt, corrected.h5ad and metrics.json into run_dir (rank 0 only).
+    """Fit on cfg.data.path; write model.ckpt (the best checkpoint, calibrated), corrected.h5ad and
+    metrics.json into run_dir (rank 0 only).
 
     A run folder that holds a run is refused (batchfix.runfolder); everything the data and options decide
     is checked before training starts.
@@ -42,26 +42,13 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     result = training.fit(cfg, prepared, run_dir)
     if result.trainer.global_rank != 0:
         return {}
-    try:
-        metrics = write_outputs(cfg, result, prepared, run_dir)
-    except Interrupted as err:
-        raise Interrupted(err.signum, f" after training, before its outputs were written; resume={run_dir} "
-                                      "writes them") from None
-    metrics["total_seconds"] = round(time.perf_counter() - started, 2)
-    with atomic_output(run_dir / runfolder.METRICS_JSON, overwrite=True) as tmp:
-        tmp.write_text(json.dumps(metrics, indent=2))
-    log.info("Run folder: %s (model.ckpt, corrected.h5ad, metrics.json).", run_dir)
-    return metrics
-
-
-def write_outputs(cfg: TrainConfig, result: training.FitResult, prepared: PreparedData, run_dir: Path) -> dict:
-    """model.ckpt, corrected.h5ad and the evaluation of a finished fit; returns the metrics so far."""
-    checkpoint = save_model(result, run_dir)
+    model = training.trained_model(result, prepared)
+    model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
     metrics = fit_metrics(result, prepared)
     correct_started = time.perf_counter()
-    corrected_path = correct_file(training.input_path(cfg.data.path), run_dir / runfolder.CORRECTED_H5AD,
-                                  load_trained(checkpoint), CorrectionSettings(**asdict(cfg.correction)),
-                                  counts_layer=cfg.data.counts_layer, overwrite=True)
+    corrected_path = correct_file(training.input_path(cfg.data.path), run_dir / runfolder.CORRECTED_H5AD, model,
+                                  CorrectionSettings(**asdict(cfg.correction)), counts_layer=cfg.data.counts_layer,
+                                  batch_key=cfg.data.batch_key, overwrite=True)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
     if cfg.evaluate and cfg.data.label_key:
         from batchfix.evaluate import evaluate_file
@@ -69,14 +56,6 @@ def write_outputs(cfg: TrainConfig, result: training.FitResult, prepared: Prepar
         metrics["evaluation"] = evaluate_file(corrected_path, cfg.data.batch_key, cfg.data.label_key, run_dir,
                                               counts_layer=cfg.data.counts_layer, key_added=cfg.correction.key_added)
     return metrics
-
-
-def save_model(result: training.FitResult, run_dir: Path) -> Path:
-    """Copy the best checkpoint to run_dir/model.ckpt (atomically)."""
-    checkpoint = run_dir / runfolder.MODEL_CKPT
-    with atomic_output(checkpoint, overwrite=True) as tmp:
-        shutil.copyfile(result.best_checkpoint, tmp)
-    return checkpoint
 
 
 def fit_metrics(result: training.FitResult, prepared: PreparedData) -> dict:
@@ -104,7 +83,8 @@ def correct(cfg: CorrectConfig) -> Path:
     earlier = file_identity(output)
     try:
         written = correct_file(source, output, load_trained(cfg.checkpoint), cfg, counts_layer=cfg.counts_layer,
-                               overwrite=cfg.overwrite, progress=cfg.progress)
+                               batch_key=cfg.batch_key, overwrite=cfg.overwrite,
+                               progress=cfg.progress)
     except Interrupted as err:
         now = file_identity(output)
         state = ("was not written" if now is None else "is unchanged" if now == earlier
