@@ -42,6 +42,21 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     result = training.fit(cfg, prepared, run_dir)
     if result.trainer.global_rank != 0:
         return {}
+    try:
+        metrics = write_outputs(cfg, result, prepared, run_dir)
+    except Interrupted as err:
+        raise Interrupted(err.signum, f" after training, before its outputs were written; resume={run_dir} "
+                                      "writes them") from None
+    metrics["total_seconds"] = round(time.perf_counter() - started, 2)
+    with atomic_output(run_dir / runfolder.METRICS_JSON, overwrite=True) as tmp:
+        tmp.write_text(json.dumps(metrics, indent=2))
+    log.info("Run folder: %s (model.ckpt, corrected.h5ad, metrics.json).", run_dir)
+    return metrics
+
+
+def write_outputs(cfg: TrainConfig, result: training.FitResult, prepared: PreparedData, run_dir: Path) -> dict:
+    """model.ckpt (the best checkpoint, calibrated), corrected.h5ad and the evaluation of a finished fit;
+    returns the metrics so far."""
     model = training.trained_model(result, prepared)
     model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
     metrics = fit_metrics(result, prepared)
