@@ -21,7 +21,8 @@ GENOMES = ("GRCh38", "mm10")
 SCALES = ("counts", "log")
 UNPLACED_CHOICES = ("keep", "drop")
 ATTENTION_BACKENDS = ("guarded", "sdpa")
-POSITION_ENCODINGS = ("real", "shuffled", "none")
+POSITION_ENCODINGS = ("real", "shuffled", "none", "learned")
+TOKEN_IDENTITIES = ("learned", "coordinates")
 LIKELIHOODS = ("nb", "gaussian")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
 
@@ -95,9 +96,20 @@ class ModelConfig:
     latent_dim: int = 30  # batch-free latent space
     decoder_hidden: int = 128
     attention: str = "guarded"  # guarded (written-out softmax with the fp16 guards) | sdpa (fused kernel)
-    position_encoding: str = "real"  # real | none | shuffled (ablations)
+    # Where a token's position comes from: real (sinusoids of its base-pair coordinate + a learned chromosome
+    # vector) | shuffled (the same, coordinates permuted across tokens) | none | learned (a learned vector per
+    # token, no coordinates). shuffled, none and learned are ablations; none and learned also switch the
+    # distance bias off, so that they use no genomic coordinate at all.
+    position_encoding: str = "real"
+    # learned: each token has its own gene weights and a learned embedding | coordinates: one set of value
+    # weights shared by every token, so the position encoding is all that tells tokens apart.
+    token_identity: str = "learned"
+    distance_bias: bool = False  # a learned per-head bias of the base-pair distance between tokens in attention
+    distance_buckets: int = 16  # log-distance buckets of that bias, spanning min_wavelength..max_wavelength
     min_wavelength: float = 1e3  # bp; sinusoid wavelengths span min..max geometrically
     max_wavelength: float = 3e8
+    attention_block_size: Optional[int] = None  # queries per attention block (bounds memory); null = all at once
+    gradient_checkpointing: bool = False  # recompute transformer blocks (and attention blocks) in the backward pass
     likelihood: str = "nb"  # nb on counts | gaussian (set automatically for data.scale=log)
     kl_weight: float = 1.0
     adversarial_weight: float = 10.0  # batch classifier on the latent through gradient reversal (0 = off)
@@ -111,6 +123,10 @@ class ModelConfig:
         within("model.dropout", self.dropout, 0.0, 1.0, high_open=True)
         one_of("model.attention", self.attention, ATTENTION_BACKENDS)
         one_of("model.position_encoding", self.position_encoding, POSITION_ENCODINGS)
+        one_of("model.token_identity", self.token_identity, TOKEN_IDENTITIES)
+        at_least("model.distance_buckets", self.distance_buckets, 2)
+        if self.attention_block_size is not None:
+            at_least("model.attention_block_size", self.attention_block_size, 1, " (or null: all queries at once)")
         one_of("model.likelihood", self.likelihood, LIKELIHOODS)
         if not 0 < self.min_wavelength < self.max_wavelength:
             raise ConfigError("model.min_wavelength and model.max_wavelength must satisfy 0 < min < max, got "
