@@ -82,6 +82,26 @@ ScoreBias = Callable[[int, int], torch.Tensor]
 Observer = Callable[[torch.Tensor, int], None]
 
 
+def in_query_blocks(
+    attend: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None, bias: ScoreBias | None = None, block_size: int | None = None,
+    recompute: bool = False,
+) -> torch.Tensor:
+    """attend(q block, k, v, key_padding_mask, bias, first query) over blocks of block_size queries.
+
+    q, k, v: (B, H, L, Dh). Only a (B, H, block, L) score tensor exists at a time; with recompute (and
+    gradients on) each block is recomputed in the backward pass rather than kept. Returns (B, H, L, Dh).
+    """
+    length = q.shape[2]
+    block = block_size or length
+    recompute = recompute and block < length and torch.is_grad_enabled()
+    outs = []
+    for first in range(0, length, block):
+        args = (q[:, :, first:first + block], k, v, key_padding_mask, bias, first)  # q block: (B, H, Q, Dh)
+        outs.append(checkpoint(attend, *args, use_reentrant=False) if recompute else attend(*args))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, L, Dh)
+
+
 class MultiHeadSelfAttention(nn.Module):
     """Multi-head self-attention with a fused qkv projection, a choice of backend, and optional query blocks.
 
@@ -108,14 +128,8 @@ class MultiHeadSelfAttention(nn.Module):
         batch, length, d_model = x.shape
         # (B, L, 3D) -> (B, L, 3, H, Dh) -> (3, B, H, L, Dh)
         qkv = self.qkv(x).view(batch, length, 3, self.n_heads, d_model // self.n_heads).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        block = self.block_size or length
-        recompute = self.checkpoint_blocks and block < length and torch.is_grad_enabled()
-        outs = []
-        for first in range(0, length, block):
-            args = (q[:, :, first:first + block], k, v, key_padding_mask, bias, first)  # q block: (B, H, Q, Dh)
-            outs.append(checkpoint(self.attend, *args, use_reentrant=False) if recompute else self.attend(*args))
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, H, L, Dh)
+        out = in_query_blocks(self.attend, qkv[0], qkv[1], qkv[2], key_padding_mask, bias, self.block_size,
+                              self.checkpoint_blocks)  # (B, H, L, Dh)
         # (B, H, L, Dh) -> (B, L, H, Dh) -> (B, L, D)
         return self.out(out.transpose(1, 2).reshape(batch, length, d_model))
 

@@ -300,7 +300,37 @@ class EvaluateConfig:
             raise ConfigError(f"key_added must be a non-empty name, got {self.key_added!r}.")
 
 
-SCHEMAS = {"train": TrainConfig, "correct": CorrectConfig, "evaluate": EvaluateConfig}
+@dataclass
+class AttentionConfig:
+    """`python -m batchfix attention`: mean attention between loci along the genome, per group of cells."""
+
+    input: Optional[str] = None  # .h5ad whose cells are encoded; null = the bundled dataset
+    checkpoint: Optional[str] = None  # a run folder's model.ckpt
+    output: Optional[str] = None  # folder for attention.png and attention.npz; null = <input name>.attention
+    group_by: Optional[str] = DataKeys.batch_key  # obs column: one map per value; null = all cells together
+    counts_layer: Optional[str] = None  # null = X; else the layer holding raw counts
+    max_cells: Optional[int] = 2000  # cells drawn at random (seed 0) to average over; null = every cell
+    resolution: int = 256  # loci per axis at most: beyond it neighbouring tokens are averaged into bins
+    batch_size: int = InferenceOptions.batch_size  # cells per forward pass
+    max_missing_fraction: float = InferenceOptions.max_missing_fraction
+    overwrite: bool = False  # replace existing attention.png / attention.npz
+    threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
+
+    def __post_init__(self):
+        for name in ("input", "output", "group_by", "counts_layer"):
+            non_empty(name, getattr(self, name))
+        if not self.checkpoint or not str(self.checkpoint).strip():
+            raise ConfigError("attention needs checkpoint=<run folder>/model.ckpt.")
+        if self.max_cells is not None:
+            at_least("max_cells", self.max_cells, 1, " (or null: every cell)")
+        at_least("resolution", self.resolution, 2)
+        at_least("batch_size", self.batch_size, 1)
+        within("max_missing_fraction", self.max_missing_fraction, 0.0, 1.0)
+        if self.threads is not None:
+            at_least("threads", self.threads, 1, " (or null: all cores)")
+
+
+SCHEMAS = {"train": TrainConfig, "correct": CorrectConfig, "evaluate": EvaluateConfig, "attention": AttentionConfig}
 GROUP_SCHEMAS = {"data": DataConfig, "model": ModelConfig, "fit": FitConfig, "trainer": TrainerConfig}
 
 
