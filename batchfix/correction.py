@@ -31,6 +31,7 @@ are corrected like any other.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import time
@@ -99,6 +100,14 @@ def gene_columns(var_names: pd.Index, trained: BatchfixModel, max_missing_fracti
     return columns
 
 
+def int8_network(net: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the network whose linear layers run in int8 (weights quantized once, activations per batch).
+
+    CPU only; the gene weights and the attention products stay in float32.
+    """
+    return torch.ao.quantization.quantize_dynamic(copy.deepcopy(net), {torch.nn.Linear}, dtype=torch.qint8)
+
+
 class Corrector:
     """A trained model bound to one input's genes: row chunk of the input -> (latent, corrected values).
 
@@ -109,6 +118,7 @@ class Corrector:
     def __init__(self, trained: BatchfixModel, var_names: pd.Index, settings: CorrectionSettings,
                  source: str = "X"):
         self.trained = trained
+        self.net = int8_network(trained.net) if settings.int8 else trained.net
         self.settings = settings
         self.batch_size = settings.batch_size
         self.reference = reference_index(trained, settings.reference)
@@ -154,7 +164,7 @@ class Corrector:
         values = np.empty((x.shape[0], self.n_out), dtype=np.float32)
         for start in range(0, x.shape[0], self.batch_size):
             stop = start + self.batch_size
-            mu, expression = self.trained.net.corrected(x[start:stop], self.reference)
+            mu, expression = self.net.corrected(x[start:stop], self.reference)
             latent[start:stop] = mu.numpy()
             values[start:stop] = expression.numpy()[:, self.out_model]
         return latent, values
@@ -198,6 +208,7 @@ def provenance(corrector: Corrector) -> dict:
             "chunk_size": settings.chunk_size,
             "batch_size": settings.batch_size,
             "max_missing_fraction": float(settings.max_missing_fraction),
+            "int8": bool(settings.int8),
             "model": dict(trained.module.hparams["model"]),
         },
     }

@@ -467,15 +467,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--subset", type=int, default=None, help="keep N random cells (seed 0)")
     parser.add_argument("--out", default="benchmark_results.csv",
                         help="CSV of every row; a markdown report is written beside it (.md)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.variant and any("=" in name for name, *_ in args.variant):
+        parser.error("--variant: give a NAME first, then its KEY=VALUE overrides")
+    args.variant = [(name, extra) for name, *extra in args.variant or []]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.variant:
-        if any("=" in name for name, *_ in args.variant):
-            raise SystemExit("--variant: give a NAME first, then its KEY=VALUE overrides")
-        args.variant = [(name, extra) for name, *extra in args.variant]
     rows = run(args)
     table = summary(rows)
     out = Path(args.out)
