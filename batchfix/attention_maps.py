@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import h5py
 import numpy as np
+import pandas as pd
 import torch
 from PIL import Image
 
+from batchfix import ondisk
 from batchfix.config import CorrectionSettings
 from batchfix.correction import Corrector
+from batchfix.errors import InputError
 from batchfix.genome import CHROMOSOMES
-from batchfix.io import atomic_output, output_exists, require_obs_column, select_matrix
+from batchfix.io import atomic_output, check_h5ad_path, output_exists
 from batchfix.module import BatchfixModel
 
 log = logging.getLogger(__name__)
@@ -74,33 +79,67 @@ class MapAccumulator:
         query_bins = self.bins[first:first + weights.shape[2]]
         self.sums[layer].index_add_(2, query_bins, by_group.double())  # (G, H, bins, bins)
 
+    def maps(self, groups: list[str], n_cells: np.ndarray, token_chromosome: np.ndarray) -> AttentionMaps:
+        """The sums as means over each group's cells and each bin's query tokens."""
+        tokens_per_bin = np.bincount(self.bins.numpy())
+        maps = self.sums.numpy().transpose(1, 0, 2, 3, 4)  # (layers, G, H, i, j) -> (G, layers, H, i, j)
+        maps = maps / (np.maximum(n_cells, 1)[:, None, None, None, None] * tokens_per_bin[:, None])
+        first_tokens = np.searchsorted(self.bins.numpy(), np.arange(len(tokens_per_bin)))
+        chromosome = np.array(CHROMOSOMES)[token_chromosome[first_tokens]]  # tokens are in genomic order
+        return AttentionMaps(maps.astype(np.float32), groups, n_cells, tokens_per_bin, chromosome)
 
-def attention_maps(trained: BatchfixModel, adata, group_by: str | None, settings: CorrectionSettings,
+
+def obs_column(f: h5py.File, key: str) -> np.ndarray:
+    """obs[key] of an open .h5ad file as strings (only that column is read)."""
+    columns = [str(c) for c in f["obs"].attrs.get("column-order", [])]
+    if key not in columns:
+        raise InputError(f"group_by '{key}' is not an obs column. Columns present: {columns or '(none)'}.")
+    values = pd.Series(ondisk.read_elem(f["obs"][key]))
+    if values.isna().any():
+        raise InputError(f"obs column '{key}' has {int(values.isna().sum())} missing values.")
+    return values.astype(str).to_numpy()
+
+
+def sampled_chunks(reader, rows: np.ndarray, chunk_size: int) -> Iterator[tuple[np.ndarray, object]]:
+    """(rows, their values) for the wanted (sorted) rows, reading the file chunk_size rows at a time."""
+    n_obs = reader.shape[0]
+    for start in range(0, n_obs, chunk_size):
+        wanted = rows[(rows >= start) & (rows < start + chunk_size)]
+        if len(wanted):
+            yield wanted, reader.rows(start, min(start + chunk_size, n_obs))[wanted - start]
+
+
+def attention_maps(trained: BatchfixModel, path, group_by: str | None, settings: CorrectionSettings,
                    counts_layer: str | None = None, max_cells: int | None = None,
                    resolution: int = 256) -> AttentionMaps:
-    """Encode (a random subset of at most max_cells of) the cells and average the attention per group."""
-    groups = (require_obs_column(adata, group_by, "Group", "group_by") if group_by
-              else np.full(adata.n_obs, "all cells"))
-    rows = np.arange(adata.n_obs)
-    if max_cells is not None and max_cells < adata.n_obs:
-        rows = np.sort(np.random.default_rng(0).choice(adata.n_obs, max_cells, replace=False))
-    names, codes = np.unique(groups[rows], return_inverse=True)
-    matrix = select_matrix(adata, counts_layer, option="counts_layer")
-    corrector = Corrector(trained, adata.var_names, settings)
-    encoder, config = trained.net.encoder, trained.config
-    accumulate = MapAccumulator(config.n_layers, config.n_heads, len(names), token_bins(encoder.n_tokens, resolution))
-    with torch.inference_mode(), encoder.observing(accumulate):
-        for start in range(0, len(rows), settings.batch_size):
-            chunk = rows[start:start + settings.batch_size]
-            accumulate.group_codes = torch.as_tensor(codes[start:start + settings.batch_size])
-            trained.net.encode(corrector.model_input(matrix[chunk], int(chunk[0])))
-    n_cells = np.bincount(codes, minlength=len(names))
-    tokens_per_bin = np.bincount(accumulate.bins.numpy())
-    maps = accumulate.sums.numpy().transpose(1, 0, 2, 3, 4)  # (layers, G, H, i, j) -> (G, layers, H, i, j)
-    maps = maps / (n_cells[:, None, None, None, None] * tokens_per_bin[:, None])
-    first_tokens = np.searchsorted(accumulate.bins.numpy(), np.arange(len(tokens_per_bin)))
-    chromosome = np.array(CHROMOSOMES)[trained.module.windows.chromosome[first_tokens]]  # genomic order
-    return AttentionMaps(maps.astype(np.float32), [str(n) for n in names], n_cells, tokens_per_bin, chromosome)
+    """Encode (a random subset of at most max_cells of) a file's cells, streamed, and average the attention per
+    group of obs[group_by]."""
+    source = check_h5ad_path(path)
+    try:
+        f = h5py.File(source, "r")
+    except OSError as err:
+        raise InputError(f"Cannot open {source} as HDF5: {err}") from err
+    with f:
+        ondisk.check_anndata_file(f, source)
+        n_obs = ondisk.n_obs_of(f)
+        groups = obs_column(f, group_by) if group_by else np.full(n_obs, "all cells")
+        rows = np.arange(n_obs)
+        if max_cells is not None and max_cells < n_obs:
+            rows = np.sort(np.random.default_rng(0).choice(n_obs, max_cells, replace=False))
+        names, codes = np.unique(groups[rows], return_inverse=True)
+        corrector = Corrector(trained, ondisk.read_var_names(f), settings)
+        encoder, config = trained.net.encoder, trained.config
+        accumulate = MapAccumulator(config.n_layers, config.n_heads, len(names),
+                                    token_bins(encoder.n_tokens, resolution))
+        reader = ondisk.open_rows(ondisk.matrix_element(f, counts_layer))
+        with torch.inference_mode(), encoder.observing(accumulate):
+            for wanted, values in sampled_chunks(reader, rows, settings.chunk_size):
+                x, wanted_codes = corrector.model_input(values, int(wanted[0])), codes[np.searchsorted(rows, wanted)]
+                for start in range(0, len(wanted), settings.batch_size):
+                    accumulate.group_codes = torch.as_tensor(wanted_codes[start:start + settings.batch_size])
+                    trained.net.encode(x[start:start + settings.batch_size])
+    return accumulate.maps([str(n) for n in names], np.bincount(codes, minlength=len(names)),
+                           trained.module.windows.chromosome)
 
 
 def chromosome_segments(bin_chromosome: np.ndarray) -> tuple[list[int], list[tuple[float, str]]]:

@@ -14,7 +14,7 @@ from batchfix import training
 from batchfix.config import AttentionConfig, CorrectConfig, CorrectionSettings, EvaluateConfig, TrainConfig
 from batchfix.correction import correct_file
 from batchfix.data import PreparedData
-from batchfix.io import atomic_output, read_h5ad
+from batchfix.io import atomic_output
 from batchfix.module import ENTROPY_PREFIX, load_trained
 
 log = logging.getLogger(__name__)
@@ -91,9 +91,8 @@ def attention_picture(cfg: TrainConfig, checkpoint: Path, run_dir: Path) -> Path
     from batchfix.attention_maps import attention_maps, write_attention
 
     options = AttentionConfig(checkpoint=str(checkpoint), group_by=cfg.data.label_key or cfg.data.batch_key)
-    adata = read_h5ad(training.input_path(cfg.data.path))
-    maps = attention_maps(load_trained(checkpoint), adata, options.group_by, CorrectionSettings(), cfg.data.counts_layer,
-                          options.max_cells, options.resolution)
+    maps = attention_maps(load_trained(checkpoint), training.input_path(cfg.data.path), options.group_by,
+                          CorrectionSettings(), cfg.data.counts_layer, options.max_cells, options.resolution)
     return write_attention(maps, run_dir, npz=False, overwrite=True)[0]
 
 
@@ -107,8 +106,7 @@ def attention(cfg: AttentionConfig) -> list[Path]:
     output = Path(cfg.output).expanduser() if cfg.output else Path.cwd() / (Path(source).stem + ".attention")
     settings = CorrectionSettings(batch_size=cfg.batch_size, max_missing_fraction=cfg.max_missing_fraction)
     trained = load_trained(cfg.checkpoint)
-    maps = attention_maps(trained, read_h5ad(source), cfg.group_by, settings, cfg.counts_layer, cfg.max_cells,
-                          cfg.resolution)
+    maps = attention_maps(trained, source, cfg.group_by, settings, cfg.counts_layer, cfg.max_cells, cfg.resolution)
     written = write_attention(maps, output, overwrite=cfg.overwrite, title=f"{Path(source).name}: ")
     log.info("Wrote %s", ", ".join(map(str, written)))
     return written

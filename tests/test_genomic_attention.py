@@ -21,7 +21,7 @@ import batchfix
 from batchfix import tasks
 from batchfix.attention_maps import attention_maps
 from batchfix.config import AttentionConfig, CorrectionSettings, TrainConfig, validated
-from batchfix.errors import OutputExistsError
+from batchfix.errors import InputError, OutputExistsError
 from batchfix.module import ENTROPY_PREFIX, load_trained
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,8 +125,10 @@ def test_heads_that_stay_uniform_or_collapse_are_warned_about(subset_h5ad, tmp_p
 def test_attention_maps_are_the_mean_weights_per_group(per_gene_runs, subset_h5ad):
     trained = load_trained(per_gene_runs["whole"] / "model.ckpt")
     adata = ad.read_h5ad(subset_h5ad)
-    full = attention_maps(trained, adata, "cell_type", CorrectionSettings(batch_size=64), resolution=256)
-    pooled = attention_maps(trained, adata, "cell_type", CorrectionSettings(batch_size=64), resolution=50)
+    # Chunks of 64 cells read from the file, forward passes of 48: the groups' sums cross both.
+    settings = CorrectionSettings(chunk_size=64, batch_size=48)
+    full = attention_maps(trained, subset_h5ad, "cell_type", settings, resolution=256)
+    pooled = attention_maps(trained, subset_h5ad, "cell_type", settings, resolution=50, max_cells=150)
     assert full.maps.shape == (5, 1, 2, 200, 200) and pooled.maps.shape == (5, 1, 2, 50, 50)
     np.testing.assert_allclose(full.maps.sum(-1), 1.0, atol=1e-4)
     np.testing.assert_allclose(pooled.maps.sum(-1), 1.0, atol=1e-4)
@@ -143,8 +145,14 @@ def test_attention_maps_are_the_mean_weights_per_group(per_gene_runs, subset_h5a
     expected = weights[cells].mean(0)
     np.testing.assert_allclose(full.maps[group, 0], expected, atol=1e-5)
     # Pooled: 4 neighbouring loci per bin; attention summed over key bins, averaged over query bins.
-    np.testing.assert_allclose(pooled.maps[group, 0], expected.reshape(2, 50, 4, 50, 4).sum(-1).mean(2), atol=1e-5)
+    sampled = np.zeros(len(cells), dtype=bool)
+    sampled[np.random.default_rng(0).choice(len(cells), 150, replace=False)] = True
+    expected = weights[cells & sampled].mean(0).reshape(2, 50, 4, 50, 4).sum(-1).mean(2)
+    np.testing.assert_allclose(pooled.maps[group, 0], expected, atol=1e-5)
     assert list(full.bin_chromosome[:1]) == ["1"] and full.n_cells[group] == cells.sum()
+    assert pooled.n_cells.sum() == 150 and pooled.n_cells[group] == (cells & sampled).sum()
+    with pytest.raises(InputError, match="group_by 'tissue' is not an obs column. Columns present: "):
+        attention_maps(trained, subset_h5ad, "tissue", settings)
 
 
 def test_attention_verb_writes_only_what_is_asked(per_gene_runs, subset_h5ad, tmp_path):
