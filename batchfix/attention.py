@@ -135,7 +135,10 @@ class MultiHeadSelfAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
                bias: ScoreBias | None, first: int) -> torch.Tensor:
-        """One block of queries (B, H, Q, Dh) against every key -> (B, H, Q, Dh)."""
+        """One block of queries (B, H, Q, Dh) against every key -> (B, H, Q, Dh).
+
+        With an observer the weights are written out (attention_weights) for either backend: same values.
+        """
         block_bias = None if bias is None else bias(first, first + q.shape[2])  # (H, Q, L)
         dropout_p = self.dropout if self.training else 0.0
         if self.observer is None:

@@ -109,7 +109,9 @@ class ModelConfig:
     min_wavelength: float = 1e3  # bp; sinusoid wavelengths span min..max geometrically
     max_wavelength: float = 3e8
     attention_block_size: Optional[int] = None  # queries per attention block (bounds memory); null = all at once
-    gradient_checkpointing: bool = False  # recompute transformer blocks (and attention blocks) in the backward pass
+    # Recompute each transformer block in the backward pass instead of keeping its activations (and, with
+    # attention_block_size, each block of queries too): training memory of per-gene tokens, for ~1.5x the time.
+    gradient_checkpointing: bool = False
     likelihood: str = "nb"  # nb on counts | gaussian (set automatically for data.scale=log)
     kl_weight: float = 1.0
     adversarial_weight: float = 10.0  # batch classifier on the latent through gradient reversal (0 = off)

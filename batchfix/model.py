@@ -87,7 +87,8 @@ class LocusEncoder(nn.Module):
 
     @contextmanager
     def observing(self, observer: Callable[[int, torch.Tensor, int], None]) -> Iterator[None]:
-        """Inside the block, every attention block calls observer(layer, weights (B, H, Q, L), first query)."""
+        """Within the `with`, every block of queries of every layer calls observer(layer, weights (B, H, Q, L), first
+        query): how training measures attention entropy and `attention` draws its maps."""
         for layer, block in enumerate(self.blocks):
             block.attn.observer = partial(observer, layer)
         try:
