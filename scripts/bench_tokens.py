@@ -4,8 +4,8 @@ Each configuration and phase runs in its own process. The process prepares the b
 HVGs as training does, builds the model, resets the kernel's resident-memory high-water mark
 (Linux: /proc/self/clear_refs), then runs either `--steps` training steps (forward, backward, AdamW
 on minibatches of fit.batch_size cells; the first step is a warm-up and is not timed) or inference
-(the encoder and decoder as `correct` runs them, on `--infer-cells` cells in forward passes of the
-correction's batch size). Printed per configuration: tokens, the speed of each phase, and the peak
+(the encoder and decoder as `correct` runs them, on `--infer-cells` cells in forward passes of
+fit.batch_size cells: 128, as correct's batch_size, unless the configuration sets a smaller one). Printed per configuration: tokens, the speed of each phase, and the peak
 resident memory of the phase (VmHWM) and its growth over the memory held when the phase began.
 
 Speed is given per CPU-second of the process (CPU time, all its threads): on a machine other jobs
@@ -70,17 +70,15 @@ def train_phase(module, x, batch_index, batch_size: int, steps: int) -> tuple[fl
     return wall, cpu
 
 
-def infer_phase(module, x, cells: int) -> tuple[float, float]:
-    """(wall, CPU) seconds of the correction's forward passes over the first `cells` cells."""
+def infer_phase(module, x, cells: int, batch_size: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of the correction's forward passes (batch_size cells each) over `cells` cells."""
     import torch
-
-    from batchfix.config import InferenceOptions
 
     module.eval()
     wall0, cpu0 = clocks()
     with torch.inference_mode():
-        for start in range(0, cells, InferenceOptions.batch_size):
-            module.net.corrected(x[start:min(start + InferenceOptions.batch_size, cells)])
+        for start in range(0, cells, batch_size):
+            module.net.corrected(x[start:min(start + batch_size, cells)])
     return time.perf_counter() - wall0, time.process_time() - cpu0
 
 
@@ -105,7 +103,7 @@ def child(name: str, phase: str, args: argparse.Namespace) -> dict:
         wall, cpu = train_phase(module, x, batch_index, cfg.fit.batch_size, args.steps)
     else:
         cells = min(args.infer_cells, x.shape[0])
-        wall, cpu = infer_phase(module, x, cells)
+        wall, cpu = infer_phase(module, x, cells, cfg.fit.batch_size)
     peak = high_water_kb()
     return {"tokens": module.windows.n_tokens, "per_cpu_s": cells / cpu, "per_s": cells / wall,
             "peak_mb": peak / 1024, "growth_mb": (peak - before) / 1024, "batch_size": cfg.fit.batch_size}
