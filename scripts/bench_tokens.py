@@ -35,7 +35,8 @@ CONFIGS = {
     "gene2k_blocks_ckpt": (2000, {"genes_per_token": 1, "attention_block_size": 64, "gradient_checkpointing": True}),
     "gene2k_sdpa": (2000, {"genes_per_token": 1, "attention": "sdpa"}),
     "default_5k": (5000, {}),
-    "gene5k_blocks_ckpt": (5000, {"genes_per_token": 1, "attention_block_size": 32, "gradient_checkpointing": True}),
+    "gene5k_blocks_ckpt_b32": (5000, {"genes_per_token": 1, "attention_block_size": 32, "gradient_checkpointing": True,
+                                      "batch_size": 32}),
 }
 
 
@@ -122,8 +123,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3, help="timed training steps (after one warm-up)")
-    parser.add_argument("--infer-cells", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=1, help="timed training steps (after one warm-up)")
+    parser.add_argument("--infer-cells", type=int, default=256)
     parser.add_argument("--child", nargs=2, metavar=("CONFIG", "PHASE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
