@@ -102,7 +102,8 @@ class ModelConfig:
     # distance bias off, so that they use no genomic coordinate at all.
     position_encoding: str = "real"
     # learned: each token has its own gene weights and a learned embedding | coordinates: one set of value
-    # weights shared by every token, so the position encoding is all that tells tokens apart.
+    # weights shared by every token, so the position encoding is all that tells tokens apart (with
+    # position_encoding=none they are then interchangeable: the control of the ablation).
     token_identity: str = "learned"
     distance_bias: bool = False  # a learned per-head bias of the base-pair distance between tokens in attention
     distance_buckets: int = 16  # log-distance buckets of that bias, spanning min_wavelength..max_wavelength
