@@ -9,6 +9,7 @@ torch or scanpy unchecked, and every error names the option and what it accepts.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, Optional
 
@@ -25,6 +26,7 @@ POSITION_ENCODINGS = ("real", "shuffled", "none", "learned")
 TOKEN_IDENTITIES = ("learned", "coordinates")
 LIKELIHOODS = ("nb", "gaussian")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
+OUTPUT_MODES = ("counterfactual", "denoised")
 
 
 def one_of(option: str, value, choices) -> None:
@@ -33,12 +35,12 @@ def one_of(option: str, value, choices) -> None:
 
 
 def at_least(option: str, value, minimum, what: str = "") -> None:
-    if value < minimum:
+    if not (value >= minimum and math.isfinite(value)):  # NaN and inf are refused too
         raise ConfigError(f"{option} must be >= {minimum}{what}, got {value!r}.")
 
 
 def within(option: str, value, low, high, high_open: bool = False) -> None:
-    if not (low <= value < high if high_open else low <= value <= high):
+    if not (low <= value < high if high_open else low <= value <= high):  # False for NaN
         raise ConfigError(f"{option} must be in [{low}, {high}{')' if high_open else ']'}, got {value!r}.")
 
 
@@ -132,7 +134,7 @@ class ModelConfig:
         if self.attention_block_size is not None:
             at_least("model.attention_block_size", self.attention_block_size, 1, " (or null: all queries at once)")
         one_of("model.likelihood", self.likelihood, LIKELIHOODS)
-        if not 0 < self.min_wavelength < self.max_wavelength:
+        if not 0 < self.min_wavelength < self.max_wavelength < math.inf:
             raise ConfigError("model.min_wavelength and model.max_wavelength must satisfy 0 < min < max, got "
                               f"{self.min_wavelength!r} and {self.max_wavelength!r}.")
         at_least("model.kl_weight", self.kl_weight, 0.0)
@@ -158,8 +160,8 @@ class FitConfig:
 
     def __post_init__(self):
         at_least("fit.batch_size", self.batch_size, 1)
-        if not self.learning_rate > 0:
-            raise ConfigError(f"fit.learning_rate must be > 0, got {self.learning_rate!r}.")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ConfigError(f"fit.learning_rate must be a finite number > 0, got {self.learning_rate!r}.")
         at_least("fit.weight_decay", self.weight_decay, 0.0)
         within("fit.kl_warmup_fraction", self.kl_warmup_fraction, 0.0, 1.0)
         within("fit.validation_fraction", self.validation_fraction, 0.0, 1.0, high_open=True)
@@ -208,10 +210,14 @@ class CorrectionOptions:
     """How corrected expression is made, in `train`'s run folder and by `correct`."""
 
     PREFIX: ClassVar[str] = "correction."  # how the options are named in messages
+    # counterfactual: each cell's own expression with only what its batch explains removed (for DE and
+    # markers; needs the batch column) | denoised: every cell decoded from its latent (clustering, pictures)
+    output_mode: str = "counterfactual"
     reference: Optional[str] = None  # a training batch to express every cell as; null / average = all batches
     key_added: str = "batchfix"  # writes layers[KEY], var[KEY_modelled], obsm[X_KEY], uns[KEY]
 
     def __post_init__(self):
+        one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
         non_empty(f"{self.PREFIX}reference", self.reference)
         if self.key_added is None or not str(self.key_added).strip():
             raise ConfigError(f"{self.PREFIX}key_added must be a non-empty name, got {self.key_added!r}.")
@@ -257,12 +263,14 @@ class TrainConfig:
     fit: FitConfig = field(default_factory=FitConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     correction: CorrectionOptions = field(default_factory=CorrectionOptions)
-    seed: int = 0
+    seed: int = 0  # 0 .. 2**32 - 1 (what numpy accepts)
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
     resume: Optional[str] = None  # a previous run folder: continue from its checkpoints/last.ckpt
+    overwrite: bool = False  # train into a run folder that holds a run: its outputs and checkpoints are deleted first
     evaluate: bool = True  # score batch mixing into metrics.json when data.label_key is set
 
     def __post_init__(self):
+        within("seed", self.seed, 0, 2**32 - 1)
         if self.threads is not None:
             at_least("threads", self.threads, 1, " (or null: all cores)")
         non_empty("resume", self.resume)
@@ -278,6 +286,7 @@ class CorrectConfig(CorrectionSettings):
     output: Optional[str] = None  # null = <input name>.corrected.h5ad in the working folder
     checkpoint: Optional[str] = None  # a run folder's model.ckpt
     counts_layer: Optional[str] = None  # null = X; else the layer holding raw counts
+    batch_key: str = DataKeys.batch_key  # obs column of each cell's batch (read by output_mode=counterfactual)
     overwrite: bool = False  # replace an existing output
     progress: bool = True  # progress bar (cells/s) on stderr
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
@@ -286,6 +295,8 @@ class CorrectConfig(CorrectionSettings):
         super().__post_init__()
         for name in ("input", "output", "counts_layer"):
             non_empty(name, getattr(self, name))
+        if self.batch_key is None or not str(self.batch_key).strip():
+            raise ConfigError(f"batch_key must name an obs column, got {self.batch_key!r}.")
         if not self.checkpoint or not str(self.checkpoint).strip():
             raise ConfigError("correct needs checkpoint=<run folder>/model.ckpt.")
         if self.threads is not None:

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
 from batchfix.config import DataConfig
+from batchfix.errors import ConfigError
 from batchfix.genome import GeneCoordinates, place_genes
 from batchfix.io import ExpressionInput
 from batchfix.normalize import log_cp10k
@@ -96,6 +97,9 @@ class CellDataModule(pl.LightningDataModule):
         n_cells = prepared.counts.shape[0]
         permutation = np.random.default_rng(seed).permutation(n_cells)
         n_validation = int(round(validation_fraction * n_cells)) if n_cells >= 50 else 0
+        if n_validation >= n_cells:
+            raise ConfigError(f"fit.validation_fraction={validation_fraction:g} holds out all {n_cells} cells: "
+                              "none are left to train on.")
         self.validation_rows = np.sort(permutation[:n_validation])
         self.train_rows = np.sort(permutation[n_validation:])
 

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from batchfix.errors import InputError
+
 log = logging.getLogger(__name__)
 
 GENOMES = ("GRCh38", "mm10")
@@ -72,23 +74,31 @@ def bundled_gene_table(genome: str) -> pd.DataFrame:
 def read_gtf(path: str | Path) -> pd.DataFrame:
     """Gene records of a GTF file (plain or .gz): columns symbol, gene_id, chromosome, start, end."""
     path = Path(path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"GTF file not found: {path}")
+    if not path.is_file():
+        raise InputError(f"data.gtf={path} is a folder, not a GTF file." if path.is_dir()
+                         else f"GTF file not found (data.gtf): {path}")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as fh:
-        gtf = pd.read_csv(
-            fh, sep="\t", comment="#", header=None, usecols=[0, 2, 3, 4, 8],
-            names=["chromosome", "feature", "start", "end", "attributes"], dtype={0: str},
-        )
+    try:
+        with opener(path, "rt") as fh:
+            gtf = pd.read_csv(
+                fh, sep="\t", comment="#", header=None, usecols=[0, 2, 3, 4, 8],
+                names=["chromosome", "feature", "start", "end", "attributes"], dtype={0: str},
+            )
+    except (OSError, ValueError, UnicodeDecodeError) as err:  # unreadable, not gzip, not tab-separated text
+        raise InputError(f"Cannot read data.gtf={path} as a GTF file: {type(err).__name__}: {err}") from None
     genes = gtf[gtf["feature"] == "gene"]
     if genes.empty:
-        raise ValueError(f"GTF {path} has no 'gene' records (column 3).")
+        raise InputError(f"GTF {path} has no 'gene' records (column 3).")
+    start, end = (pd.to_numeric(genes[column], errors="coerce") for column in ("start", "end"))
+    if start.isna().any() or end.isna().any():
+        raise InputError(f"GTF {path}: {int((start.isna() | end.isna()).sum())} gene records have a start or end "
+                         "(columns 4 and 5) that is not a number.")
     return pd.DataFrame({
-        "symbol": genes["attributes"].str.extract(r'gene_name "([^"]+)"', expand=False),
-        "gene_id": genes["attributes"].str.extract(r'gene_id "([^"]+)"', expand=False),
+        "symbol": genes["attributes"].astype(str).str.extract(r'gene_name "([^"]+)"', expand=False),
+        "gene_id": genes["attributes"].astype(str).str.extract(r'gene_id "([^"]+)"', expand=False),
         "chromosome": genes["chromosome"].astype(str),
-        "start": genes["start"].astype(np.int64),
-        "end": genes["end"].astype(np.int64),
+        "start": start.astype(np.int64),
+        "end": end.astype(np.int64),
     })
 
 
@@ -198,16 +208,20 @@ class LocusWindows:
         return self.gene_index.shape[0]
 
 
+def chromosome_runs(coords: GeneCoordinates) -> list[np.ndarray]:
+    """Positions of the genes (in genomic order) of each chromosome; unplaced genes form one trailing run."""
+    names = np.array(["\0unplaced" if c is None else c for c in coords.chromosome], dtype=object)
+    boundaries = np.flatnonzero(names[1:] != names[:-1]) + 1
+    return np.split(np.arange(len(names)), boundaries)
+
+
 def make_windows(coords: GeneCoordinates, genes_per_token: int) -> LocusWindows:
     """Group genes (already in genomic order) into windows that never cross a chromosome."""
     if genes_per_token < 1:
         raise ValueError(f"model.genes_per_token must be >= 1, got {genes_per_token}.")
     n_genes = len(coords.chromosome)
     codes = np.array([chromosome_code(c) for c in coords.chromosome])
-    # Runs of equal chromosome name (unplaced genes form one trailing run).
-    names = np.array(["\0unplaced" if c is None else c for c in coords.chromosome], dtype=object)
-    boundaries = np.flatnonzero(names[1:] != names[:-1]) + 1
-    runs = np.split(np.arange(n_genes), boundaries)
+    runs = chromosome_runs(coords)
     gene_index, pad_mask, position, chromosome = [], [], [], []
     for run in runs:
         for first in range(0, len(run), genes_per_token):

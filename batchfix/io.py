@@ -6,9 +6,14 @@ partial output and the input file is never touched.
 """
 from __future__ import annotations
 
+import errno
+import glob
 import logging
 import os
+import re
+import socket
 import tempfile
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,8 +24,9 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
+from batchfix import signals
 from batchfix.config import DataKeys
-from batchfix.errors import InputError, OutputExistsError
+from batchfix.errors import InputError, OutputError, OutputExistsError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +105,9 @@ def read_h5ad(path: str | os.PathLike) -> ad.AnnData:
     """Read a whole .h5ad file into memory, with clear errors."""
     p = check_h5ad_path(path)
     try:
-        return ad.read_h5ad(p)
+        with warnings.catch_warnings():  # repeated names are checked with a clearer message (check_names)
+            warnings.filterwarnings("ignore", message=r".* names are not unique", category=UserWarning)
+            return ad.read_h5ad(p)
     except Exception as err:  # anndata raises many kinds for corrupt files
         raise InputError(f"Cannot read {p} as AnnData: {type(err).__name__}: {err}") from err
 
@@ -135,9 +143,17 @@ def select_matrix(adata: ad.AnnData, layer: str | None, option: str = "data.coun
 
 def as_float32_csr(matrix) -> sp.csr_matrix:
     """Any in-memory matrix (dense, sparse, backed dataset) as a float32 CSR matrix."""
-    if sp.issparse(matrix):
-        return sp.csr_matrix(matrix, dtype=np.float32)
-    return sp.csr_matrix(np.asarray(matrix, dtype=np.float32))
+    dtype = getattr(matrix, "dtype", None)
+    if dtype is None or not (np.issubdtype(dtype, np.number) or np.issubdtype(dtype, np.bool_)) \
+            or np.issubdtype(dtype, np.complexfloating):
+        raise InputError(f"The expression matrix holds {dtype or type(matrix).__name__} values, not real numbers.")
+    matrix = sp.csr_matrix(matrix) if sp.issparse(matrix) else sp.csr_matrix(np.asarray(matrix))
+    with np.errstate(invalid="ignore"):
+        too_large = int((np.abs(matrix.data) > np.finfo(np.float32).max).sum()) if matrix.nnz else 0
+    if too_large and np.isfinite(matrix.data).all():
+        raise InputError(f"The expression matrix holds {too_large} values beyond float32's range "
+                         f"({np.finfo(np.float32).max:.2e}); these are not counts or log-expression values.")
+    return matrix.astype(np.float32)
 
 
 def count_bad_values(values: np.ndarray) -> tuple[int, int, int]:
@@ -172,6 +188,46 @@ def drop_empty(counts: sp.csr_matrix, var: pd.DataFrame) -> tuple[sp.csr_matrix,
     return counts[cell_ok][:, gene_ok].tocsr(), var.loc[gene_ok], cell_ok
 
 
+def repeated(names: pd.Index) -> list[str]:
+    """The names that occur more than once (as strings: 1 and "1" are the same gene name)."""
+    names = pd.Index(names).astype(str)
+    return names[names.duplicated()].unique().tolist()
+
+
+def duplicate_genes_error(names: list[str], where: str) -> InputError:
+    return InputError(
+        f"{where} holds {len(names)} gene names more than once (e.g. {names[:5]}): genes are matched by name, so "
+        "a repeated name is ambiguous. Sum or drop the duplicates, or rename them with "
+        "adata.var_names_make_unique(), and save the file again."
+    )
+
+
+def check_names(adata: ad.AnnData) -> None:
+    """Refuse repeated var_names (genes are matched by name); repeated obs_names only get a warning,
+    because cells are matched by position, never by name."""
+    genes = repeated(adata.var_names)
+    if genes:
+        raise duplicate_genes_error(genes, "var_names")
+    cells = repeated(adata.obs_names)
+    if cells:
+        log.warning("obs_names holds %d cell names more than once (e.g. %s); batchfix matches cells by position, "
+                    "so this does not matter here.", len(cells), cells[:3])
+
+
+def check_batches(batch: np.ndarray, cell_ok: np.ndarray, batch_key: str) -> None:
+    """At least two batches keep a non-empty cell (a batch whose cells are all empty is not trained on)."""
+    found = sorted(pd.unique(batch[cell_ok]).tolist())
+    lost = sorted(set(pd.unique(batch).tolist()) - set(found))
+    if len(found) < 2:
+        detail = f" (batches with only empty cells: {lost})" if lost else ""
+        raise InputError(
+            f"Training needs at least two batches in obs['{batch_key}']; found one: {found}{detail}. "
+            "Is data.batch_key the column that names the batches?"
+        )
+    if lost:
+        log.warning("Batches %s hold only empty cells: they are not trained on.", lost)
+
+
 def load_expression(path: str | os.PathLike, keys: DataKeys, scale: str = "counts") -> ExpressionInput:
     """Read and validate an .h5ad file for training."""
     return expression_input(read_h5ad(path), keys, scale, source=str(path))
@@ -180,6 +236,7 @@ def load_expression(path: str | os.PathLike, keys: DataKeys, scale: str = "count
 def expression_input(adata: ad.AnnData, keys: DataKeys, scale: str = "counts",
                      source: str = "the AnnData") -> ExpressionInput:
     """Validate an AnnData for training and take what training needs from it (`adata` is not changed)."""
+    check_names(adata)
     batch = require_obs_column(adata, keys.batch_key, "Batch", "data.batch_key")
     labels = require_obs_column(adata, keys.label_key, "Label", "data.label_key",
                                 "; data.label_key=null trains without labels") if keys.label_key else None
@@ -190,15 +247,7 @@ def expression_input(adata: ad.AnnData, keys: DataKeys, scale: str = "counts",
     counts, var, cell_ok = drop_empty(counts, var)
     if counts.shape[0] == 0 or counts.shape[1] == 0:
         raise InputError(f"{source} has no non-empty cells or genes ({adata.n_obs} x {adata.n_vars}).")
-    # Counted after dropping empty cells: a batch whose cells are all empty is not trained on.
-    found = sorted(pd.unique(batch[cell_ok]).tolist())
-    if len(found) < 2:
-        lost = sorted(set(pd.unique(batch).tolist()) - set(found))
-        detail = f" (batches with only empty cells: {lost})" if lost else ""
-        raise InputError(
-            f"Training needs at least two batches in obs['{keys.batch_key}']; found one: {found}{detail}. "
-            "Is data.batch_key the column that names the batches?"
-        )
+    check_batches(batch, cell_ok, keys.batch_key)
     return ExpressionInput(
         counts=counts,
         batch=batch[cell_ok],
@@ -216,37 +265,123 @@ def _current_umask() -> int:
     return mask
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(target: Path) -> None:
+    """Delete the temporary files that killed writers of `target` left beside it.
+
+    A temporary file is named `.<target name>.batchfix-<host>-<pid>-<random>.tmp`: it is deleted only when
+    written on this host by a process that no longer runs. Others (a writer still running, another host,
+    an unknown owner) are left in place and named in a warning.
+    """
+    ours = re.compile(rf"\.{re.escape(target.name)}\.batchfix-(?P<host>\w*)-(?P<pid>\d+)-\w+\.tmp")
+    for path in sorted(target.parent.glob(f".{glob.escape(target.name)}.*.tmp")):
+        match = ours.fullmatch(path.name)
+        if match and match["host"] == _host() and not _alive(int(match["pid"])):
+            path.unlink(missing_ok=True)
+            log.warning("Removed %s, a temporary file left by a writer that was stopped (process %s).",
+                        path, match["pid"])
+        else:
+            owner = f"process {match['pid']} on {match['host']}" if match else "an unknown writer"
+            log.warning("Left %s in place: a temporary file of %s, which may still be writing it; delete it "
+                        "if it is not.", path, owner)
+
+
+def cannot_write(target: Path, err: OSError) -> OutputError:
+    return OutputError(f"Cannot write the output {target}: {err.strerror or err} "
+                       f"({type(err).__name__}); choose a writable folder with free space.")
+
+
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
+                errno.ENOTDIR, errno.EEXIST, errno.EISDIR}
+
+
+def _temporary(target: Path) -> Path:
+    """A new empty temporary file beside `target` (its folder made if needed), named after this host and process."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(target)
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.batchfix-{_host()}-{os.getpid()}-", suffix=".tmp",
+                                    dir=target.parent)
+    except OSError as err:
+        raise cannot_write(target, err) from None
+    os.close(fd)
+    return Path(name)
+
+
 @contextmanager
 def atomic_output(target: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temporary path beside `target`; on success move it to `target`, on any failure delete it.
 
     Without `overwrite` the final step is a hard link, which fails if `target` appeared meanwhile, so an
-    existing file is never replaced; with it, an atomic rename replaces the old file in one step.
+    existing file is never replaced; with it, an atomic rename replaces the old file in one step. Temporary
+    files left by killed writers of the same target are removed first; a write that fails for lack of
+    space or permission raises OutputError.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    tmp = Path(name)
+    made = missing_folders(target.parent)
+    tmp = None
     try:
+        tmp = _temporary(target)
         yield tmp
+        signals.raise_pending()  # a signal whose exception was lost on the way: never finish this output
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())  # the data is on disk before the name points at it
         os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600 files; match a plain write
-        if overwrite:
-            os.replace(tmp, target)
-        else:
-            try:
-                os.link(tmp, target)
-            except FileExistsError:
-                raise output_exists(target) from None
-            except OSError:  # a file system without hard links
-                if target.exists():
-                    raise output_exists(target) from None
-                os.replace(tmp, target)
+        _move_into_place(tmp, target, overwrite)
+    except BaseException as err:
+        if tmp is not None:
             tmp.unlink(missing_ok=True)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        remove_empty(made)
+        if not isinstance(err, OSError) or isinstance(err, UserError) or err.errno not in WRITE_ERRNOS:
+            raise
+        raise cannot_write(target, err) from err
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """`folder` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    folder = folder.expanduser().resolve()
+    for path in (folder, *folder.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    return missing
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove the folders (deepest first) while they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _move_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
+    if overwrite:
+        os.replace(tmp, target)
+        return
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise output_exists(target) from None
+    except OSError:  # a file system without hard links
+        if target.exists():
+            raise output_exists(target) from None
+        os.replace(tmp, target)
+    tmp.unlink(missing_ok=True)
 
 
 def output_exists(target: Path) -> OutputExistsError:

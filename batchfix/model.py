@@ -140,6 +140,10 @@ class BatchfixNet(nn.Module):
         self.encoder = LocusEncoder(cfg, windows, n_genes)
         self.decoder = ExpressionDecoder(cfg, n_genes, n_batches)
         self.adversary = nn.Sequential(nn.Linear(cfg.latent_dim, 64), nn.ReLU(), nn.Linear(64, n_batches))
+        # Residual statistics of each training batch (batchfix.counterfactual.calibrate, after the fit): the
+        # counterfactual output's per-gene location and per-batch spread. A spread of 0 means not calibrated.
+        self.register_buffer("residual_location", torch.zeros(n_batches, n_genes))
+        self.register_buffer("residual_spread", torch.zeros(n_batches))
 
     def log_expression(self, x: torch.Tensor) -> torch.Tensor:
         """Counts -> log1p(counts per 10k); log-scale input passes through."""
@@ -174,17 +178,33 @@ class BatchfixNet(nn.Module):
             losses["loss"] = total.mean()
         return losses
 
+    def decoded(self, mu: torch.Tensor, batch: int | torch.Tensor | None = None,
+                present: torch.Tensor | None = None) -> torch.Tensor:
+        """Expected log expression (log1p per 10k, or the log input's scale) of latents `mu` (B, latent) decoded
+        as one training batch (an int), as each cell's own batch ((B,) codes), or, if None, averaged over the
+        training batches (the mean of the NB means, then log1p). `present` (G,) bool: genes the input holds;
+        the NB means are then per 10k counts of those genes, as the cell's observed values are."""
+        n_cells = mu.shape[0]
+        if batch is None:
+            codes = [torch.full((n_cells,), b, dtype=torch.long, device=mu.device) for b in range(self.n_batches)]
+        elif isinstance(batch, int):
+            codes = [torch.full((n_cells,), batch, dtype=torch.long, device=mu.device)]
+        else:
+            codes = [batch]
+        total = 0.0
+        for code in codes:
+            out = self.decoder(mu, code).float()  # (B, G)
+            total = total + (torch.softmax(out, -1) if self.cfg.likelihood == "nb" else out)
+        mean = total / len(codes)
+        if self.cfg.likelihood == "gaussian":
+            return mean * self.gene_std + self.gene_mean
+        if present is not None:
+            mean = mean / mean[:, present].sum(-1, keepdim=True)
+        return torch.log1p(mean * LIBRARY_SIZE)
+
     @torch.no_grad()
     def corrected(self, x: torch.Tensor, reference: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(latent mean, corrected log1p expression per 10k) decoded as batch `reference` or, if None,
-        averaged over all training batches."""
+        """(latent mean, denoised log1p expression per 10k): every cell decoded as batch `reference` or, if
+        None, averaged over all training batches."""
         mu, _ = self.encode(x)
-        batches = range(self.n_batches) if reference is None else [reference]
-        total = 0.0
-        for b in batches:
-            out = self.decoder(mu, torch.full((x.shape[0],), b, dtype=torch.long, device=x.device)).float()
-            total = total + (torch.softmax(out, -1) * LIBRARY_SIZE if self.cfg.likelihood == "nb" else out)
-        mean = total / len(batches)
-        if self.cfg.likelihood == "nb":
-            return mu, torch.log1p(mean)
-        return mu, mean * self.gene_std + self.gene_mean
+        return mu, self.decoded(mu, reference)

@@ -18,7 +18,7 @@ import torch
 
 from batchfix.attention import EntropyMeter
 from batchfix.config import ModelConfig
-from batchfix.errors import CheckpointError
+from batchfix.errors import CheckpointError, TrainingError
 from batchfix.genome import GeneCoordinates, LocusWindows, make_windows
 from batchfix.io import atomic_output
 from batchfix.model import BatchfixNet
@@ -61,6 +61,11 @@ class BatchfixModule(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         values, batch_index = batch
         losses = self.net.loss(values, batch_index, kl_scale=self.kl_scale())
+        if not torch.isfinite(losses["loss"]):
+            raise TrainingError(
+                f"Training diverged: the loss is {losses['loss'].item()} at step {self.global_step} (epoch "
+                f"{self.current_epoch}). Lower fit.learning_rate (now {self.hparams.learning_rate:g}), keep "
+                "trainer.gradient_clip_val set, or check the input for extreme values.")
         self.log_dict({f"train_{k}": v for k, v in losses.items()}, prog_bar=False, on_step=False, on_epoch=True,
                       batch_size=values.shape[0], sync_dist=True)  # sync_dist: mean over DDP processes
         self.log("loss", losses["loss"], prog_bar=True, on_step=True, on_epoch=False, logger=False)
@@ -171,6 +176,9 @@ class BatchfixModel:
 def load_trained(path: str | Path) -> BatchfixModel:
     """Load a batchfix checkpoint without executing code from the file (weights_only)."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise CheckpointError(f"Checkpoint {path} is a folder: name the checkpoint file in it "
+                              f"(e.g. {path}/model.ckpt).")
     if not path.is_file():
         raise CheckpointError(f"Checkpoint not found: {path}")
     try:

@@ -21,6 +21,8 @@ from hydra.experimental.callback import Callback
 from matplotlib.figure import Figure
 from omegaconf import DictConfig
 
+from batchfix.runfolder import METRICS_JSON
+
 log = logging.getLogger(__name__)
 
 SUMMARY_CSV = "sweep_summary.csv"
@@ -102,7 +104,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def _job_row(job_dir: Path) -> tuple[dict, dict]:
     overrides = yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text()) or []
     parsed = dict(parse_override(str(o)) for o in overrides)
-    metrics_path = job_dir / "metrics.json"
+    metrics_path = job_dir / METRICS_JSON
     if not metrics_path.is_file():
         log.warning("No metrics.json in %s (job failed or still running)", job_dir)
         return parsed, {}

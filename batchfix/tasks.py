@@ -3,17 +3,17 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from batchfix import training
+from batchfix import runfolder, signals, training
 from batchfix.config import AttentionConfig, CorrectConfig, CorrectionSettings, EvaluateConfig, TrainConfig
-from batchfix.correction import correct_file
+from batchfix.correction import correct_file, reference_index
 from batchfix.data import PreparedData
+from batchfix.errors import Interrupted
 from batchfix.io import atomic_output
 from batchfix.module import ENTROPY_PREFIX, load_trained
 
@@ -21,40 +21,57 @@ log = logging.getLogger(__name__)
 
 
 def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
-    """Fit on cfg.data.path; write model.ckpt, corrected.h5ad and metrics.json into run_dir (rank 0 only)."""
+    """Fit on cfg.data.path; write model.ckpt (the best checkpoint, calibrated), corrected.h5ad and
+    metrics.json into run_dir (rank 0 only).
+
+    A run folder that holds a run is refused (batchfix.runfolder); everything the data and options decide
+    is checked before training starts.
+    """
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    runfolder.check_reuse(run_dir, cfg.overwrite, cfg.resume)
     started = time.perf_counter()
     training.seed_and_threads(cfg.seed, cfg.threads)
-    prepared = training.load_training_data(cfg.data)
+    try:
+        prepared = training.load_training_data(cfg.data)
+        signals.raise_pending()
+    except Interrupted as err:
+        raise Interrupted(err.signum, " while reading the data, before training: nothing was saved") from None
+    reference_index(prepared.batch_categories, cfg.correction.reference)  # refused now, not after training
+    runfolder.claim(run_dir, cfg.overwrite, cfg.resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
     result = training.fit(cfg, prepared, run_dir)
     if result.trainer.global_rank != 0:
         return {}
-    checkpoint = save_model(result, run_dir)
+    try:
+        metrics = write_outputs(cfg, result, prepared, run_dir)
+    except Interrupted as err:
+        raise Interrupted(err.signum, f" after training, before its outputs were written; resume={run_dir} "
+                                      "writes them") from None
+    metrics["total_seconds"] = round(time.perf_counter() - started, 2)
+    with atomic_output(run_dir / runfolder.METRICS_JSON, overwrite=True) as tmp:
+        tmp.write_text(json.dumps(metrics, indent=2))
+    log.info("Run folder: %s (model.ckpt, corrected.h5ad, metrics.json).", run_dir)
+    return metrics
+
+
+def write_outputs(cfg: TrainConfig, result: training.FitResult, prepared: PreparedData, run_dir: Path) -> dict:
+    """model.ckpt (the best checkpoint, calibrated), corrected.h5ad and the evaluation of a finished fit;
+    returns the metrics so far."""
+    model = training.trained_model(result, prepared)
+    model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
     metrics = fit_metrics(result, prepared)
     correct_started = time.perf_counter()
-    corrected_path = correct_file(training.input_path(cfg.data.path), run_dir / "corrected.h5ad",
-                                  load_trained(checkpoint), CorrectionSettings(**asdict(cfg.correction)),
-                                  counts_layer=cfg.data.counts_layer, overwrite=True)
+    corrected_path = correct_file(training.input_path(cfg.data.path), run_dir / runfolder.CORRECTED_H5AD, model,
+                                  CorrectionSettings(**asdict(cfg.correction)), counts_layer=cfg.data.counts_layer,
+                                  batch_key=cfg.data.batch_key, overwrite=True)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
-    attention_picture(cfg, checkpoint, run_dir)
+    attention_picture(cfg, model, run_dir)
     if cfg.evaluate and cfg.data.label_key:
         from batchfix.evaluate import evaluate_file
 
         metrics["evaluation"] = evaluate_file(corrected_path, cfg.data.batch_key, cfg.data.label_key, run_dir,
                                               counts_layer=cfg.data.counts_layer, key_added=cfg.correction.key_added)
-    metrics["total_seconds"] = round(time.perf_counter() - started, 2)
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    log.info("Run folder: %s (model.ckpt, corrected.h5ad, metrics.json).", run_dir)
     return metrics
-
-
-def save_model(result: training.FitResult, run_dir: Path) -> Path:
-    """Copy the best checkpoint to run_dir/model.ckpt (atomically)."""
-    checkpoint = run_dir / "model.ckpt"
-    with atomic_output(checkpoint, overwrite=True) as tmp:
-        shutil.copyfile(result.best_checkpoint, tmp)
-    return checkpoint
 
 
 def fit_metrics(result: training.FitResult, prepared: PreparedData) -> dict:
@@ -79,19 +96,27 @@ def correct(cfg: CorrectConfig) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     source = training.input_path(cfg.input)
-    output = cfg.output or Path.cwd() / (Path(source).stem + ".corrected.h5ad")
-    written = correct_file(source, output, load_trained(cfg.checkpoint), cfg, counts_layer=cfg.counts_layer,
-                           overwrite=cfg.overwrite, progress=cfg.progress)
+    output = Path(cfg.output or Path.cwd() / (Path(source).stem + ".corrected.h5ad"))
+    earlier = file_identity(output)
+    try:
+        written = correct_file(source, output, load_trained(cfg.checkpoint), cfg, counts_layer=cfg.counts_layer,
+                               batch_key=cfg.batch_key, overwrite=cfg.overwrite,
+                               progress=cfg.progress)
+    except Interrupted as err:
+        now = file_identity(output)
+        state = ("was not written" if now is None else "is unchanged" if now == earlier
+                 else "was complete before the signal came")
+        raise Interrupted(err.signum, f"; {output} {state}") from None
     log.info("Wrote %s", written)
     return written
 
 
-def attention_picture(cfg: TrainConfig, checkpoint: Path, run_dir: Path) -> Path:
+def attention_picture(cfg: TrainConfig, model: BatchfixModel, run_dir: Path) -> Path:
     """run_dir/attention.png: the trained model's attention along the genome, per label (else per batch)."""
     from batchfix.attention_maps import attention_maps, write_attention
 
-    options = AttentionConfig(checkpoint=str(checkpoint), group_by=cfg.data.label_key or cfg.data.batch_key)
-    maps = attention_maps(load_trained(checkpoint), training.input_path(cfg.data.path), options.group_by,
+    options = AttentionConfig(group_by=cfg.data.label_key or cfg.data.batch_key)
+    maps = attention_maps(model, training.input_path(cfg.data.path), options.group_by,
                           CorrectionSettings(), cfg.data.counts_layer, options.max_cells, options.resolution)
     return write_attention(maps, run_dir, npz=False, overwrite=True)[0]
 
@@ -110,6 +135,15 @@ def attention(cfg: AttentionConfig) -> list[Path]:
     written = write_attention(maps, output, overwrite=cfg.overwrite, title=f"{Path(source).name}: ")
     log.info("Wrote %s", ", ".join(map(str, written)))
     return written
+
+
+def file_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of a file, None when there is none: an atomic replacement changes it."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
 
 
 def evaluate(cfg: EvaluateConfig, out_dir: str | Path) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -14,14 +15,18 @@ from pathlib import Path
 import anndata as ad
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+from batchfix import runfolder, signals
 from batchfix.config import DataConfig, FitConfig, TrainConfig, TrainerConfig
+from batchfix.counterfactual import calibrate
 from batchfix.data import CellDataModule, PreparedData, prepare
-from batchfix.errors import InputError
+from batchfix.errors import ConfigError, InputError, Interrupted
+from batchfix.genome import chromosome_runs
 from batchfix.io import expression_input, load_expression
-from batchfix.module import BatchfixModule, load_trained
+from batchfix.module import BatchfixModel, BatchfixModule, load_trained
 
 log = logging.getLogger(__name__)
 
@@ -72,29 +77,61 @@ def planned_epochs(trainer: TrainerConfig, fit: FitConfig, steps_per_epoch: int)
     return int(min(max(epochs, fit.min_auto_epochs), fit.max_auto_epochs))
 
 
+class StopOnSignal(Callback):
+    """Stop at a step boundary on a signal (batchfix.signals) and save checkpoints/last.ckpt for resume=.
+
+    Lightning's own SIGTERM handling stops at the same boundaries with SIGTERMException; both save here.
+    """
+
+    def __init__(self, last: Path):
+        self.last = last
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args) -> None:
+        signals.raise_pending()
+
+    def on_validation_batch_end(self, trainer: pl.Trainer, *args) -> None:
+        signals.raise_pending()
+
+    def on_exception(self, trainer: pl.Trainer, module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, (Interrupted, SIGTERMException)) and trainer.global_step > 0:
+            trainer.save_checkpoint(self.last)
+
+
 def build_trainer(cfg: TrainConfig, run_dir: Path, has_validation: bool) -> pl.Trainer:
     """The Trainer; its max_epochs is set by the caller once the per-process steps are known."""
     options = cfg.trainer
     # The negative ELBO, not the training loss: the adversarial term rises as mixing succeeds.
     monitor = "val_elbo" if has_validation else "train_elbo"
-    callbacks = [ModelCheckpoint(dirpath=run_dir / "checkpoints", filename="best", monitor=monitor, save_top_k=1,
-                                 save_last=True)]
+    last = runfolder.last_checkpoint(run_dir)
+    # No version counter: a name in use is replaced, never sidestepped with a "-v1" copy beside a stale one.
+    callbacks = [ModelCheckpoint(dirpath=last.parent, filename="best", monitor=monitor, save_top_k=1,
+                                 save_last=True, enable_version_counter=False), StopOnSignal(last)]
     if cfg.fit.early_stopping_patience and has_validation:
         callbacks.append(EarlyStopping(monitor=monitor, patience=cfg.fit.early_stopping_patience))
-    return pl.Trainer(
-        default_root_dir=str(run_dir), callbacks=callbacks, logger=CSVLogger(str(run_dir), name="logs", version=""),
-        accelerator=options.accelerator, devices=options.devices, strategy=options.strategy,
-        num_nodes=options.num_nodes, precision=resolve_precision(options.precision, options.accelerator),
-        gradient_clip_val=options.gradient_clip_val, log_every_n_steps=options.log_every_n_steps,
-        enable_progress_bar=options.enable_progress_bar, enable_model_summary=options.enable_model_summary,
-        deterministic=options.deterministic, **({} if has_validation else {"limit_val_batches": 0}),
-    )
+    try:
+        return pl.Trainer(
+            default_root_dir=str(run_dir), callbacks=callbacks,
+            logger=CSVLogger(str(run_dir), name=runfolder.LOGS, version=""),
+            accelerator=options.accelerator, devices=options.devices, strategy=options.strategy,
+            num_nodes=options.num_nodes, precision=resolve_precision(options.precision, options.accelerator),
+            gradient_clip_val=options.gradient_clip_val, log_every_n_steps=options.log_every_n_steps,
+            enable_progress_bar=options.enable_progress_bar, enable_model_summary=options.enable_model_summary,
+            deterministic=options.deterministic, **({} if has_validation else {"limit_val_batches": 0}),
+        )
+    except (MisconfigurationException, ValueError, RuntimeError, ImportError) as err:  # e.g. no such accelerator
+        raise ConfigError(f"Lightning refused the trainer.* options (accelerator={options.accelerator}, "
+                          f"devices={options.devices}, strategy={options.strategy}): {err}") from None
 
 
 def build_module(cfg: TrainConfig, prepared: PreparedData, planned_steps: int) -> BatchfixModule:
     """The Lightning module for the prepared genes and batches, with their standardisation statistics."""
     model = replace(cfg.model, likelihood="gaussian") if cfg.data.scale == "log" else cfg.model
     coordinates = prepared.coordinates
+    widest = max(len(run) for run in chromosome_runs(coordinates))  # windows never cross a chromosome
+    if model.genes_per_token > widest:
+        log.info("model.genes_per_token=%d > %d, the most modelled genes on one chromosome: using %d (the same "
+                 "windows, without slots that could only be padding).", model.genes_per_token, widest, widest)
+        model = replace(model, genes_per_token=widest)
     module = BatchfixModule(
         model=model.to_dict(), genes=prepared.genes, chromosome=list(coordinates.chromosome),
         start=coordinates.start.tolist(), end=coordinates.end.tolist(), batch_categories=prepared.batch_categories,
@@ -109,9 +146,9 @@ def resume_checkpoint(resume: str | None, prepared: PreparedData) -> Path | None
     """The last.ckpt of the run folder `resume`, checked to be a run on the same genes and batches."""
     if not resume:
         return None
-    checkpoint = Path(resume).expanduser() / "checkpoints" / "last.ckpt"
+    checkpoint = runfolder.last_checkpoint(resume)
     if not checkpoint.is_file():
-        raise InputError(f"Cannot resume: no checkpoint at {checkpoint}.")
+        raise InputError(f"Cannot resume: no checkpoint at {checkpoint} (resume= names a run folder).")
     saved = load_trained(checkpoint)
     if saved.genes != prepared.genes or saved.batch_categories != prepared.batch_categories:
         raise InputError(f"Cannot resume from {resume}: it was trained on other genes or batches "
@@ -135,8 +172,12 @@ class FitResult:
 
 
 def fit(cfg: TrainConfig, prepared: PreparedData, run_dir: Path) -> FitResult:
-    """Train on the prepared data; checkpoints and logs/metrics.csv go into run_dir."""
+    """Train on the prepared data; checkpoints and logs/metrics.csv go into run_dir.
+
+    A signal stops training at the next step boundary, saves checkpoints/last.ckpt and raises Interrupted.
+    """
     datamodule = CellDataModule(prepared, cfg.fit.batch_size, cfg.fit.validation_fraction, cfg.seed)
+    resume_from = resume_checkpoint(cfg.resume, prepared)
     trainer = build_trainer(cfg, run_dir, has_validation=len(datamodule.validation_rows) > 0)
     # Under DDP each process takes every world_size-th minibatch: steps per epoch shrink accordingly.
     steps_per_epoch = math.ceil(math.ceil(len(datamodule.train_rows) / cfg.fit.batch_size) / trainer.world_size)
@@ -144,9 +185,28 @@ def fit(cfg: TrainConfig, prepared: PreparedData, run_dir: Path) -> FitResult:
     trainer.fit_loop.max_epochs = max_epochs
     module = build_module(cfg, prepared, planned_steps=max_epochs * steps_per_epoch)
     log.info("Modelling %d genes as %d locus tokens of %d genes, %d cells, %d batches; %d epochs planned.",
-             len(prepared.genes), module.windows.n_tokens, cfg.model.genes_per_token, prepared.counts.shape[0],
-             len(prepared.batch_categories), max_epochs)
-    resume_from = resume_checkpoint(cfg.resume, prepared)
+             len(prepared.genes), module.windows.n_tokens, module.model_config.genes_per_token,
+             prepared.counts.shape[0], len(prepared.batch_categories), max_epochs)
     started = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
+    try:
+        with signals.deferred():
+            trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
+    except (Interrupted, SIGTERMException) as err:
+        signum = err.signum if isinstance(err, Interrupted) else signal.SIGTERM
+        raise Interrupted(signum, interruption_note(trainer, run_dir)) from None
     return FitResult(trainer, module, len(datamodule.train_rows), time.perf_counter() - started)
+
+
+def interruption_note(trainer: pl.Trainer, run_dir: Path) -> str:
+    """Where an interrupted fit stopped and what it saved."""
+    last = runfolder.last_checkpoint(run_dir)
+    if trainer.global_step == 0 or not last.is_file():
+        return " before a training step: no checkpoint saved"
+    return f" after {trainer.global_step} training steps; saved {last} (resume={run_dir} continues it)"
+
+
+def trained_model(result: FitResult, prepared: PreparedData) -> BatchfixModel:
+    """The best checkpoint, with its training batches' residual statistics (the counterfactual output's)."""
+    model = load_trained(result.best_checkpoint)
+    calibrate(model.net, prepared)
+    return model

@@ -84,7 +84,7 @@ BAD_OPTIONS = [
     ("model.attention_block_size=0", "model.attention_block_size must be >= 1"),
     ("model.gradient_checkpointing=maybe", "Value 'maybe' is not a valid bool"),
     ("fit.batch_size=0", "fit.batch_size must be >= 1"),
-    ("fit.learning_rate=0", "fit.learning_rate must be > 0"),
+    ("fit.learning_rate=0", "fit.learning_rate must be a finite number > 0"),
     ("fit.validation_fraction=1", "fit.validation_fraction must be in [0.0, 1.0)"),
     ("fit.max_auto_epochs=2", "fit.max_auto_epochs must be >= 5"),
     ("data.n_top_genes=0", "data.n_top_genes must be >= 1"),

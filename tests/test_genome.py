@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from batchfix import genome
+from batchfix.errors import InputError
 from batchfix.genome import (
     CHROMOSOME_CODE,
     UNPLACED,
@@ -220,7 +221,19 @@ def test_gtf_without_gene_records(tmp_path):
 
 def test_missing_gtf(tmp_path):
     path = tmp_path / "nope.gtf"
-    with pytest.raises(FileNotFoundError, match="nope.gtf"):
+    with pytest.raises(InputError, match="GTF file not found.*nope.gtf"):
+        place_genes(pd.DataFrame(index=["TP53"]), gtf=str(path))
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "is a folder, not a GTF file"),
+    (b"\x89HDF\r\n\x1a\n\x00\xff\xfe binary", "Cannot read data.gtf="),
+    (b"chr1\tsrc\tgene\tten\t20\t.\t+\t.\tgene_id \"G1\";\n", "start or end .* not a number"),
+])
+def test_unreadable_gtf_is_an_input_error(tmp_path, content, message):
+    path = tmp_path / "genes.gtf"
+    path.mkdir() if content is None else path.write_bytes(content)
+    with pytest.raises(InputError, match=message):
         place_genes(pd.DataFrame(index=["TP53"]), gtf=str(path))
 
 

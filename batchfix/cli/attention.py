@@ -4,7 +4,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from batchfix.cli.common import user_errors_reported
+from batchfix.cli.common import run, user_errors_reported
 from batchfix.config import AttentionConfig, validated
 
 
@@ -12,10 +12,11 @@ from batchfix.config import AttentionConfig, validated
 def main(cfg: DictConfig) -> None:
     """Attention maps (batchfix.tasks.attention): attention.png and attention.npz are all it writes."""
     with user_errors_reported("attention"):
+        options = validated(cfg, AttentionConfig)  # before the heavy imports: a bad option is reported at once
         from batchfix import tasks
 
-        tasks.attention(validated(cfg, AttentionConfig))
+        tasks.attention(options)
 
 
 if __name__ == "__main__":
-    main()
+    run(main, "attention")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from batchfix.cli.common import user_errors_reported
+from batchfix.cli.common import run, user_errors_reported
 from batchfix.config import CorrectConfig, validated
 
 
@@ -12,10 +12,11 @@ from batchfix.config import CorrectConfig, validated
 def main(cfg: DictConfig) -> None:
     """Correct (batchfix.tasks.correct): the output file is all it writes."""
     with user_errors_reported("correct"):
+        options = validated(cfg, CorrectConfig)  # before the heavy imports: a bad option is reported at once
         from batchfix import tasks
 
-        tasks.correct(validated(cfg, CorrectConfig))
+        tasks.correct(options)
 
 
 if __name__ == "__main__":
-    main()
+    run(main, "correct")

@@ -5,19 +5,22 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from batchfix.cli.common import user_errors_reported
+from batchfix.cli.common import run, user_errors_reported
 from batchfix.config import EvaluateConfig, validated
+from batchfix.runfolder import remove_if_unused
 
 
 @hydra.main(version_base=None, config_path="pkg://batchfix.conf", config_name="evaluate")
 def main(cfg: DictConfig) -> float | None:
     """Evaluate (batchfix.tasks.evaluate) into the run folder; return the corrected-expression Total."""
-    with user_errors_reported("evaluate"):
+    out_dir = HydraConfig.get().runtime.output_dir
+    with user_errors_reported("evaluate", on_error=lambda: remove_if_unused(out_dir)):
+        options = validated(cfg, EvaluateConfig)  # before the heavy imports: a bad option is reported at once
         from batchfix import tasks
 
-        evaluation = tasks.evaluate(validated(cfg, EvaluateConfig), HydraConfig.get().runtime.output_dir)
+        evaluation = tasks.evaluate(options, out_dir)
         return tasks.headline({"evaluation": evaluation})
 
 
 if __name__ == "__main__":
-    main()
+    run(main, "evaluate")

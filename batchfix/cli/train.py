@@ -5,19 +5,23 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from batchfix.cli.common import user_errors_reported
+from batchfix.cli.common import run, user_errors_reported
 from batchfix.config import TrainConfig, validated
+from batchfix.runfolder import remove_if_unused
 
 
 @hydra.main(version_base=None, config_path="pkg://batchfix.conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    """Train (batchfix.tasks.train); return the number a sweep optimises."""
-    with user_errors_reported("train"):
+    """Train (batchfix.tasks.train); return the number a sweep optimises. A run stopped by a user error or a
+    signal before it saved anything leaves no run folder behind."""
+    run_dir = HydraConfig.get().runtime.output_dir
+    with user_errors_reported("train", on_error=lambda: remove_if_unused(run_dir)):
+        options = validated(cfg, TrainConfig)  # before the heavy imports: a bad option is reported at once
         from batchfix import tasks
 
-        metrics = tasks.train(validated(cfg, TrainConfig), HydraConfig.get().runtime.output_dir)
+        metrics = tasks.train(options, run_dir)
         return tasks.headline(metrics)
 
 
 if __name__ == "__main__":
-    main()
+    run(main, "train")

@@ -1,0 +1,141 @@
+"""A training run folder: what it holds, never silently reused, and not left behind by a run that failed early.
+
+- A folder that holds a run (any of RUN_OUTPUTS) is refused, unless `resume=` names that same folder
+  (the run continues in place) or `overwrite=true` (its outputs and checkpoints are deleted first).
+  The command line checks this before Hydra writes `.hydra/` into the folder (`RunFolderCheck`).
+- A run that stops on a user error or a signal before it saved anything leaves no folder behind:
+  `remove_if_unused` deletes what Hydra and the logger wrote (RUN_FILES), then the folders left empty.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, open_dict, read_write
+
+from batchfix.errors import ConfigError, OutputError, OutputExistsError
+from batchfix.io import missing_folders, remove_empty
+
+log = logging.getLogger(__name__)
+
+MODEL_CKPT = "model.ckpt"
+CORRECTED_H5AD = "corrected.h5ad"
+METRICS_JSON = "metrics.json"
+METRICS_MD = "metrics.md"
+UMAP_PNG = "umap.png"
+CHECKPOINTS = "checkpoints"  # best.ckpt and last.ckpt
+LAST_CKPT = "last"  # checkpoints/last.ckpt: what resume= continues
+LOGS = "logs"  # logs/metrics.csv
+RUN_OUTPUTS = (MODEL_CKPT, CORRECTED_H5AD, METRICS_JSON, METRICS_MD, UMAP_PNG, CHECKPOINTS, LOGS)
+# The files a run writes before it has trained anything: Hydra's, and the logger's.
+RUN_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "train.log", "evaluate.log",
+             f"{LOGS}/metrics.csv", f"{LOGS}/hparams.yaml")
+
+
+def last_checkpoint(run_dir: str | Path) -> Path:
+    return Path(run_dir).expanduser() / CHECKPOINTS / f"{LAST_CKPT}.ckpt"
+
+
+def previous_outputs(run_dir: Path) -> list[str]:
+    """The run outputs `run_dir` holds already."""
+    return [name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+
+
+def same_folder(a: str | Path, b: str | Path) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
+def check_reuse(run_dir: Path, overwrite: bool, resume: str | None) -> list[str]:
+    """The previous outputs `overwrite` will delete; raise when the folder holds a run and may not be reused."""
+    found = previous_outputs(run_dir)
+    resuming_here = resume is not None and same_folder(resume, run_dir)
+    if resuming_here and overwrite:
+        raise ConfigError(f"overwrite=true would delete the checkpoints resume={resume} continues from; "
+                          "drop one of the two.")
+    if not found or resuming_here:
+        return []
+    if not overwrite:
+        raise OutputExistsError(
+            f"Run folder {run_dir} already holds a run ({', '.join(found)}). Train into a new folder "
+            f"(hydra.run.dir=...), continue that run with resume={run_dir}, or replace it with overwrite=true."
+        )
+    return found
+
+
+def claim(run_dir: Path, overwrite: bool, resume: str | None) -> None:
+    """Make `run_dir` ready for a run (see `check_reuse`): with overwrite, delete the previous run's outputs."""
+    found = check_reuse(run_dir, overwrite, resume)
+    for name in found:
+        path = run_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if found:
+        log.warning("overwrite=true: deleted the previous run's %s from %s.", ", ".join(found), run_dir)
+
+
+_made_for: dict[Path, list[Path]] = {}  # run folder -> the folders made for it (deepest first)
+
+
+def make_run_folder(run_dir: str | Path) -> None:
+    """Make the run folder, check it is writable, and remember which folders were made for it."""
+    run_dir = Path(run_dir).expanduser().resolve()
+    made = missing_folders(run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as err:
+        remove_empty(made)
+        raise OutputError(f"Cannot write the run folder {run_dir}: {err.strerror or err}; set hydra.run.dir to a "
+                          "writable folder.") from None
+    _made_for[run_dir] = made
+
+
+def remove_if_unused(run_dir: str | Path) -> None:
+    """Delete a run folder that a failed run left without a checkpoint or output, and the parents made for it.
+
+    Only the files runs write are deleted (RUN_FILES), and a folder only once it is empty: nothing else is touched.
+    """
+    run_dir = Path(run_dir).expanduser().resolve()
+    if not run_dir.is_dir() or any((run_dir / name).is_file() for name in (MODEL_CKPT, CORRECTED_H5AD, METRICS_JSON)):
+        return
+    if (run_dir / CHECKPOINTS).is_dir() and any((run_dir / CHECKPOINTS).iterdir()):
+        return
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
+    for folder in (run_dir / ".hydra", run_dir / LOGS, run_dir / CHECKPOINTS):
+        try:
+            folder.rmdir()
+        except OSError:  # missing, or holds something else
+            pass
+    remove_empty(_made_for.get(run_dir, [run_dir]))  # not noted (a sweep job): the run folder alone
+
+
+class RunFolderCheck(Callback):
+    """Hydra callback: before Hydra writes into the run folder, make it (writable, or a one-line error) and
+    remember the folders made for it (`remove_if_unused`); for `train`, refuse bad options and a folder that
+    holds a run, so that Hydra never replaces a previous run's .hydra/ files."""
+
+    def __init__(self, verb: str = "train"):
+        self.verb = verb
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        from batchfix.cli.common import user_errors_reported
+        from batchfix.config import TrainConfig, validated
+
+        HydraConfig.instance().set_config(config)  # as Hydra does next, so ${hydra:...} resolves
+        run_dir = Path(str(config.hydra.run.dir))
+        with user_errors_reported(self.verb):
+            if self.verb == "train":
+                task = copy.deepcopy(config)
+                with read_write(task), open_dict(task):
+                    del task["hydra"]
+                cfg = validated(task, TrainConfig)
+                check_reuse(run_dir, cfg.overwrite, cfg.resume)
+            make_run_folder(run_dir)
