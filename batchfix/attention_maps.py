@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import h5py
@@ -127,7 +127,8 @@ def attention_maps(trained: BatchfixModel, path, group_by: str | None, settings:
         if max_cells is not None and max_cells < n_obs:
             rows = np.sort(np.random.default_rng(0).choice(n_obs, max_cells, replace=False))
         names, codes = np.unique(groups[rows], return_inverse=True)
-        corrector = Corrector(trained, ondisk.read_var_names(f), settings)
+        # The maps read the encoder only: the denoised setting needs no batch column and no calibration.
+        corrector = Corrector(trained, ondisk.read_var_names(f), replace(settings, output_mode="denoised"))
         encoder, config = trained.net.encoder, trained.config
         accumulate = MapAccumulator(config.n_layers, config.n_heads, len(names),
                                     token_bins(encoder.n_tokens, resolution))

@@ -115,7 +115,7 @@ def attention_picture(cfg: TrainConfig, model: BatchfixModel, run_dir: Path) -> 
     """run_dir/attention.png: the trained model's attention along the genome, per label (else per batch)."""
     from batchfix.attention_maps import attention_maps, write_attention
 
-    options = AttentionConfig(group_by=cfg.data.label_key or cfg.data.batch_key)
+    options = AttentionConfig(checkpoint=str(model.path), group_by=cfg.data.label_key or cfg.data.batch_key)
     maps = attention_maps(model, training.input_path(cfg.data.path), options.group_by,
                           CorrectionSettings(), cfg.data.counts_layer, options.max_cells, options.resolution)
     return write_attention(maps, run_dir, npz=False, overwrite=True)[0]
