@@ -38,6 +38,7 @@ counterfactual output their batch effect is estimated from their own cells in a 
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import time
@@ -105,6 +106,14 @@ def gene_columns(var_names: pd.Index, trained: BatchfixModel, max_missing_fracti
     return columns
 
 
+def int8_network(net: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the network whose linear layers run in int8 (weights quantized once, activations per batch).
+
+    CPU only; the gene weights and the attention products stay in float32.
+    """
+    return torch.ao.quantization.quantize_dynamic(copy.deepcopy(net), {torch.nn.Linear}, dtype=torch.qint8)
+
+
 class Corrector:
     """A trained model bound to one input's genes (and, for the counterfactual output, its cells' batches):
     row chunk of the input -> (latent, corrected values).
@@ -116,6 +125,7 @@ class Corrector:
     def __init__(self, trained: BatchfixModel, var_names: pd.Index, settings: CorrectionSettings,
                  source: str = "X", batch: np.ndarray | None = None, batch_key: str | None = None):
         self.trained = trained
+        self.net = int8_network(trained.net) if settings.int8 else trained.net
         self.batch_key = batch_key
         self.settings = settings
         self.batch_size = settings.batch_size
@@ -170,7 +180,7 @@ class Corrector:
                 x = self.model_input(rows.rows(start, stop)[picked], start)
                 for begin in range(0, len(picked), self.batch_size):
                     part = slice(begin, begin + self.batch_size)
-                    r = counterfactual.residual(self.trained.net, x[part], None, self.present).numpy()
+                    r = counterfactual.residual(self.net, x[part], None, self.present).numpy()
                     for code in np.unique(codes[picked[part]]):
                         sums[code - n_training].add(r[codes[picked[part]] == code])
         self.statistics = counterfactual.Statistics(self.trained.net, self.reference, sums, self.present.numpy())
@@ -197,12 +207,12 @@ class Corrector:
         for start in range(0, x.shape[0], self.batch_size):
             stop = start + self.batch_size
             if self.settings.output_mode == "denoised":
-                mu, expression = self.trained.net.corrected(x[start:stop], self.reference)
+                mu, expression = self.net.corrected(x[start:stop], self.reference)
             else:
                 if self.statistics is None:
                     raise RuntimeError("Corrector.prepare(rows, n_obs) must run before the counterfactual output.")
                 codes = torch.from_numpy(self.batches.codes[first_cell + start:first_cell + min(stop, x.shape[0])])
-                mu, expression, n_clipped = counterfactual.corrected(self.trained.net, x[start:stop], codes,
+                mu, expression, n_clipped = counterfactual.corrected(self.net, x[start:stop], codes,
                                                                      self.reference, self.statistics, self.present)
                 self.n_clipped += n_clipped
             latent[start:stop] = mu.numpy()
@@ -258,6 +268,7 @@ def provenance(corrector: Corrector) -> dict:
             "chunk_size": settings.chunk_size,
             "batch_size": settings.batch_size,
             "max_missing_fraction": float(settings.max_missing_fraction),
+            "int8": bool(settings.int8),
             "model": dict(trained.module.hparams["model"]),
         },
     }

@@ -1,12 +1,17 @@
 """The batchfix network in pure torch: locus-token encoder -> batch-free latent -> batch-conditioned decoder."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from batchfix.attention import GenomicCoordinateEncoding, TransformerBlock
+from batchfix.attention import GenomicCoordinateEncoding, GenomicDistanceBias, TransformerBlock
 from batchfix.config import ModelConfig
 from batchfix.genome import LocusWindows
 from batchfix.normalize import LIBRARY_SIZE, log_cp10k
@@ -33,30 +38,64 @@ class LocusEncoder(nn.Module):
         self.register_buffer("gene_index", torch.as_tensor(windows.gene_index.reshape(-1)), persistent=False)
         self.register_buffer("slot_mask", torch.as_tensor(~windows.pad_mask, dtype=torch.float32), persistent=False)
         self.n_tokens, self.per_token, self.n_genes = n_tokens, per_token, n_genes
-        # A window's embedding = sum over its genes of value x gene-specific vector (grouped linear layer).
-        self.gene_vectors = nn.Parameter(torch.randn(n_tokens, per_token, cfg.d_model) / per_token ** 0.5)
-        self.token_bias = nn.Parameter(torch.zeros(n_tokens, cfg.d_model))
+        self.checkpointing = cfg.gradient_checkpointing
+        self.shared_values = cfg.token_identity == "coordinates"
+        if not self.shared_values:
+            # A window's embedding = sum over its genes of value x gene-specific vector (grouped linear layer).
+            self.gene_vectors = nn.Parameter(torch.randn(n_tokens, per_token, cfg.d_model) / per_token ** 0.5)
+            self.token_bias = nn.Parameter(torch.zeros(n_tokens, cfg.d_model))
+        else:
+            # One vector per window slot shared by every token: only the position encoding tells tokens apart.
+            self.value_vectors = nn.Parameter(torch.randn(per_token, cfg.d_model) / per_token ** 0.5)
         self.coordinates = GenomicCoordinateEncoding(
             windows.position, windows.chromosome, cfg.d_model, cfg.position_encoding,
             cfg.min_wavelength, cfg.max_wavelength,
         )
+        self.distance_bias = None
+        if cfg.distance_bias and cfg.position_encoding in GenomicCoordinateEncoding.COORDINATE_MODES:
+            self.distance_bias = GenomicDistanceBias(self.coordinates.position, self.coordinates.chromosome,
+                                                     cfg.n_heads, cfg.distance_buckets, cfg.min_wavelength,
+                                                     cfg.max_wavelength)
         self.blocks = nn.ModuleList(
-            TransformerBlock(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.attention) for _ in range(cfg.n_layers)
+            TransformerBlock(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.attention, block_size=cfg.attention_block_size,
+                             checkpoint_blocks=cfg.gradient_checkpointing)
+            for _ in range(cfg.n_layers)
         )
         self.norm = nn.LayerNorm(cfg.d_model)
         self.to_latent = nn.Linear(cfg.d_model, 2 * cfg.latent_dim)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, G) standardized values -> (B, T, D) token embeddings with their position encoding."""
         batch = x.shape[0]
         padded = F.pad(x, (0, 1))  # (B, G + 1): the last column is the zero used by padding slots
         slots = padded[:, self.gene_index].view(batch, self.n_tokens, self.per_token)  # (B, T, p)
+        if self.shared_values:
+            return torch.einsum("btp,pd->btd", slots, self.value_vectors) + self.coordinates()  # (B, T, D)
         weights = self.gene_vectors * self.slot_mask[..., None]  # (T, p, D), padding slots zeroed
-        tokens = torch.einsum("btp,tpd->btd", slots, weights) + self.token_bias + self.coordinates()  # (B, T, D)
+        return torch.einsum("btp,tpd->btd", slots, weights) + self.token_bias + self.coordinates()  # (B, T, D)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.embed(x)
         for block in self.blocks:
-            tokens = block(tokens)
+            if self.checkpointing and torch.is_grad_enabled():
+                tokens = checkpoint(block, tokens, None, self.distance_bias, use_reentrant=False)
+            else:
+                tokens = block(tokens, bias=self.distance_bias)
         pooled = self.norm(tokens).mean(dim=1)  # (B, D)
         mu, logvar = self.to_latent(pooled).chunk(2, dim=-1)
         return mu, logvar.clamp(-10.0, 10.0)
+
+    @contextmanager
+    def observing(self, observer: Callable[[int, torch.Tensor, int], None]) -> Iterator[None]:
+        """Within the `with`, every block of queries of every layer calls observer(layer, weights (B, H, Q, L), first
+        query): how training measures attention entropy and `attention` draws its maps."""
+        for layer, block in enumerate(self.blocks):
+            block.attn.observer = partial(observer, layer)
+        try:
+            yield
+        finally:
+            for block in self.blocks:
+                block.attn.observer = None
 
 
 class ExpressionDecoder(nn.Module):

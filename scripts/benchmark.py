@@ -16,8 +16,11 @@ Methods (their own packages, default settings):
                 (get_normalized_expression over all batches, library size 1e4) -> log1p -> PCA
   batchfix      `run_batchfix`: trained once; latent, and PCA of the corrected log expression in
                 each output mode (counterfactual and denoised: two rows)
-With `--ablation`, batchfix runs once per coordinate encoding (model.position_encoding =
-real, none, shuffled) for every seed.
+With `--ablation`, batchfix runs once per position encoding (model.position_encoding =
+real, none, shuffled, learned) for every seed; `--variant NAME KEY=VALUE ...` (repeatable) names a
+model variant whose overrides are added to `--batchfix-override`, and each variant gets its own
+batchfix runs (its own ablation with `--ablation`). The report then ends with the ablation table:
+per variant and encoding, the mean and sd over seeds of each score of the corrected expression.
 
 Gene-level scores (batchfix.fidelity: DE-rank agreement, marker recall, within-type 10-NN kept,
 HVG conservation) judge each method's corrected *matrix* against the within-batch reference
@@ -64,7 +67,7 @@ from batchfix.normalize import LIBRARY_SIZE, log_cp10k
 
 BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi"]
 ALL_METHODS = ["batchfix", *BASELINES]
-ABLATION_ENCODINGS = ["real", "none", "shuffled"]
+ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
 
 
 @dataclass
@@ -313,20 +316,15 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
         data = prepare(counts, args.batch_key, seed)
         results: dict[str, tuple[str, MethodResult]] = {}
         for method in args.methods:
-            if method == "batchfix" and args.ablation:
+            if method == "batchfix":
                 continue
             print(f"seed {seed}: {method} ...", flush=True)
-            if method == "batchfix":
-                result = fit_batchfix(data, args.batchfix_override)
-            else:
-                result = BASELINE_FITS[method](data)
-            results[method] = (method, result)
-        if args.ablation:
-            for encoding in ABLATION_ENCODINGS:
-                print(f"seed {seed}: batchfix position_encoding={encoding} ...", flush=True)
-                overrides = [*args.batchfix_override, f"model.position_encoding={encoding}"]
-                name = f"batchfix [position_encoding={encoding}]"
-                results[name] = ("batchfix", fit_batchfix(data, overrides, name))
+            results[method] = (method, BASELINE_FITS[method](data))
+        tags: dict[str, dict[str, str]] = {}
+        for name, variant, encoding, overrides in batchfix_runs(args):
+            print(f"seed {seed}: {name} ...", flush=True)
+            results[name] = ("batchfix", fit_batchfix(data, overrides, name))
+            tags[name] = {"variant": variant, "encoding": encoding}
 
         embeddings = {k: e for _, r in results.values() for k, e in r.embeddings.items()}
         start = time.perf_counter()
@@ -337,10 +335,10 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
         print(f"seed {seed}: scored {len(embeddings)} embeddings in {scoring:.1f} s "
               f"({scoring / len(embeddings):.1f} s each)", flush=True)
         genes = gene_scores(counts, results, args.batch_key, labels)
-        for method, result in results.values():
+        for key, (method, result) in results.items():
             for name in result.embeddings:
                 rows.append({
-                    "embedding": name, "method": method, "seed": seed,
+                    "embedding": name, "method": method, "seed": seed, **tags.get(key, {}),
                     **table.loc[name].to_dict(),
                     **genes.get(name, dict.fromkeys(fidelity.GENE_METRICS, np.nan)),
                     "fit_seconds": result.embedding_seconds.get(name, result.fit_seconds),
@@ -349,6 +347,38 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
                     "scoring_seconds_each": scoring / len(embeddings),
                 })
     return pd.DataFrame(rows)
+
+
+def batchfix_runs(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
+    """(result name, variant, position encoding, overrides) of every batchfix run for one seed."""
+    if "batchfix" not in args.methods:
+        return []
+    runs = []
+    for variant, extra in args.variant or [("", [])]:
+        base = "batchfix" + (f" {variant}" if variant else "")
+        overrides = [*args.batchfix_override, *extra]
+        if not args.ablation:
+            runs.append((base, variant, "", overrides))
+            continue
+        for encoding in ABLATION_ENCODINGS:
+            runs.append((f"{base} [position_encoding={encoding}]", variant, encoding,
+                         [*overrides, f"model.position_encoding={encoding}"]))
+    return runs
+
+
+def ablation_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Corrected-expression scores per (variant, encoding, output mode): mean and sd over seeds."""
+    if "encoding" not in rows:
+        return pd.DataFrame()
+    corrected = rows[rows["embedding"].str.endswith("(PCA)") & (rows["method"] == "batchfix")].copy()
+    corrected["output"] = corrected["embedding"].str.extract(r" (\w+) \(PCA\)$", expand=False)
+    columns = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *fidelity.GENE_METRICS]
+    grouped = corrected.groupby(["variant", "encoding", "output"], sort=False)[[c for c in columns if c in corrected]]
+    table = grouped.mean().join(grouped.std(), rsuffix=" sd")
+    table.insert(0, "seeds", grouped.size())
+    table.index = [f"{variant or 'default'}, {encoding}, {output}" for variant, encoding, output in table.index]
+    table.index.name = "variant, encoding, output"
+    return table
 
 
 def gene_scores(
@@ -413,6 +443,9 @@ def markdown(rows: pd.DataFrame, table: pd.DataFrame, args: argparse.Namespace) 
         "",
         metrics.markdown_table(rows.set_index("embedding").drop(columns="method"), digits=3),
     ]
+    if args.ablation:
+        lines += ["", "## Position-encoding ablation (corrected expression; mean and sd over seeds)", "",
+                  metrics.markdown_table(ablation_table(rows), digits=3)]
     return "\n".join(lines)
 
 
@@ -445,13 +478,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--methods", nargs="+", choices=ALL_METHODS, default=ALL_METHODS)
     parser.add_argument("--ablation", action="store_true",
-                        help="run batchfix with model.position_encoding=real|none|shuffled")
+                        help="run batchfix with model.position_encoding=" + "|".join(ABLATION_ENCODINGS))
+    parser.add_argument("--variant", nargs="+", action="append", type=str, metavar=("NAME", "KEY=VALUE"),
+                        help="a named batchfix variant and its overrides (repeatable): each gets its own runs")
     parser.add_argument("--batchfix-override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="Hydra overrides for every batchfix run, e.g. trainer.max_epochs=20")
     parser.add_argument("--subset", type=int, default=None, help="keep N random cells (seed 0)")
     parser.add_argument("--out", default="benchmark_results.csv",
                         help="CSV of every row; a markdown report is written beside it (.md)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.variant and any("=" in name for name, *_ in args.variant):
+        parser.error("--variant: give a NAME first, then its KEY=VALUE overrides")
+    args.variant = [(name, extra) for name, *extra in args.variant or []]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -464,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".md").write_text(markdown(rows, table, args))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(table.round(3).to_string(na_rep="n/a"))
+        if args.ablation:
+            print(ablation_table(rows).round(3).to_string(na_rep="n/a"))
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
 
