@@ -277,10 +277,20 @@ BASELINE_FITS = {
 }
 
 
-def load(path, batch_key: str, label_key: str | None, subset: int | None) -> ad.AnnData:
-    """Read the file (raw counts in X) and check keys; optionally keep `subset` random cells."""
+def load(path, batch_key: str, label_key: str | None, subset: int | None,
+         batches: list[str] | None = None) -> ad.AnnData:
+    """Read the file (raw counts in X) and check keys; optionally keep only the cells of `batches`
+    (a sub-problem of the file), then `subset` random cells."""
     adata = ad.read_h5ad(path)
     metrics.check_obs_keys(adata.obs, batch_key, label_key)
+    if batches:
+        present = adata.obs[batch_key].astype(str)
+        unknown = sorted(set(batches) - set(present))
+        if unknown:
+            raise SystemExit(f"--batches: {unknown} not in obs['{batch_key}']; batches there: "
+                             f"{sorted(present.unique())}")
+        adata = adata[present.isin(batches).to_numpy()].copy()
+        adata.obs[batch_key] = adata.obs[batch_key].astype(str).astype("category")
     if subset is not None and subset < adata.n_obs:
         keep = np.sort(np.random.default_rng(0).choice(adata.n_obs, subset, replace=False))
         adata = adata[keep].copy()
@@ -306,7 +316,7 @@ def prepare(counts: ad.AnnData, batch_key: str, seed: int) -> Prepared:
 def run(args: argparse.Namespace) -> pd.DataFrame:
     """Fit and score every method for every seed; one row per (embedding, seed)."""
     labels = labels_from_args(args)
-    adata = load(args.data, args.batch_key, labels, args.subset)
+    adata = load(args.data, args.batch_key, labels, args.subset, args.batches)
     counts = select_genes(adata, args.batch_key, args.n_top_genes)
     n_batches = counts.obs[args.batch_key].nunique()
     print(f"{counts.n_obs} cells x {counts.n_vars} genes, {n_batches} batches", flush=True)
@@ -483,6 +493,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="a named batchfix variant and its overrides (repeatable): each gets its own runs")
     parser.add_argument("--batchfix-override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="Hydra overrides for every batchfix run, e.g. trainer.max_epochs=20")
+    parser.add_argument("--batches", nargs="+", default=None, metavar="BATCH",
+                        help="keep only the cells of these batches (a sub-problem of the file)")
     parser.add_argument("--subset", type=int, default=None, help="keep N random cells (seed 0)")
     parser.add_argument("--out", default="benchmark_results.csv",
                         help="CSV of every row; a markdown report is written beside it (.md)")
