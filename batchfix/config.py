@@ -234,7 +234,8 @@ class InferenceOptions:
     # batches of 64-128 than of thousands (its (cells, heads, tokens, tokens) scores stay in cache).
     batch_size: int = 128
     max_missing_fraction: float = 0.2  # refuse when more of the model's genes than this are missing
-    # Dynamically quantized int8 linear layers (CPU): faster, and corrected values move slightly (README, INT8).
+    # Dynamically quantized int8 linear layers (CPU): corrected values move slightly, and it was not faster on the
+    # default model (README, INT8).
     int8: bool = False
 
     def __post_init__(self):
