@@ -83,7 +83,8 @@ def fit_metrics(result: training.FitResult, prepared: PreparedData) -> dict:
     """What the fit did: sizes, epochs, steps, precision, time and the last logged losses."""
     trainer = result.trainer
     return {
-        "n_cells": int(prepared.counts.shape[0]),
+        "n_cells": int(prepared.n_cells),
+        "streamed": prepared.disk is not None,
         "n_genes": len(prepared.genes),
         "n_tokens": result.module.windows.n_tokens,
         "epochs": int(trainer.current_epoch),
