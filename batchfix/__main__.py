@@ -1,4 +1,4 @@
-"""Command line: python -m batchfix {train,correct,evaluate} [Hydra overrides].
+"""Command line: python -m batchfix {train,correct,evaluate,attention} [Hydra overrides].
 
 Each verb is its own entry module, `batchfix.cli.<verb>` (a @hydra.main). This router runs that
 module as the main module, so when Lightning's DDP launcher starts the other processes again as
@@ -14,9 +14,10 @@ VERBS = {
     "train": "fit a model on an .h5ad (default: the bundled dataset); writes a run folder",
     "correct": "add corrected expression to an .h5ad with a trained checkpoint",
     "evaluate": "score batch mixing and biology conservation of a corrected .h5ad",
+    "attention": "draw a checkpoint's mean attention between loci along the genome, per label or batch",
 }
 
-USAGE = "usage: python -m batchfix {train,correct,evaluate} [key=value ...] [-m] [--cfg job]\n\n" + "\n".join(
+USAGE = "usage: python -m batchfix {train,correct,evaluate,attention} [key=value ...] [-m] [--cfg job]\n\n" + "\n".join(
     f"  {verb:<9} {text}" for verb, text in VERBS.items()
 ) + """
 
@@ -25,6 +26,7 @@ examples:
   python -m batchfix train data.path=my.h5ad data.batch_key=sample
   python -m batchfix correct input=new.h5ad output=new.corrected.h5ad checkpoint=RUN/model.ckpt
   python -m batchfix evaluate input=new.corrected.h5ad data.label_key=cell_type
+  python -m batchfix attention input=new.h5ad checkpoint=RUN/model.ckpt output=maps group_by=cell_type
   python -m batchfix train -m model.n_heads=1,2,4,8
 
 Each verb's options: python -m batchfix VERB --cfg job (its composed config), or --help;

@@ -62,16 +62,18 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
     prepared = training.load_training_data(cfg.data, adata)
     with tempfile.TemporaryDirectory(prefix="batchfix-train-") as scratch:
         result = training.fit(cfg, prepared, Path(scratch))
-        model = load_trained(result.best_checkpoint)
+        model = training.trained_model(result, prepared)
     model.path = None  # the checkpoint it came from is gone: model.save(path) keeps it
     return model
 
 
-def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, counts_layer: str | None = None,
-            copy: bool = False, progress: bool = False, reference: str | None = _CORRECTION.reference,
+def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode: str = _CORRECTION.output_mode,
+            batch_key: str = DataConfig.batch_key, counts_layer: str | None = None, copy: bool = False,
+            progress: bool = False, reference: str | None = _CORRECTION.reference,
             key_added: str = _CORRECTION.key_added, chunk_size: int = _CORRECTION.chunk_size,
             batch_size: int = _CORRECTION.batch_size,
-            max_missing_fraction: float = _CORRECTION.max_missing_fraction) -> ad.AnnData | None:
+            max_missing_fraction: float = _CORRECTION.max_missing_fraction,
+            int8: bool = _CORRECTION.int8) -> ad.AnnData | None:
     """Batch-correct an in-memory AnnData with a trained model (or a checkpoint path), scanpy style.
 
     Parameters
@@ -82,9 +84,16 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, counts_laye
     model
         A `BatchfixModel` (from `batchfix.train` or `BatchfixModel.load`), or the path of a
         checkpoint such as `<run folder>/model.ckpt` (loaded without executing code from the file).
+    output_mode
+        "counterfactual": each cell's own expression with only what its batch explains removed
+        (for differential expression and marker plots; reads obs[batch_key]); "denoised": every
+        cell decoded from its latent (smooth, for clustering and pictures). See batchfix.counterfactual.
+    batch_key
+        The obs column of each cell's batch (counterfactual only). Batches the model never saw have
+        their effect estimated from their own cells (at least 10; fewer get the denoised output).
     reference
         A training batch to express every cell as, or None / "average" for the average over the
-        training batches. Cells of batches the model never saw are corrected too.
+        training batches.
     key_added
         Names what is added: layers[key_added], var[f"{key_added}_modelled"], obsm[f"X_{key_added}"],
         uns[key_added].
@@ -95,14 +104,20 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, counts_laye
         fewer missing genes enter the model as zeros and are listed in uns[key_added]["missing_genes"].
     chunk_size, batch_size
         Cells processed at a time, and cells per forward pass of the network.
+    int8
+        Run the network's linear layers dynamically quantized to int8 (CPU): faster, and the corrected
+        values move slightly (the README's INT8 section gives the size of the change).
 
-    Adds layers[key_added] (float32 CSR, corrected log1p expression per 10k counts, values stored for
-    the modelled genes only: other genes read as 0 and are False in var[f"{key_added}_modelled"]),
-    obsm[f"X_{key_added}"] (the latent) and uns[key_added] (version, checkpoint sha256, reference
-    batch, modelled and missing genes, parameters). Returns the copy when copy=True, else None.
-    For .h5ad files of any size use `python -m batchfix correct`, which streams cells from disk.
+    Adds layers[key_added] (float32 CSR on the log1p(expression per 10k counts) scale, values stored
+    for the modelled genes only: other genes read as 0 and are False in var[f"{key_added}_modelled"]),
+    obsm[f"X_{key_added}"] (the latent) and uns[key_added] (version, checkpoint sha256, output mode,
+    reference batch, unseen batches, modelled and missing genes, parameters). Returns the copy when
+    copy=True, else None. For .h5ad files of any size use `python -m batchfix correct`, which streams
+    cells from disk.
     """
-    settings = validated(dict(reference=reference, key_added=key_added, chunk_size=chunk_size, batch_size=batch_size,
-                              max_missing_fraction=max_missing_fraction), CorrectionSettings)
+    settings = validated(dict(output_mode=output_mode, reference=reference, key_added=key_added,
+                              chunk_size=chunk_size, batch_size=batch_size,
+                              max_missing_fraction=max_missing_fraction, int8=int8), CorrectionSettings)
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
-    return correct_adata(adata, trained, settings, counts_layer=counts_layer, copy=copy, progress=progress)
+    return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,
+                         progress=progress)

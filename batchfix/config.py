@@ -22,10 +22,12 @@ GENOMES = ("GRCh38", "mm10")
 SCALES = ("counts", "log")
 UNPLACED_CHOICES = ("keep", "drop")
 ATTENTION_BACKENDS = ("guarded", "sdpa")
-POSITION_ENCODINGS = ("real", "shuffled", "none")
+POSITION_ENCODINGS = ("real", "shuffled", "none", "learned")
+TOKEN_IDENTITIES = ("learned", "coordinates")
 LIKELIHOODS = ("nb", "gaussian")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
 STREAM_CHOICES = ("auto", "true", "false")
+OUTPUT_MODES = ("counterfactual", "denoised")
 
 
 def one_of(option: str, value, choices) -> None:
@@ -108,9 +110,24 @@ class ModelConfig:
     latent_dim: int = 30  # batch-free latent space
     decoder_hidden: int = 128
     attention: str = "guarded"  # guarded (written-out softmax with the fp16 guards) | sdpa (fused kernel)
-    position_encoding: str = "real"  # real | none | shuffled (ablations)
+    # Where a token's position comes from: real (sinusoids of its base-pair coordinate + a learned chromosome
+    # vector) | shuffled (the same, coordinates permuted across tokens) | none | learned (a learned vector per
+    # token, no coordinates). shuffled, none and learned are ablations; none and learned also switch the
+    # distance bias off, so that they use no genomic coordinate at all.
+    position_encoding: str = "real"
+    # learned: each token has its own gene weights and a learned embedding | coordinates: one set of value
+    # weights shared by every token, so the position encoding is all that tells tokens apart (with
+    # position_encoding=none they are then interchangeable: the control of the ablation).
+    token_identity: str = "learned"
+    distance_bias: bool = False  # a learned per-head bias of the base-pair distance between tokens in attention
+    distance_buckets: int = 16  # log-distance buckets of that bias, spanning min_wavelength..max_wavelength
     min_wavelength: float = 1e3  # bp; sinusoid wavelengths span min..max geometrically
     max_wavelength: float = 3e8
+    attention_block_size: Optional[int] = None  # queries per attention block (bounds memory); null = all at once
+    # Recompute each transformer block in the backward pass instead of keeping its activations (and, with
+    # attention_block_size, each block of queries too): bounds the training memory of per-gene tokens, at
+    # about 2.7x the training time (README, per-gene tokens).
+    gradient_checkpointing: bool = False
     likelihood: str = "nb"  # nb on counts | gaussian (set automatically for data.scale=log)
     kl_weight: float = 1.0
     adversarial_weight: float = 10.0  # batch classifier on the latent through gradient reversal (0 = off)
@@ -124,6 +141,10 @@ class ModelConfig:
         within("model.dropout", self.dropout, 0.0, 1.0, high_open=True)
         one_of("model.attention", self.attention, ATTENTION_BACKENDS)
         one_of("model.position_encoding", self.position_encoding, POSITION_ENCODINGS)
+        one_of("model.token_identity", self.token_identity, TOKEN_IDENTITIES)
+        at_least("model.distance_buckets", self.distance_buckets, 2)
+        if self.attention_block_size is not None:
+            at_least("model.attention_block_size", self.attention_block_size, 1, " (or null: all queries at once)")
         one_of("model.likelihood", self.likelihood, LIKELIHOODS)
         if not 0 < self.min_wavelength < self.max_wavelength < math.inf:
             raise ConfigError("model.min_wavelength and model.max_wavelength must satisfy 0 < min < max, got "
@@ -214,10 +235,14 @@ class CorrectionOptions:
     """How corrected expression is made, in `train`'s run folder and by `correct`."""
 
     PREFIX: ClassVar[str] = "correction."  # how the options are named in messages
+    # counterfactual: each cell's own expression with only what its batch explains removed (for DE and
+    # markers; needs the batch column) | denoised: every cell decoded from its latent (clustering, pictures)
+    output_mode: str = "counterfactual"
     reference: Optional[str] = None  # a training batch to express every cell as; null / average = all batches
     key_added: str = "batchfix"  # writes layers[KEY], var[KEY_modelled], obsm[X_KEY], uns[KEY]
 
     def __post_init__(self):
+        one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
         non_empty(f"{self.PREFIX}reference", self.reference)
         if self.key_added is None or not str(self.key_added).strip():
             raise ConfigError(f"{self.PREFIX}key_added must be a non-empty name, got {self.key_added!r}.")
@@ -234,6 +259,8 @@ class InferenceOptions:
     # batches of 64-128 than of thousands (its (cells, heads, tokens, tokens) scores stay in cache).
     batch_size: int = 128
     max_missing_fraction: float = 0.2  # refuse when more of the model's genes than this are missing
+    # Dynamically quantized int8 linear layers (CPU): faster, and corrected values move slightly (README, INT8).
+    int8: bool = False
 
     def __post_init__(self):
         at_least("chunk_size", self.chunk_size, 1)
@@ -285,6 +312,7 @@ class CorrectConfig(CorrectionSettings):
     output: Optional[str] = None  # null = <input name>.corrected.h5ad in the working folder
     checkpoint: Optional[str] = None  # a run folder's model.ckpt
     counts_layer: Optional[str] = None  # null = X; else the layer holding raw counts
+    batch_key: str = DataKeys.batch_key  # obs column of each cell's batch (read by output_mode=counterfactual)
     overwrite: bool = False  # replace an existing output
     progress: bool = True  # progress bar (cells/s) on stderr
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
@@ -293,6 +321,8 @@ class CorrectConfig(CorrectionSettings):
         super().__post_init__()
         for name in ("input", "output", "counts_layer"):
             non_empty(name, getattr(self, name))
+        if self.batch_key is None or not str(self.batch_key).strip():
+            raise ConfigError(f"batch_key must name an obs column, got {self.batch_key!r}.")
         if not self.checkpoint or not str(self.checkpoint).strip():
             raise ConfigError("correct needs checkpoint=<run folder>/model.ckpt.")
         if self.threads is not None:
@@ -314,7 +344,37 @@ class EvaluateConfig:
             raise ConfigError(f"key_added must be a non-empty name, got {self.key_added!r}.")
 
 
-SCHEMAS = {"train": TrainConfig, "correct": CorrectConfig, "evaluate": EvaluateConfig}
+@dataclass
+class AttentionConfig:
+    """`python -m batchfix attention`: mean attention between loci along the genome, per group of cells."""
+
+    input: Optional[str] = None  # .h5ad whose cells are encoded; null = the bundled dataset
+    checkpoint: Optional[str] = None  # a run folder's model.ckpt
+    output: Optional[str] = None  # folder for attention.png and attention.npz; null = <input name>.attention
+    group_by: Optional[str] = DataKeys.batch_key  # obs column: one map per value; null = all cells together
+    counts_layer: Optional[str] = None  # null = X; else the layer holding raw counts
+    max_cells: Optional[int] = 2000  # cells drawn at random (seed 0) to average over; null = every cell
+    resolution: int = 256  # loci per axis at most: beyond it neighbouring tokens are averaged into bins
+    batch_size: int = InferenceOptions.batch_size  # cells per forward pass
+    max_missing_fraction: float = InferenceOptions.max_missing_fraction
+    overwrite: bool = False  # replace existing attention.png / attention.npz
+    threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
+
+    def __post_init__(self):
+        for name in ("input", "output", "group_by", "counts_layer"):
+            non_empty(name, getattr(self, name))
+        if not self.checkpoint or not str(self.checkpoint).strip():
+            raise ConfigError("attention needs checkpoint=<run folder>/model.ckpt.")
+        if self.max_cells is not None:
+            at_least("max_cells", self.max_cells, 1, " (or null: every cell)")
+        at_least("resolution", self.resolution, 2)
+        at_least("batch_size", self.batch_size, 1)
+        within("max_missing_fraction", self.max_missing_fraction, 0.0, 1.0)
+        if self.threads is not None:
+            at_least("threads", self.threads, 1, " (or null: all cores)")
+
+
+SCHEMAS = {"train": TrainConfig, "correct": CorrectConfig, "evaluate": EvaluateConfig, "attention": AttentionConfig}
 GROUP_SCHEMAS = {"data": DataConfig, "model": ModelConfig, "fit": FitConfig, "trainer": TrainerConfig}
 
 

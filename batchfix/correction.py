@@ -12,26 +12,33 @@ same numbers:
 
 What is added (key = key_added, default 'batchfix'):
 
-- layers[key]: corrected log1p(expression per 10k counts), float32 CSR of the data's full width
-  (n_obs x n_vars, as anndata requires) that stores only the columns of the modelled genes:
-  every modelled gene has a value in every cell, and genes the model did not model hold no
+- layers[key]: corrected expression on the log1p(counts per 10k) scale, float32 CSR of the data's
+  full width (n_obs x n_vars, as anndata requires) that stores only the columns of the modelled
+  genes: every modelled gene has a value in every cell, and genes the model did not model hold no
   entries (they read as 0). var[f'{key}_modelled'] marks the modelled genes; subset to them
   (adata[:, adata.var[f'{key}_modelled']]) before analysing the layer. Compared with a dense
   full-width layer this stores n_modelled instead of n_vars values per cell (2,000 instead of
   11,533 for the bundled data), and for an uncorrected value in an uncorrected gene there is no
-  honest corrected number to store.
+  honest corrected number to store. What the values are depends on `output_mode`:
+  counterfactual (each cell's own expression with only what its batch explains removed; see
+  batchfix.counterfactual) or denoised (every cell decoded from its latent as the reference).
 - obsm[f'X_{key}']: the latent (posterior mean), float32 (n_obs, latent_dim).
-- uns[key]: provenance (package version, checkpoint path and sha256, reference batch, training
-  batches, modelled and missing genes, correction and model parameters).
+- uns[key]: provenance (package version, checkpoint path and sha256, output mode, reference batch,
+  training batches, unseen batches and how they were treated, modelled and missing genes, values
+  raised to 0, correction and model parameters).
 
 Modelled genes are matched to the input by var_names (a modelled gene named twice is refused: which
-column is meant is ambiguous). Missing ones enter the model as zero counts
+column is meant is ambiguous). Missing ones enter the encoder as zero counts, get no output column,
 and are reported (log and uns[key]['missing_genes']); past `max_missing_fraction` the correction
-stops with an error. The encoder does not see the batch, so cells of batches the model never saw
-are corrected like any other.
+stops with an error. The counterfactual output reads each cell's batch from obs[batch_key] (an error
+names the obs columns when it is absent; the denoised output does not need it). The encoder does not
+see the batch, so cells of batches the model never saw get a latent like any other; for the
+counterfactual output their batch effect is estimated from their own cells in a first pass over them
+(`Corrector.prepare`).
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import time
@@ -47,7 +54,7 @@ import torch
 from tqdm.auto import tqdm
 
 import batchfix
-from batchfix import ondisk, signals
+from batchfix import counterfactual, ondisk, signals
 from batchfix.config import CorrectionSettings
 from batchfix.errors import InputError
 from batchfix.io import (OutputKeys, atomic_output, check_h5ad_path, check_values, duplicate_genes_error,
@@ -99,16 +106,27 @@ def gene_columns(var_names: pd.Index, trained: BatchfixModel, max_missing_fracti
     return columns
 
 
+def int8_network(net: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the network whose linear layers run in int8 (weights quantized once, activations per batch).
+
+    CPU only; the gene weights and the attention products stay in float32.
+    """
+    return torch.ao.quantization.quantize_dynamic(copy.deepcopy(net), {torch.nn.Linear}, dtype=torch.qint8)
+
+
 class Corrector:
-    """A trained model bound to one input's genes: row chunk of the input -> (latent, corrected values).
+    """A trained model bound to one input's genes (and, for the counterfactual output, its cells' batches):
+    row chunk of the input -> (latent, corrected values).
 
     Corrected values come in output order: one column per modelled gene present in the input,
     sorted by its column in the input (`out_columns`), ready to be the CSR indices of a row.
     """
 
     def __init__(self, trained: BatchfixModel, var_names: pd.Index, settings: CorrectionSettings,
-                 source: str = "X"):
+                 source: str = "X", batch: np.ndarray | None = None, batch_key: str | None = None):
         self.trained = trained
+        self.net = int8_network(trained.net) if settings.int8 else trained.net
+        self.batch_key = batch_key
         self.settings = settings
         self.batch_size = settings.batch_size
         self.reference = reference_index(trained.batch_categories, settings.reference)
@@ -117,6 +135,7 @@ class Corrector:
         self.n_vars = len(var_names)
         columns = gene_columns(var_names, trained, settings.max_missing_fraction)
         self.missing_genes = [g for g, c in zip(trained.genes, columns) if c < 0]
+        self.present = torch.from_numpy(columns >= 0)  # (model genes,): held by the input
         self.in_model = np.flatnonzero(columns >= 0)  # model genes fed from the input ...
         self.in_columns = columns[self.in_model]  # ... and their input columns
         # One output column per input column (a gene listed twice in the model is written once).
@@ -124,6 +143,12 @@ class Corrector:
         self.out_model = self.in_model[first]
         self.modelled_mask = np.zeros(self.n_vars, dtype=bool)
         self.modelled_mask[self.out_columns] = True
+        self.n_clipped = 0
+        self.batches = None if batch is None else counterfactual.batch_codes(batch, trained.batch_categories)
+        self.statistics = None
+        if settings.output_mode == "counterfactual":
+            counterfactual.training_statistics(trained.net)  # refuses an uncalibrated checkpoint before any work
+            self.log_batches()
 
     @property
     def n_out(self) -> int:
@@ -132,6 +157,33 @@ class Corrector:
     @property
     def latent_dim(self) -> int:
         return int(self.trained.module.model_config.latent_dim)
+
+    def log_batches(self) -> None:
+        if self.batches.unseen:
+            log.warning("Batches the model was not trained on: %s. Their batch effect is estimated from their own "
+                        "cells (a per-gene location and a spread against the average decoder).", self.batches.unseen)
+        if self.batches.denoised:
+            log.warning("Batches the model was not trained on, with fewer than %d cells: %s. Their cells get the "
+                        "denoised output.", counterfactual.MIN_UNSEEN_CELLS, self.batches.denoised)
+
+    def prepare(self, rows, n_obs: int) -> None:
+        """Before correcting: estimate the unseen batches' location and spread (one pass over their cells)."""
+        if self.settings.output_mode != "counterfactual":
+            return
+        n_training = self.batches.n_training
+        sums = [counterfactual.ResidualSums(len(self.trained.genes)) for _ in self.batches.unseen]
+        for start in range(0, n_obs if sums else 0, self.settings.chunk_size):
+            stop = min(start + self.settings.chunk_size, n_obs)
+            codes = self.batches.codes[start:stop]
+            picked = np.flatnonzero(codes >= n_training)
+            if len(picked):
+                x = self.model_input(rows.rows(start, stop)[picked], start)
+                for begin in range(0, len(picked), self.batch_size):
+                    part = slice(begin, begin + self.batch_size)
+                    r = counterfactual.residual(self.net, x[part], None, self.present).numpy()
+                    for code in np.unique(codes[picked[part]]):
+                        sums[code - n_training].add(r[codes[picked[part]] == code])
+        self.statistics = counterfactual.Statistics(self.trained.net, self.reference, sums, self.present.numpy())
 
     def model_input(self, chunk, first_cell: int = 0) -> torch.Tensor:
         """(cells, model genes) float32 tensor in the model's gene order; missing genes are zeros."""
@@ -154,7 +206,15 @@ class Corrector:
         values = np.empty((x.shape[0], self.n_out), dtype=np.float32)
         for start in range(0, x.shape[0], self.batch_size):
             stop = start + self.batch_size
-            mu, expression = self.trained.net.corrected(x[start:stop], self.reference)
+            if self.settings.output_mode == "denoised":
+                mu, expression = self.net.corrected(x[start:stop], self.reference)
+            else:
+                if self.statistics is None:
+                    raise RuntimeError("Corrector.prepare(rows, n_obs) must run before the counterfactual output.")
+                codes = torch.from_numpy(self.batches.codes[first_cell + start:first_cell + min(stop, x.shape[0])])
+                mu, expression, n_clipped = counterfactual.corrected(self.net, x[start:stop], codes,
+                                                                     self.reference, self.statistics, self.present)
+                self.n_clipped += n_clipped
             latent[start:stop] = mu.numpy()
             values[start:stop] = expression.numpy()[:, self.out_model]
         return latent, values
@@ -177,31 +237,47 @@ def corrected_chunks(corrector: Corrector, rows, n_obs: int, chunk_size: int,
              n_obs / max(seconds, 1e-9))
 
 
+LAYER_MEANING = {
+    "counterfactual": "each cell's own log1p(expression per 10k counts) with only what its batch explains removed "
+                      "(batchfix.counterfactual)",
+    "denoised": "every cell decoded from its latent as the reference batch, log1p(expression per 10k counts)",
+}
+
+
 def provenance(corrector: Corrector) -> dict:
-    """uns[key_added]: what produced the correction."""
+    """uns[key_added]: what produced the correction (after the last chunk: it counts the clipped values)."""
     trained, settings = corrector.trained, corrector.settings
     keys = OutputKeys(settings.key_added)
-    return {
+    info = {
         "version": batchfix.__version__,
         "checkpoint": str(trained.path.resolve()) if trained.path else "(in memory, not saved)",
         "checkpoint_sha256": file_sha256(trained.path) if trained.path else "",
+        "output_mode": settings.output_mode,
         "reference_batch": corrector.reference_name,
         "training_batches": trained.batch_categories,
         "modelled_genes": trained.genes,
         "n_modelled_genes": len(trained.genes),
         "missing_genes": corrector.missing_genes,
         "n_missing_genes": len(corrector.missing_genes),
-        "layer": f"layers['{keys.layer}']: corrected log1p(expression per 10k counts); only the genes marked in "
+        "layer": f"layers['{keys.layer}']: {LAYER_MEANING[settings.output_mode]}; only the genes marked in "
                  f"var['{keys.modelled}'] are stored, other genes read as 0",
         "params": {
+            "output_mode": settings.output_mode,
             "counts": corrector.source,
             "scale": trained.scale,
             "chunk_size": settings.chunk_size,
             "batch_size": settings.batch_size,
             "max_missing_fraction": float(settings.max_missing_fraction),
+            "int8": bool(settings.int8),
             "model": dict(trained.module.hparams["model"]),
         },
     }
+    if corrector.batches is not None:
+        info["params"]["batch_key"] = corrector.batch_key
+        info["unseen_batches_estimated"] = corrector.batches.unseen
+        info["unseen_batches_denoised"] = corrector.batches.denoised
+        info["n_clipped_to_zero"] = corrector.n_clipped
+    return info
 
 
 def _for_hdf5(value):
@@ -217,22 +293,40 @@ def source_name(counts_layer: str | None) -> str:
     return "X" if counts_layer is None else f"layers['{counts_layer}']"
 
 
+def cell_batches(values: pd.Series | None, batch_key: str, columns: list[str]) -> np.ndarray:
+    """Each cell's batch (strings) for the counterfactual output, or an error naming the obs columns."""
+    if values is None:
+        raise InputError(f"output_mode=counterfactual needs each cell's batch, but obs has no column '{batch_key}'. "
+                         f"Columns present: {columns or '(none)'}. Set batch_key=<column>, or use "
+                         "output_mode=denoised (which does not need it).")
+    if values.isna().any():
+        raise InputError(f"obs column '{batch_key}' has {int(values.isna().sum())} missing values; every cell needs "
+                         "its batch for output_mode=counterfactual.")
+    return values.astype(str).to_numpy()
+
+
 def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
-                  counts_layer: str | None = None, copy: bool = False, progress: bool = False) -> ad.AnnData | None:
+                  counts_layer: str | None = None, batch_key: str = "batch", copy: bool = False,
+                  progress: bool = False) -> ad.AnnData | None:
     """Add corrected expression to an in-memory AnnData, scanpy style.
 
     Adds layers[key_added] (CSR, corrected log1p expression per 10k; only modelled genes stored),
     var[f'{key_added}_modelled'], obsm[f'X_{key_added}'] (latent) and uns[key_added] (provenance).
-    `adata` is left unchanged when an error is raised. Returns the corrected copy when copy=True,
-    else None.
+    obs[batch_key] is read for output_mode=counterfactual. `adata` is left unchanged when an error
+    is raised. Returns the corrected copy when copy=True, else None.
     """
     matrix = select_matrix(adata, counts_layer, option="counts_layer")
-    corrector = Corrector(trained, adata.var_names, settings, source=source_name(counts_layer))
+    batch = None
+    if settings.output_mode == "counterfactual":
+        batch = cell_batches(adata.obs[batch_key] if batch_key in adata.obs else None, batch_key,
+                             list(map(str, adata.obs.columns)))
+    corrector = Corrector(trained, adata.var_names, settings, source_name(counts_layer), batch, batch_key)
+    rows = ondisk.InMemoryRows(matrix)
     n_obs, k = adata.n_obs, corrector.n_out
+    corrector.prepare(rows, n_obs)
     latent = np.empty((n_obs, corrector.latent_dim), dtype=np.float32)
     data = np.empty(n_obs * k, dtype=np.float32)
-    for start, stop, mu, values in corrected_chunks(corrector, ondisk.InMemoryRows(matrix), n_obs,
-                                                    settings.chunk_size, progress):
+    for start, stop, mu, values in corrected_chunks(corrector, rows, n_obs, settings.chunk_size, progress):
         latent[start:stop] = mu
         data[start * k:stop * k] = values.ravel()
     dtype = ondisk.index_dtype(data.size, adata.n_vars)
@@ -249,16 +343,9 @@ def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: Correctio
     return adata if copy else None
 
 
-def correct_file(input_path: str | Path, output_path: str | Path, trained: BatchfixModel,
-                 settings: CorrectionSettings, counts_layer: str | None = None, overwrite: bool = False,
-                 progress: bool = True) -> Path:
-    """Correct an .h5ad into a new .h5ad, streaming chunks of cells (memory bounded by chunk_size).
-
-    The output is the input's content (X, layers, obs, var, obsm, obsp, varm, varp, uns, raw: copied
-    with h5py, storage settings kept) plus what `correct_adata` adds, written into a temporary file
-    beside `output_path` and renamed into place when complete. An existing output is refused
-    unless overwrite=True. The input is opened read-only.
-    """
+def open_input(input_path: str | Path, output_path: str | Path, overwrite: bool) -> tuple[Path, Path]:
+    """(input, output) paths, checked: the input an .h5ad, the output neither the input, a folder nor (unless
+    overwrite) an existing file."""
     source = check_h5ad_path(input_path)
     target = Path(output_path).expanduser()
     if target.exists() and target.samefile(source):
@@ -267,8 +354,21 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
         raise InputError(f"The output {target} is a folder; name an .h5ad file.")
     if target.exists() and not overwrite:
         raise output_exists(target)
-    keys = OutputKeys(settings.key_added)
+    return source, target
 
+
+def correct_file(input_path: str | Path, output_path: str | Path, trained: BatchfixModel,
+                 settings: CorrectionSettings, counts_layer: str | None = None, batch_key: str = "batch",
+                 overwrite: bool = False, progress: bool = True) -> Path:
+    """Correct an .h5ad into a new .h5ad, streaming chunks of cells (memory bounded by chunk_size).
+
+    The output is the input's content (X, layers, obs, var, obsm, obsp, varm, varp, uns, raw: copied
+    with h5py, storage settings kept) plus what `correct_adata` adds, written into a temporary file
+    beside `output_path` and renamed into place when complete. An existing output is refused
+    unless overwrite=True. The input is opened read-only.
+    """
+    source, target = open_input(input_path, output_path, overwrite)
+    keys = OutputKeys(settings.key_added)
     try:
         src = h5py.File(source, "r")
     except OSError as err:
@@ -280,8 +380,11 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
         rows = ondisk.open_rows(ondisk.matrix_element(src, counts_layer))
         if rows.shape != (n_obs, len(var_names)):
             raise InputError(f"{source}: the matrix is {rows.shape} but obs x var is {(n_obs, len(var_names))}.")
-        corrector = Corrector(trained, var_names, settings, source=source_name(counts_layer))
-        info = provenance(corrector)
+        batch = None
+        if settings.output_mode == "counterfactual":
+            batch = cell_batches(ondisk.read_obs_column(src, batch_key), batch_key, ondisk.obs_columns(src))
+        corrector = Corrector(trained, var_names, settings, source_name(counts_layer), batch, batch_key)
+        corrector.prepare(rows, n_obs)
         k = corrector.n_out
         with atomic_output(target, overwrite) as tmp, h5py.File(tmp, "w") as dst:
             ondisk.copy_file_except(src, dst, top_skip={"var"},
@@ -296,7 +399,7 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
                 indices[start * k:stop * k] = np.tile(row_indices, stop - start)
                 indptr[start + 1:stop + 1] = np.arange(start + 1, stop + 1, dtype=indptr.dtype) * k
             indptr[0] = 0
-            ondisk.write_uns_entry(dst, keys.uns, _for_hdf5(info))
-    log.info("Wrote %s (%d cells; layers['%s'] with %d modelled genes, %d missing; reference: %s).", target,
-             n_obs, keys.layer, k, len(corrector.missing_genes), corrector.reference_name)
+            ondisk.write_uns_entry(dst, keys.uns, _for_hdf5(provenance(corrector)))
+    log.info("Wrote %s (%d cells; layers['%s'] (%s) with %d modelled genes, %d missing; reference: %s).", target,
+             n_obs, keys.layer, settings.output_mode, k, len(corrector.missing_genes), corrector.reference_name)
     return target

@@ -20,8 +20,10 @@ def evaluate_file(
 ) -> dict:
     """Score a corrected file (never modified) and write metrics.json, metrics.md, umap.png.
 
-    Scored: the latent `obsm['X_<key_added>']`, the PCA of `layers[key_added]` and the uncorrected
-    PCA, all on the modelled genes (see `batchfix.metrics.evaluation_embeddings`). Returns the
+    Scored with scib-metrics: the latent `obsm['X_<key_added>']`, the PCA of `layers[key_added]` and
+    the uncorrected PCA, all on the modelled genes (see `batchfix.metrics.evaluation_embeddings`).
+    Scored gene by gene (`gene_fidelity` in the result): `layers[key_added]` against the raw counts
+    on the same genes, within each batch (`batchfix.metrics.gene_level_scores`). Returns the
     metrics dict written to metrics.json.
     """
     adata = read_h5ad(input_path)
@@ -30,6 +32,8 @@ def evaluate_file(
     table, result = metrics.score_evaluation(
         adata.obs, embeddings, {"input": str(input_path), **info}, batch_key, label_key
     )
+    result["gene_fidelity"] = metrics.gene_level_scores(adata, OutputKeys(key_added), batch_key, label_key,
+                                                        counts_layer)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -52,4 +56,11 @@ def _markdown_report(table, result: dict) -> str:
     ]
     if "note" in result:
         lines += [f"**{result['note']}**", ""]
-    return "\n".join(lines) + "\n" + metrics.markdown_table(table)
+    genes = result["gene_fidelity"]
+    return "\n".join(lines) + "\n" + metrics.markdown_table(table) + "\n" + "\n".join([
+        f"## Gene-level fidelity of layers['{result['corrected_layer']}']",
+        "",
+        f"Against {genes['reference']} (batchfix.fidelity; 1.0 = the uncorrected values' own structure).",
+        "",
+        metrics.gene_markdown(genes),
+    ])

@@ -23,6 +23,7 @@ import scipy.sparse as sp
 from matplotlib.figure import Figure
 from scib_metrics.benchmark import BatchCorrection, Benchmarker, BioConservation
 
+from batchfix import fidelity
 from batchfix.errors import InputError
 from batchfix.io import OutputKeys
 from batchfix.normalize import log_cp10k
@@ -155,6 +156,43 @@ def evaluation_embeddings(
     return embeddings, info
 
 
+def gene_level_scores(
+    adata: ad.AnnData,
+    keys: OutputKeys,
+    batch_key: str,
+    label_key: str | None,
+    counts_layer: str | None = None,
+) -> dict:
+    """Gene-level fidelity (batchfix.fidelity) of layers[keys.layer] on the modelled genes, against the
+    within-batch log1p(counts per 10k) of the raw counts (X or `counts_layer`) of the same genes.
+
+    Without labels only HVG conservation is computed (the result's `note` says so). Counts that
+    are not whole numbers give no scores, with a note: the reference is made from raw counts.
+    """
+    _check_adata_keys(adata, keys, counts_layer=counts_layer)
+    genes = _modelled_genes(adata, keys)
+    counts = (adata.layers[counts_layer] if counts_layer else adata.X)[:, genes]
+    source = f"{counts_layer or 'X'} on var['{keys.modelled}']" if keys.modelled in adata.var else counts_layer or "X"
+    if not _is_integer_valued(counts):
+        return {**dict.fromkeys(fidelity.GENE_METRICS), "reference": source,
+                "note": f"{counts_layer or 'X'} does not hold raw counts: the gene-level scores, which compare with "
+                        "log1p(counts per 10k) of the raw counts, were not computed (set the counts layer)."}
+    labels = adata.obs[label_key].to_numpy() if label_key else None
+    result = fidelity.gene_fidelity(counts, adata.layers[keys.layer][:, genes], adata.obs[batch_key].to_numpy(),
+                                    labels)
+    return {"reference": f"log1p(counts per 10k) of {source}, within each batch", **result}
+
+
+def gene_markdown(scores: Mapping) -> str:
+    """The four gene-level scores as a one-row markdown table, with the note on what was not computed."""
+    header = "| " + " | ".join(fidelity.GENE_METRICS) + " |"
+    row = "| " + " | ".join("n/a" if scores.get(m) is None else f"{scores[m]:.3f}" for m in fidelity.GENE_METRICS)
+    lines = [header, "|" + "---|" * len(fidelity.GENE_METRICS), row + " |", ""]
+    if scores.get("note"):
+        lines += [f"{scores['note']}", ""]
+    return "\n".join(lines)
+
+
 def evaluate_corrected(
     adata: ad.AnnData,
     batch_key: str,
@@ -162,10 +200,13 @@ def evaluate_corrected(
     keys: OutputKeys,
     counts_layer: str | None = None,
 ) -> dict:
-    """Score the latent, the PCA of the corrected layer and the uncorrected PCA of `adata`."""
+    """Score the latent, the PCA of the corrected layer and the uncorrected PCA of `adata` (scib-metrics),
+    and the corrected layer gene by gene (`gene_fidelity`, see `gene_level_scores`)."""
     check_obs_keys(adata.obs, batch_key, label_key)
     embeddings, info = evaluation_embeddings(adata, keys, counts_layer)
-    return score_evaluation(adata.obs, embeddings, info, batch_key, label_key)[1]
+    result = score_evaluation(adata.obs, embeddings, info, batch_key, label_key)[1]
+    result["gene_fidelity"] = gene_level_scores(adata, keys, batch_key, label_key, counts_layer)
+    return result
 
 
 def score_evaluation(

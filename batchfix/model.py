@@ -1,12 +1,17 @@
 """The batchfix network in pure torch: locus-token encoder -> batch-free latent -> batch-conditioned decoder."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from batchfix.attention import GenomicCoordinateEncoding, TransformerBlock
+from batchfix.attention import GenomicCoordinateEncoding, GenomicDistanceBias, TransformerBlock
 from batchfix.config import ModelConfig
 from batchfix.genome import LocusWindows
 from batchfix.normalize import LIBRARY_SIZE, log_cp10k
@@ -33,30 +38,64 @@ class LocusEncoder(nn.Module):
         self.register_buffer("gene_index", torch.as_tensor(windows.gene_index.reshape(-1)), persistent=False)
         self.register_buffer("slot_mask", torch.as_tensor(~windows.pad_mask, dtype=torch.float32), persistent=False)
         self.n_tokens, self.per_token, self.n_genes = n_tokens, per_token, n_genes
-        # A window's embedding = sum over its genes of value x gene-specific vector (grouped linear layer).
-        self.gene_vectors = nn.Parameter(torch.randn(n_tokens, per_token, cfg.d_model) / per_token ** 0.5)
-        self.token_bias = nn.Parameter(torch.zeros(n_tokens, cfg.d_model))
+        self.checkpointing = cfg.gradient_checkpointing
+        self.shared_values = cfg.token_identity == "coordinates"
+        if not self.shared_values:
+            # A window's embedding = sum over its genes of value x gene-specific vector (grouped linear layer).
+            self.gene_vectors = nn.Parameter(torch.randn(n_tokens, per_token, cfg.d_model) / per_token ** 0.5)
+            self.token_bias = nn.Parameter(torch.zeros(n_tokens, cfg.d_model))
+        else:
+            # One vector per window slot shared by every token: only the position encoding tells tokens apart.
+            self.value_vectors = nn.Parameter(torch.randn(per_token, cfg.d_model) / per_token ** 0.5)
         self.coordinates = GenomicCoordinateEncoding(
             windows.position, windows.chromosome, cfg.d_model, cfg.position_encoding,
             cfg.min_wavelength, cfg.max_wavelength,
         )
+        self.distance_bias = None
+        if cfg.distance_bias and cfg.position_encoding in GenomicCoordinateEncoding.COORDINATE_MODES:
+            self.distance_bias = GenomicDistanceBias(self.coordinates.position, self.coordinates.chromosome,
+                                                     cfg.n_heads, cfg.distance_buckets, cfg.min_wavelength,
+                                                     cfg.max_wavelength)
         self.blocks = nn.ModuleList(
-            TransformerBlock(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.attention) for _ in range(cfg.n_layers)
+            TransformerBlock(cfg.d_model, cfg.n_heads, cfg.dropout, cfg.attention, block_size=cfg.attention_block_size,
+                             checkpoint_blocks=cfg.gradient_checkpointing)
+            for _ in range(cfg.n_layers)
         )
         self.norm = nn.LayerNorm(cfg.d_model)
         self.to_latent = nn.Linear(cfg.d_model, 2 * cfg.latent_dim)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, G) standardized values -> (B, T, D) token embeddings with their position encoding."""
         batch = x.shape[0]
         padded = F.pad(x, (0, 1))  # (B, G + 1): the last column is the zero used by padding slots
         slots = padded[:, self.gene_index].view(batch, self.n_tokens, self.per_token)  # (B, T, p)
+        if self.shared_values:
+            return torch.einsum("btp,pd->btd", slots, self.value_vectors) + self.coordinates()  # (B, T, D)
         weights = self.gene_vectors * self.slot_mask[..., None]  # (T, p, D), padding slots zeroed
-        tokens = torch.einsum("btp,tpd->btd", slots, weights) + self.token_bias + self.coordinates()  # (B, T, D)
+        return torch.einsum("btp,tpd->btd", slots, weights) + self.token_bias + self.coordinates()  # (B, T, D)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.embed(x)
         for block in self.blocks:
-            tokens = block(tokens)
+            if self.checkpointing and torch.is_grad_enabled():
+                tokens = checkpoint(block, tokens, None, self.distance_bias, use_reentrant=False)
+            else:
+                tokens = block(tokens, bias=self.distance_bias)
         pooled = self.norm(tokens).mean(dim=1)  # (B, D)
         mu, logvar = self.to_latent(pooled).chunk(2, dim=-1)
         return mu, logvar.clamp(-10.0, 10.0)
+
+    @contextmanager
+    def observing(self, observer: Callable[[int, torch.Tensor, int], None]) -> Iterator[None]:
+        """Within the `with`, every block of queries of every layer calls observer(layer, weights (B, H, Q, L), first
+        query): how training measures attention entropy and `attention` draws its maps."""
+        for layer, block in enumerate(self.blocks):
+            block.attn.observer = partial(observer, layer)
+        try:
+            yield
+        finally:
+            for block in self.blocks:
+                block.attn.observer = None
 
 
 class ExpressionDecoder(nn.Module):
@@ -101,6 +140,10 @@ class BatchfixNet(nn.Module):
         self.encoder = LocusEncoder(cfg, windows, n_genes)
         self.decoder = ExpressionDecoder(cfg, n_genes, n_batches)
         self.adversary = nn.Sequential(nn.Linear(cfg.latent_dim, 64), nn.ReLU(), nn.Linear(64, n_batches))
+        # Residual statistics of each training batch (batchfix.counterfactual.calibrate, after the fit): the
+        # counterfactual output's per-gene location and per-batch spread. A spread of 0 means not calibrated.
+        self.register_buffer("residual_location", torch.zeros(n_batches, n_genes))
+        self.register_buffer("residual_spread", torch.zeros(n_batches))
 
     def log_expression(self, x: torch.Tensor) -> torch.Tensor:
         """Counts -> log1p(counts per 10k); log-scale input passes through."""
@@ -135,17 +178,33 @@ class BatchfixNet(nn.Module):
             losses["loss"] = total.mean()
         return losses
 
+    def decoded(self, mu: torch.Tensor, batch: int | torch.Tensor | None = None,
+                present: torch.Tensor | None = None) -> torch.Tensor:
+        """Expected log expression (log1p per 10k, or the log input's scale) of latents `mu` (B, latent) decoded
+        as one training batch (an int), as each cell's own batch ((B,) codes), or, if None, averaged over the
+        training batches (the mean of the NB means, then log1p). `present` (G,) bool: genes the input holds;
+        the NB means are then per 10k counts of those genes, as the cell's observed values are."""
+        n_cells = mu.shape[0]
+        if batch is None:
+            codes = [torch.full((n_cells,), b, dtype=torch.long, device=mu.device) for b in range(self.n_batches)]
+        elif isinstance(batch, int):
+            codes = [torch.full((n_cells,), batch, dtype=torch.long, device=mu.device)]
+        else:
+            codes = [batch]
+        total = 0.0
+        for code in codes:
+            out = self.decoder(mu, code).float()  # (B, G)
+            total = total + (torch.softmax(out, -1) if self.cfg.likelihood == "nb" else out)
+        mean = total / len(codes)
+        if self.cfg.likelihood == "gaussian":
+            return mean * self.gene_std + self.gene_mean
+        if present is not None:
+            mean = mean / mean[:, present].sum(-1, keepdim=True)
+        return torch.log1p(mean * LIBRARY_SIZE)
+
     @torch.no_grad()
     def corrected(self, x: torch.Tensor, reference: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(latent mean, corrected log1p expression per 10k) decoded as batch `reference` or, if None,
-        averaged over all training batches."""
+        """(latent mean, denoised log1p expression per 10k): every cell decoded as batch `reference` or, if
+        None, averaged over all training batches."""
         mu, _ = self.encode(x)
-        batches = range(self.n_batches) if reference is None else [reference]
-        total = 0.0
-        for b in batches:
-            out = self.decoder(mu, torch.full((x.shape[0],), b, dtype=torch.long, device=x.device)).float()
-            total = total + (torch.softmax(out, -1) * LIBRARY_SIZE if self.cfg.likelihood == "nb" else out)
-        mean = total / len(batches)
-        if self.cfg.likelihood == "nb":
-            return mu, torch.log1p(mean)
-        return mu, mean * self.gene_std + self.gene_mean
+        return mu, self.decoded(mu, reference)

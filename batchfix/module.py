@@ -7,6 +7,7 @@ no Hydra, no unpickling of arbitrary objects.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +16,18 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
+from batchfix.attention import EntropyMeter
 from batchfix.config import ModelConfig
 from batchfix.errors import CheckpointError, TrainingError
 from batchfix.genome import GeneCoordinates, LocusWindows, make_windows
 from batchfix.io import atomic_output
 from batchfix.model import BatchfixNet
+
+log = logging.getLogger(__name__)
+
+ENTROPY_PREFIX = "attention_entropy"  # logged per epoch as attention_entropy_layer{l}_head{h} (nats)
+COLLAPSED_NATS = 0.1  # a head below this mean entropy puts nearly all its weight on one token
+UNIFORM_SHARE = 0.98  # a head above this share of log(tokens) weighs every token nearly alike
 
 
 class BatchfixModule(pl.LightningModule):
@@ -37,6 +45,9 @@ class BatchfixModule(pl.LightningModule):
         n_genes = len(genes)
         self.net = BatchfixNet(self.model_config, self.windows, n_genes, len(batch_categories),
                                gene_mean=np.zeros(n_genes), gene_std=np.ones(n_genes))
+        self.entropy = EntropyMeter(self.model_config.n_layers, self.model_config.n_heads)
+        self.last_entropy: torch.Tensor | None = None  # (layers, heads) of the last validation epoch
+        self.warned_heads: set[tuple[int, int]] = set()
 
     def set_normalization(self, gene_mean: np.ndarray, gene_std: np.ndarray) -> None:
         """Standardization statistics of the training data (saved with the weights)."""
@@ -62,8 +73,34 @@ class BatchfixModule(pl.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         values, batch_index = batch
-        losses = self.net.loss(values, batch_index, kl_scale=1.0)
+        with self.net.encoder.observing(self.entropy.add):
+            losses = self.net.loss(values, batch_index, kl_scale=1.0)
         self.log_dict({f"val_{k}": v for k, v in losses.items()}, batch_size=values.shape[0], sync_dist=True)
+
+    def on_validation_epoch_start(self):
+        """Attention entropy is measured on the validation cells only: no cost in the training steps."""
+        self.entropy = EntropyMeter(self.model_config.n_layers, self.model_config.n_heads)
+
+    def on_validation_epoch_end(self):
+        entropy = self.entropy.mean()  # (layers, heads)
+        self.log_dict({f"{ENTROPY_PREFIX}_layer{layer}_head{head}": float(entropy[layer, head])
+                       for layer in range(entropy.shape[0]) for head in range(entropy.shape[1])}, sync_dist=True)
+        if not self.trainer.sanity_checking:
+            self.last_entropy = entropy
+            self.warn_heads(entropy < COLLAPSED_NATS, f"collapsed onto single tokens (entropy < {COLLAPSED_NATS} nats)")
+
+    def on_fit_end(self):
+        if self.last_entropy is not None:
+            uniform = self.last_entropy > UNIFORM_SHARE * math.log(self.windows.n_tokens)
+            self.warn_heads(uniform, f"stayed near uniform (entropy > {UNIFORM_SHARE:.0%} of log(tokens))")
+
+    def warn_heads(self, flagged: torch.Tensor, what: str) -> None:
+        """One warning naming the (layer, head) pairs flagged that were not named before in this fit."""
+        heads = [(layer, head) for layer, head in flagged.nonzero().tolist() if (layer, head) not in self.warned_heads]
+        if heads and self.global_rank == 0:
+            log.warning("Attention heads (layer, head) %s %s; see %s_* in logs/metrics.csv.", heads, what,
+                        ENTROPY_PREFIX)
+        self.warned_heads.update(heads)
 
     def parameter_groups(self) -> list[dict]:
         """AdamW groups: weight matrices (and embedding tables) decay; biases, LayerNorm scales and the

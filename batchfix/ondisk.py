@@ -70,6 +70,19 @@ def read_var_names(f: h5py.File) -> pd.Index:
     return pd.Index(read_elem(var[index_key]), dtype=object).astype(str)
 
 
+def obs_columns(f: h5py.File) -> list[str]:
+    """Names of the obs columns of an open .h5ad file."""
+    order = f["obs"].attrs.get("column-order", [])
+    return [c.decode() if isinstance(c, bytes) else str(c) for c in np.atleast_1d(order)]
+
+
+def read_obs_column(f: h5py.File, key: str) -> pd.Series | None:
+    """One obs column of an open .h5ad file (only that column is read), or None when there is none."""
+    if key not in obs_columns(f) or key not in f["obs"]:
+        return None
+    return pd.Series(read_elem(f["obs"][key]))
+
+
 def n_obs_of(f: h5py.File) -> int:
     obs = f["obs"]
     index_key = obs.attrs.get("_index", "_index")

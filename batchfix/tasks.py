@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -11,18 +10,19 @@ from pathlib import Path
 import torch
 
 from batchfix import runfolder, signals, training
-from batchfix.config import CorrectConfig, CorrectionSettings, EvaluateConfig, TrainConfig
+from batchfix.config import AttentionConfig, CorrectConfig, CorrectionSettings, EvaluateConfig, TrainConfig
 from batchfix.correction import correct_file, reference_index
 from batchfix.data import PreparedData
 from batchfix.errors import Interrupted
 from batchfix.io import atomic_output
-from batchfix.module import load_trained
+from batchfix.module import ENTROPY_PREFIX, load_trained
 
 log = logging.getLogger(__name__)
 
 
 def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
-    """Fit on cfg.data.path; write model.ckpt, corrected.h5ad and metrics.json into run_dir (rank 0 only).
+    """Fit on cfg.data.path; write model.ckpt (the best checkpoint, calibrated), corrected.h5ad and
+    metrics.json into run_dir (rank 0 only).
 
     A run folder that holds a run is refused (batchfix.runfolder); everything the data and options decide
     is checked before training starts.
@@ -55,28 +55,23 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
 
 
 def write_outputs(cfg: TrainConfig, result: training.FitResult, prepared: PreparedData, run_dir: Path) -> dict:
-    """model.ckpt, corrected.h5ad and the evaluation of a finished fit; returns the metrics so far."""
-    checkpoint = save_model(result, run_dir)
+    """model.ckpt (the best checkpoint, calibrated), corrected.h5ad and the evaluation of a finished fit;
+    returns the metrics so far."""
+    model = training.trained_model(result, prepared)
+    model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
     metrics = fit_metrics(result, prepared)
     correct_started = time.perf_counter()
-    corrected_path = correct_file(training.input_path(cfg.data.path), run_dir / runfolder.CORRECTED_H5AD,
-                                  load_trained(checkpoint), CorrectionSettings(**asdict(cfg.correction)),
-                                  counts_layer=cfg.data.counts_layer, overwrite=True)
+    corrected_path = correct_file(training.input_path(cfg.data.path), run_dir / runfolder.CORRECTED_H5AD, model,
+                                  CorrectionSettings(**asdict(cfg.correction)), counts_layer=cfg.data.counts_layer,
+                                  batch_key=cfg.data.batch_key, overwrite=True)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
+    attention_picture(cfg, model, run_dir)
     if cfg.evaluate and cfg.data.label_key:
         from batchfix.evaluate import evaluate_file
 
         metrics["evaluation"] = evaluate_file(corrected_path, cfg.data.batch_key, cfg.data.label_key, run_dir,
                                               counts_layer=cfg.data.counts_layer, key_added=cfg.correction.key_added)
     return metrics
-
-
-def save_model(result: training.FitResult, run_dir: Path) -> Path:
-    """Copy the best checkpoint to run_dir/model.ckpt (atomically)."""
-    checkpoint = run_dir / runfolder.MODEL_CKPT
-    with atomic_output(checkpoint, overwrite=True) as tmp:
-        shutil.copyfile(result.best_checkpoint, tmp)
-    return checkpoint
 
 
 def fit_metrics(result: training.FitResult, prepared: PreparedData) -> dict:
@@ -92,7 +87,8 @@ def fit_metrics(result: training.FitResult, prepared: PreparedData) -> dict:
         "precision": str(trainer.precision),
         "fit_seconds": round(result.seconds, 2),
         "train_cells_per_second": round(result.n_train_cells * trainer.current_epoch / max(result.seconds, 1e-9), 1),
-        "losses": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1},
+        "losses": {k: float(v) for k, v in trainer.callback_metrics.items()
+                   if v.numel() == 1 and not k.startswith(ENTROPY_PREFIX)},
     }
 
 
@@ -105,13 +101,40 @@ def correct(cfg: CorrectConfig) -> Path:
     earlier = file_identity(output)
     try:
         written = correct_file(source, output, load_trained(cfg.checkpoint), cfg, counts_layer=cfg.counts_layer,
-                               overwrite=cfg.overwrite, progress=cfg.progress)
+                               batch_key=cfg.batch_key, overwrite=cfg.overwrite,
+                               progress=cfg.progress)
     except Interrupted as err:
         now = file_identity(output)
         state = ("was not written" if now is None else "is unchanged" if now == earlier
                  else "was complete before the signal came")
         raise Interrupted(err.signum, f"; {output} {state}") from None
     log.info("Wrote %s", written)
+    return written
+
+
+def attention_picture(cfg: TrainConfig, model: BatchfixModel, run_dir: Path) -> Path:
+    """run_dir/attention.png: the trained model's attention along the genome, per label (else per batch)."""
+    from batchfix.attention_maps import attention_maps, write_attention
+
+    options = AttentionConfig(checkpoint=str(model.path), group_by=cfg.data.label_key or cfg.data.batch_key)
+    maps = attention_maps(model, training.input_path(cfg.data.path), options.group_by,
+                          CorrectionSettings(), cfg.data.counts_layer, options.max_cells, options.resolution)
+    return write_attention(maps, run_dir, npz=False, overwrite=True)[0]
+
+
+def attention(cfg: AttentionConfig) -> list[Path]:
+    """Mean attention between loci per group of cfg.input's cells: attention.png and attention.npz in cfg.output."""
+    from batchfix.attention_maps import attention_maps, write_attention
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    source = training.input_path(cfg.input)
+    output = Path(cfg.output).expanduser() if cfg.output else Path.cwd() / (Path(source).stem + ".attention")
+    settings = CorrectionSettings(batch_size=cfg.batch_size, max_missing_fraction=cfg.max_missing_fraction)
+    trained = load_trained(cfg.checkpoint)
+    maps = attention_maps(trained, source, cfg.group_by, settings, cfg.counts_layer, cfg.max_cells, cfg.resolution)
+    written = write_attention(maps, output, overwrite=cfg.overwrite, title=f"{Path(source).name}: ")
+    log.info("Wrote %s", ", ".join(map(str, written)))
     return written
 
 

@@ -21,11 +21,12 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException, SI
 
 from batchfix import runfolder, signals
 from batchfix.config import DataConfig, FitConfig, TrainConfig, TrainerConfig
+from batchfix.counterfactual import calibrate
 from batchfix.data import CellDataModule, PreparedData, prepare
 from batchfix.errors import ConfigError, InputError, Interrupted
 from batchfix.genome import chromosome_runs
 from batchfix.io import expression_input, load_expression
-from batchfix.module import BatchfixModule, load_trained
+from batchfix.module import BatchfixModel, BatchfixModule, load_trained
 from batchfix.streaming import prepare_streamed, use_streaming
 
 log = logging.getLogger(__name__)
@@ -206,3 +207,10 @@ def interruption_note(trainer: pl.Trainer, run_dir: Path) -> str:
     if trainer.global_step == 0 or not last.is_file():
         return " before a training step: no checkpoint saved"
     return f" after {trainer.global_step} training steps; saved {last} (resume={run_dir} continues it)"
+
+
+def trained_model(result: FitResult, prepared: PreparedData) -> BatchfixModel:
+    """The best checkpoint, with its training batches' residual statistics (the counterfactual output's)."""
+    model = load_trained(result.best_checkpoint)
+    calibrate(model.net, prepared)
+    return model

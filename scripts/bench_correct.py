@@ -37,7 +37,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from batchfix.tasks import bundled_dataset
+from batchfix.training import bundled_dataset
 
 BUNDLED = Path(bundled_dataset())
 GENERATE_CHUNK = 20_000
@@ -133,6 +133,8 @@ def child(args) -> None:
     import torch
 
     from batchfix import correction
+    from batchfix.config import CorrectionSettings
+    from batchfix.module import load_trained
 
     torch.set_num_threads(args.threads)
     print(f"IMPORTS {time.time() - args.launched:.3f}", flush=True)
@@ -147,8 +149,9 @@ def child(args) -> None:
 
     correction.corrected_chunks = reporting_chunks
     try:
-        correction.correct_file(args.child[0], args.child[1], args.child[2], chunk_size=args.chunk_size,
-                                batch_size=args.batch_size, overwrite=True, progress=False)
+        settings = CorrectionSettings(chunk_size=args.chunk_size, batch_size=args.batch_size)
+        correction.correct_file(args.child[0], args.child[1], load_trained(args.child[2]), settings, overwrite=True,
+                                progress=False)
         print(f"DONE {time.perf_counter() - started:.3f}", flush=True)
     except KeyboardInterrupt:
         print("INTERRUPTED", flush=True)

@@ -14,9 +14,13 @@ Methods (their own packages, default settings):
                 scored, and its corrected expression matrix for the gene-level scores
   scvi          scvi-tools SCVI on raw counts: latent, and batch-corrected expression
                 (get_normalized_expression over all batches, library size 1e4) -> log1p -> PCA
-  batchfix      `run_batchfix`: latent, and PCA of the corrected log expression
-With `--ablation`, batchfix runs once per coordinate encoding (model.position_encoding =
-real, none, shuffled) for every seed.
+  batchfix      `run_batchfix`: trained once; latent, and PCA of the corrected log expression in
+                each output mode (counterfactual and denoised: two rows)
+With `--ablation`, batchfix runs once per position encoding (model.position_encoding =
+real, none, shuffled, learned) for every seed; `--variant NAME KEY=VALUE ...` (repeatable) names a
+model variant whose overrides are added to `--batchfix-override`, and each variant gets its own
+batchfix runs (its own ablation with `--ablation`). The report then ends with the ablation table:
+per variant and encoding, the mean and sd over seeds of each score of the corrected expression.
 
 Gene-level scores (batchfix.fidelity: DE-rank agreement, marker recall, within-type 10-NN kept,
 HVG conservation) judge each method's corrected *matrix* against the within-batch reference
@@ -26,11 +30,13 @@ the reference up to float32 rounding: a sanity row that scores ~1.0), "ComBat" (
 log matrix), "Scanorama" (its corrected expression: Scanorama scales each cell's log values to
 unit L2 norm before adding its correction vectors, and the matrix is scored on that scale as
 returned, genes put back in the input order), "scVI corrected expression (PCA)" (the log1p of the
-decoded expression above) and "batchfix corrected expression (PCA)". Methods that give no matrix
+decoded expression above) and "batchfix counterfactual (PCA)" / "batchfix denoised (PCA)" (the
+two output modes of one trained model). Methods that give no matrix
 (Harmony, the latents) get n/a. Without labels only HVG conservation is computed.
 
 fit seconds: wall-clock time of the method's own work (for batchfix: as `run_batchfix` reports,
-plus the PCA of its corrected expression), scoring excluded; it depends on what else the
+train + that output mode's correction, plus the PCA of its corrected expression; for its latent
+the train run with the faster correction), scoring excluded; it depends on what else the
 machine runs. cpu seconds: CPU time of this process (all threads) over the same span (for
 batchfix: the whole `run_batchfix` call). peak MB: growth of this process's resident set size
 during the fit (psutil, sampled every 20 ms): memory freed earlier but still held by the process
@@ -61,7 +67,7 @@ from batchfix.normalize import LIBRARY_SIZE, log_cp10k
 
 BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi"]
 ALL_METHODS = ["batchfix", *BASELINES]
-ABLATION_ENCODINGS = ["real", "none", "shuffled"]
+ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
 
 
 @dataclass
@@ -83,37 +89,51 @@ class MethodResult:
     peak_mb: float
     # corrected log-expression matrix (cells x genes) by the name of the embedding made from it
     matrices: dict[str, np.ndarray] = field(default_factory=dict)
+    # fit seconds of single embeddings where they differ from fit_seconds (batchfix's output modes)
+    embedding_seconds: dict[str, float] = field(default_factory=dict)
 
 
 def run_batchfix(
     adata_hvg: ad.AnnData, batch_key: str, seed: int, overrides: list[str]
-) -> tuple[np.ndarray, np.ndarray, float]:
-    """Train batchfix on `adata_hvg` (raw counts, genes already selected) and correct it.
+) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
+    """Train batchfix on `adata_hvg` (raw counts, genes already selected) once, and correct it in
+    every output mode with the same model.
 
     `overrides` are Hydra-style "key=value" strings (e.g. "model.position_encoding=none").
-    Returns (latent (cells, k), corrected log expression (cells, genes), fit seconds).
+    Returns (latent (cells, k), corrected log expression (cells, genes) by output mode, seconds by
+    output mode: the whole train run with that mode's correction in place of train's own).
     """
     from hydra import compose, initialize_config_module
 
     from batchfix import tasks
-    from batchfix.config import TrainConfig, validated
+    from batchfix.config import OUTPUT_MODES, CorrectionSettings, TrainConfig, validated
+    from batchfix.correction import correct_file
+    from batchfix.module import load_trained
 
     with tempfile.TemporaryDirectory(prefix="batchfix-bench-") as tmp:
-        source = Path(tmp) / "input.h5ad"
+        source, run_dir = Path(tmp) / "input.h5ad", Path(tmp) / "run"
         adata_hvg.write_h5ad(source)
         with initialize_config_module(config_module="batchfix.conf", version_base=None):
-            cfg = compose("train", overrides=[
+            cfg = validated(compose("train", overrides=[
                 f"data.path={source}", f"data.batch_key={batch_key}", "data.label_key=null",
                 "data.n_top_genes=null", f"seed={seed}", "evaluate=false", "trainer.enable_progress_bar=false",
                 *overrides,
-            ])
-        run = tasks.train(validated(cfg, TrainConfig), Path(tmp) / "run")
-        corrected = ad.read_h5ad(Path(tmp) / "run" / "corrected.h5ad")
-        modelled = corrected.var["batchfix_modelled"].to_numpy()
-        expression = corrected.layers["batchfix"][:, modelled]
-        expression = expression.toarray() if hasattr(expression, "toarray") else np.asarray(expression)
+            ]), TrainConfig)
+        run = tasks.train(cfg, run_dir)
+        paths = {cfg.correction.output_mode: run_dir / "corrected.h5ad"}
         # train + correct, as a user runs it (reading input, gene placement, fit, writing the file)
-        return corrected.obsm["X_batchfix"], expression, float(run["total_seconds"])
+        seconds = {cfg.correction.output_mode: float(run["total_seconds"])}
+        for mode in set(OUTPUT_MODES) - set(paths):
+            start = time.perf_counter()
+            paths[mode] = correct_file(source, Path(tmp) / f"{mode}.h5ad", load_trained(run_dir / "model.ckpt"),
+                                       CorrectionSettings(output_mode=mode), batch_key=batch_key, progress=False)
+            seconds[mode] = run["total_seconds"] - run["correct_seconds"] + time.perf_counter() - start
+        expression = {}
+        for mode in OUTPUT_MODES:
+            corrected = ad.read_h5ad(paths[mode])
+            values = corrected.layers["batchfix"][:, corrected.var["batchfix_modelled"].to_numpy()]
+            expression[mode] = values.toarray() if hasattr(values, "toarray") else np.asarray(values)
+        return corrected.obsm["X_batchfix"], expression, seconds
 
 
 class PeakMemory:
@@ -231,21 +251,21 @@ def fit_scvi(data: Prepared) -> MethodResult:
 
 
 def fit_batchfix(data: Prepared, overrides: list[str], name: str = "batchfix") -> MethodResult:
+    """batchfix trained once; its latent and the PCA of its corrected expression in each output mode."""
     with PeakMemory() as memory:
         cpu_start = time.process_time()
-        latent, corrected, fit_seconds = run_batchfix(
-            data.counts.copy(), data.batch_key, data.seed, overrides
-        )
-        start = time.perf_counter()
-        corrected_pca = metrics.pca_embedding(corrected, seed=data.seed)
-        pca_seconds = time.perf_counter() - start
+        latent, expression, seconds = run_batchfix(data.counts.copy(), data.batch_key, data.seed, overrides)
+        embeddings = {f"{name} latent": np.asarray(latent, dtype=np.float32)}
+        matrices, embedding_seconds = {}, {}
+        for mode, values in expression.items():
+            start = time.perf_counter()
+            key = f"{name} {mode} (PCA)"
+            embeddings[key] = metrics.pca_embedding(values, seed=data.seed)
+            matrices[key] = values
+            embedding_seconds[key] = seconds[mode] + time.perf_counter() - start
         cpu = time.process_time() - cpu_start
-    embeddings = {
-        f"{name} latent": np.asarray(latent, dtype=np.float32),
-        f"{name} corrected expression (PCA)": corrected_pca,
-    }
-    matrices = {f"{name} corrected expression (PCA)": corrected}
-    return MethodResult(embeddings, fit_seconds + pca_seconds, cpu, memory.peak_mb, matrices)
+    fit_seconds = min(seconds.values())  # the latent: the train run with the cheaper correction
+    return MethodResult(embeddings, fit_seconds, cpu, memory.peak_mb, matrices, embedding_seconds)
 
 
 BASELINE_FITS = {
@@ -257,10 +277,20 @@ BASELINE_FITS = {
 }
 
 
-def load(path, batch_key: str, label_key: str | None, subset: int | None) -> ad.AnnData:
-    """Read the file (raw counts in X) and check keys; optionally keep `subset` random cells."""
+def load(path, batch_key: str, label_key: str | None, subset: int | None,
+         batches: list[str] | None = None) -> ad.AnnData:
+    """Read the file (raw counts in X) and check keys; optionally keep only the cells of `batches`
+    (a sub-problem of the file), then `subset` random cells."""
     adata = ad.read_h5ad(path)
     metrics.check_obs_keys(adata.obs, batch_key, label_key)
+    if batches:
+        present = adata.obs[batch_key].astype(str)
+        unknown = sorted(set(batches) - set(present))
+        if unknown:
+            raise SystemExit(f"--batches: {unknown} not in obs['{batch_key}']; batches there: "
+                             f"{sorted(present.unique())}")
+        adata = adata[present.isin(batches).to_numpy()].copy()
+        adata.obs[batch_key] = adata.obs[batch_key].astype(str).astype("category")
     if subset is not None and subset < adata.n_obs:
         keep = np.sort(np.random.default_rng(0).choice(adata.n_obs, subset, replace=False))
         adata = adata[keep].copy()
@@ -286,7 +316,7 @@ def prepare(counts: ad.AnnData, batch_key: str, seed: int) -> Prepared:
 def run(args: argparse.Namespace) -> pd.DataFrame:
     """Fit and score every method for every seed; one row per (embedding, seed)."""
     labels = labels_from_args(args)
-    adata = load(args.data, args.batch_key, labels, args.subset)
+    adata = load(args.data, args.batch_key, labels, args.subset, args.batches)
     counts = select_genes(adata, args.batch_key, args.n_top_genes)
     n_batches = counts.obs[args.batch_key].nunique()
     print(f"{counts.n_obs} cells x {counts.n_vars} genes, {n_batches} batches", flush=True)
@@ -296,20 +326,15 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
         data = prepare(counts, args.batch_key, seed)
         results: dict[str, tuple[str, MethodResult]] = {}
         for method in args.methods:
-            if method == "batchfix" and args.ablation:
+            if method == "batchfix":
                 continue
             print(f"seed {seed}: {method} ...", flush=True)
-            if method == "batchfix":
-                result = fit_batchfix(data, args.batchfix_override)
-            else:
-                result = BASELINE_FITS[method](data)
-            results[method] = (method, result)
-        if args.ablation:
-            for encoding in ABLATION_ENCODINGS:
-                print(f"seed {seed}: batchfix position_encoding={encoding} ...", flush=True)
-                overrides = [*args.batchfix_override, f"model.position_encoding={encoding}"]
-                name = f"batchfix [position_encoding={encoding}]"
-                results[name] = ("batchfix", fit_batchfix(data, overrides, name))
+            results[method] = (method, BASELINE_FITS[method](data))
+        tags: dict[str, dict[str, str]] = {}
+        for name, variant, encoding, overrides in batchfix_runs(args):
+            print(f"seed {seed}: {name} ...", flush=True)
+            results[name] = ("batchfix", fit_batchfix(data, overrides, name))
+            tags[name] = {"variant": variant, "encoding": encoding}
 
         embeddings = {k: e for _, r in results.values() for k, e in r.embeddings.items()}
         start = time.perf_counter()
@@ -320,17 +345,50 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
         print(f"seed {seed}: scored {len(embeddings)} embeddings in {scoring:.1f} s "
               f"({scoring / len(embeddings):.1f} s each)", flush=True)
         genes = gene_scores(counts, results, args.batch_key, labels)
-        for method, result in results.values():
+        for key, (method, result) in results.items():
             for name in result.embeddings:
                 rows.append({
-                    "embedding": name, "method": method, "seed": seed,
+                    "embedding": name, "method": method, "seed": seed, **tags.get(key, {}),
                     **table.loc[name].to_dict(),
                     **genes.get(name, dict.fromkeys(fidelity.GENE_METRICS, np.nan)),
-                    "fit_seconds": result.fit_seconds, "cpu_seconds": result.cpu_seconds,
+                    "fit_seconds": result.embedding_seconds.get(name, result.fit_seconds),
+                    "cpu_seconds": result.cpu_seconds,
                     "peak_mb": result.peak_mb,
                     "scoring_seconds_each": scoring / len(embeddings),
                 })
     return pd.DataFrame(rows)
+
+
+def batchfix_runs(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
+    """(result name, variant, position encoding, overrides) of every batchfix run for one seed."""
+    if "batchfix" not in args.methods:
+        return []
+    runs = []
+    for variant, extra in args.variant or [("", [])]:
+        base = "batchfix" + (f" {variant}" if variant else "")
+        overrides = [*args.batchfix_override, *extra]
+        if not args.ablation:
+            runs.append((base, variant, "", overrides))
+            continue
+        for encoding in ABLATION_ENCODINGS:
+            runs.append((f"{base} [position_encoding={encoding}]", variant, encoding,
+                         [*overrides, f"model.position_encoding={encoding}"]))
+    return runs
+
+
+def ablation_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Corrected-expression scores per (variant, encoding, output mode): mean and sd over seeds."""
+    if "encoding" not in rows:
+        return pd.DataFrame()
+    corrected = rows[rows["embedding"].str.endswith("(PCA)") & (rows["method"] == "batchfix")].copy()
+    corrected["output"] = corrected["embedding"].str.extract(r" (\w+) \(PCA\)$", expand=False)
+    columns = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *fidelity.GENE_METRICS]
+    grouped = corrected.groupby(["variant", "encoding", "output"], sort=False)[[c for c in columns if c in corrected]]
+    table = grouped.mean().join(grouped.std(), rsuffix=" sd")
+    table.insert(0, "seeds", grouped.size())
+    table.index = [f"{variant or 'default'}, {encoding}, {output}" for variant, encoding, output in table.index]
+    table.index.name = "variant, encoding, output"
+    return table
 
 
 def gene_scores(
@@ -395,6 +453,9 @@ def markdown(rows: pd.DataFrame, table: pd.DataFrame, args: argparse.Namespace) 
         "",
         metrics.markdown_table(rows.set_index("embedding").drop(columns="method"), digits=3),
     ]
+    if args.ablation:
+        lines += ["", "## Position-encoding ablation (corrected expression; mean and sd over seeds)", "",
+                  metrics.markdown_table(ablation_table(rows), digits=3)]
     return "\n".join(lines)
 
 
@@ -427,13 +488,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--methods", nargs="+", choices=ALL_METHODS, default=ALL_METHODS)
     parser.add_argument("--ablation", action="store_true",
-                        help="run batchfix with model.position_encoding=real|none|shuffled")
+                        help="run batchfix with model.position_encoding=" + "|".join(ABLATION_ENCODINGS))
+    parser.add_argument("--variant", nargs="+", action="append", type=str, metavar=("NAME", "KEY=VALUE"),
+                        help="a named batchfix variant and its overrides (repeatable): each gets its own runs")
     parser.add_argument("--batchfix-override", nargs="*", default=[], metavar="KEY=VALUE",
                         help="Hydra overrides for every batchfix run, e.g. trainer.max_epochs=20")
+    parser.add_argument("--batches", nargs="+", default=None, metavar="BATCH",
+                        help="keep only the cells of these batches (a sub-problem of the file)")
     parser.add_argument("--subset", type=int, default=None, help="keep N random cells (seed 0)")
     parser.add_argument("--out", default="benchmark_results.csv",
                         help="CSV of every row; a markdown report is written beside it (.md)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.variant and any("=" in name for name, *_ in args.variant):
+        parser.error("--variant: give a NAME first, then its KEY=VALUE overrides")
+    args.variant = [(name, extra) for name, *extra in args.variant or []]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -446,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".md").write_text(markdown(rows, table, args))
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(table.round(3).to_string(na_rep="n/a"))
+        if args.ablation:
+            print(ablation_table(rows).round(3).to_string(na_rep="n/a"))
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0
 

@@ -12,9 +12,12 @@ import pytest
 import torch
 
 from batchfix.attention import (
+    EntropyMeter,
     GenomicCoordinateEncoding,
+    GenomicDistanceBias,
     MultiHeadSelfAttention,
     guarded_attention,
+    in_query_blocks,
     sdpa_attention,
     sinusoidal_genomic_encoding,
 )
@@ -24,10 +27,12 @@ BACKENDS = {"guarded": guarded_attention, "sdpa": sdpa_attention}
 FP16_MAX = torch.finfo(torch.float16).max
 
 
-def reference_attention(q, k, v, key_padding_mask=None):
-    """softmax(q k^T / sqrt(d)) v in float64 (zeros for rows whose keys are all masked)."""
+def reference_attention(q, k, v, key_padding_mask=None, bias=None):
+    """softmax(q k^T / sqrt(d) + bias) v in float64 (zeros for rows whose keys are all masked)."""
     q, k, v = q.double(), k.double(), v.double()
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        scores = scores + bias.double()
     if key_padding_mask is not None:
         scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
     out = torch.softmax(scores, dim=-1) @ v
@@ -301,3 +306,151 @@ def test_unknown_mode_is_refused():
     position, chromosome = chromosome_layout()
     with pytest.raises(ValueError, match="position_encoding"):
         GenomicCoordinateEncoding(position, chromosome, d_model=16, mode="sorted")
+
+
+# ---------------------------------------------------------------- query blocks, distance bias, checkpointing
+
+
+def blocked(backend: str, q, k, v, mask=None, bias=None, block_size=None, recompute=False):
+    """The module's per-block attention (backend, observer, dropout) over query blocks of the given q, k, v."""
+    attention = MultiHeadSelfAttention(d_model=8, n_heads=2, backend=backend)  # projections unused here
+    return in_query_blocks(attention.attend, q, k, v, mask, bias, block_size, recompute)
+
+
+def table_bias(heads: int, length: int, seed: int = 0, scale: float = 3.0):
+    """A ScoreBias over a fixed random (H, L, L) table: bias(first, stop) -> rows first..stop."""
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(heads, length, length, generator=g) * scale
+    return (lambda first, stop: full[:, first:stop]), full
+
+
+@pytest.mark.parametrize("block_size", [None, 1, 3, 4, 10])
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_query_blocks_with_bias_and_mask_match_float64_reference(backend, block_size):
+    q, k, v = random_qkv(seed=6)
+    mask = padding_mask()
+    bias, full = table_bias(heads=2, length=10)
+    for m, b, full_b in ((None, None, None), (mask, None, None), (None, bias, full), (mask, bias, full)):
+        out = blocked(backend, q, k, v, m, b, block_size)
+        torch.testing.assert_close(out.double(), reference_attention(q, k, v, m, full_b), atol=1e-5, rtol=1e-5)
+    # The bias matters: without it the answer differs.
+    assert not torch.allclose(blocked(backend, q, k, v, None, bias, block_size), blocked(backend, q, k, v))
+
+
+@pytest.mark.parametrize("block_size", [None, 5, 16])
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_fp16_overflow_is_guarded_in_blocks_with_a_distance_bias(backend, block_size):
+    bias, full = table_bias(heads=2, length=16, seed=7, scale=2.0)
+    q, k, v = exp_overflow_inputs()
+    scaled = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1) + full.half()
+    assert torch.isinf(scaled.exp()).any(), "exp of the biased scores must overflow fp16 unguarded"
+    out = blocked(backend, q, k, v, bias=bias, block_size=block_size)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, bias=full.half()), atol=1e-2, rtol=1e-2)
+
+    # Scaled scores of ~1e4 here, where fp16 steps by 8: a bias equal for the two keys of each tied pair
+    # keeps the tie, so the right answer stays the pair's mean value.
+    q, k, v = product_overflow_inputs()
+    assert torch.isinf(q @ k.transpose(-2, -1)).any(), "inputs must overflow the unscaled product"
+    pair_bias = full[..., ::2].repeat_interleave(2, dim=-1)  # (H, L, L), keys 2j and 2j+1 alike
+    out = blocked(backend, q, k, v, bias=lambda first, stop: pair_bias[:, first:stop], block_size=block_size)
+    assert torch.isfinite(out).all()
+    expected = reference_attention(q, k, v, bias=pair_bias)
+    pair_mean = v.double().view(*v.shape[:2], -1, 2, v.shape[-1]).mean(-2).repeat_interleave(2, dim=2)
+    torch.testing.assert_close(expected, pair_mean, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_fp16_backward_in_recomputed_blocks_matches_reference(backend):
+    bias, full = table_bias(heads=2, length=8, seed=8, scale=2.0)
+    q, k, v = exp_overflow_inputs(seed=1, length=8)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = blocked(backend, *leaves, bias=bias, block_size=3, recompute=True)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    (out.float() * upstream).sum().backward()
+    ref_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    (reference_attention(*ref_leaves, bias=full.half()) * upstream.double()).sum().backward()
+    for name, got, ref in zip("qkv", leaves, ref_leaves):
+        assert torch.isfinite(got.grad).all(), f"d{name} has inf/NaN"
+        err = (got.grad.double() - ref.grad).abs().max().item()
+        assert err <= 2e-2 * ref.grad.abs().max().item() + 1e-3, f"d{name}: max error {err:.3g}"
+
+
+def test_checkpointed_blocks_give_the_same_gradients():
+    torch.manual_seed(0)
+    plain = MultiHeadSelfAttention(d_model=16, n_heads=4).double()
+    blocked_module = MultiHeadSelfAttention(d_model=16, n_heads=4, block_size=3, checkpoint_blocks=True).double()
+    blocked_module.load_state_dict(plain.state_dict())
+    bias, _ = table_bias(heads=4, length=10)
+    x = torch.randn(3, 10, 16, dtype=torch.float64)
+    grads = []
+    for module in (plain, blocked_module):
+        module.zero_grad()
+        out = module(x, padding_mask(), lambda first, stop: bias(first, stop).double())
+        (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out)).sum().backward()
+        grads.append([p.grad.clone() for p in module.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+def distance_layout():
+    """Tokens on chr1 at 0, 500 bp, 5 kb, 50 Mb; one on chr2 at 0; two unplaced."""
+    position = np.array([1e6, 1e6 + 500, 1e6 + 5e3, 5.1e7, 1e6, 0.0, 0.0])
+    chromosome = np.array([CHROMOSOME_CODE[c] for c in ["1", "1", "1", "1", "2"]] + [UNPLACED] * 2)
+    return position, chromosome
+
+
+def test_distance_buckets_follow_base_pair_distance_and_chromosomes():
+    position, chromosome = distance_layout()
+    bias = GenomicDistanceBias(position, chromosome, n_heads=2, n_buckets=8, min_bp=1e3, max_bp=1e8)
+    buckets = bias.buckets()
+    other, unplaced = 8, 9
+    assert buckets[0, 0] == 0 and buckets[0, 1] == 0  # itself, and 500 bp: closer than min_bp
+    # log-spaced from 1 kb to 100 Mb over buckets 1..7 (5 decades / 7 buckets each)
+    expected = [1 + int(math.log(d / 1e3) / math.log(1e5) * 7) for d in (5e3 - 500, 5e3, 5e7)]
+    assert [buckets[1, 2], buckets[0, 2], buckets[0, 3]] == expected
+    assert buckets[0, 2] < buckets[0, 3]  # farther apart, higher bucket
+    assert buckets[0, 4] == other and buckets[4, 3] == other  # same position, other chromosome
+    assert (buckets[5:] == unplaced).all() and (buckets[:, 5:] == unplaced).all()
+    assert torch.equal(buckets, buckets.T)
+    # Blocks of queries give the rows of the whole matrix; the bias reads the learned table.
+    torch.testing.assert_close(bias.buckets(2, 5), buckets[2:5])
+    with torch.no_grad():
+        bias.table.copy_(torch.arange(20.0).view(10, 2))
+    assert bias(0, 2).shape == (2, 2, 7)
+    torch.testing.assert_close(bias()[1], (2 * buckets + 1).float())
+
+
+def test_distance_bias_is_a_trainable_prior_in_the_encoder():
+    from batchfix.config import ModelConfig
+    from batchfix.genome import GeneCoordinates, make_windows
+    from batchfix.model import LocusEncoder
+
+    n = 30
+    coords = GeneCoordinates(np.array(["1"] * 12 + ["2"] * 12 + [None] * 6, dtype=object),
+                             np.r_[np.arange(24) * 20000, np.zeros(6)].astype(np.int64),
+                             np.r_[np.arange(24) * 20000 + 900, np.zeros(6)].astype(np.int64))
+    windows = make_windows(coords, 3)
+    config = dict(genes_per_token=3, d_model=16, n_heads=2, n_layers=2, latent_dim=4, distance_bias=True)
+    encoders = {mode: LocusEncoder(ModelConfig(**config, position_encoding=mode), windows, n)
+                for mode in GenomicCoordinateEncoding.MODES}
+    # Coordinates (real or shuffled) feed the bias; none and learned use no coordinate at all.
+    assert encoders["none"].distance_bias is None and encoders["learned"].distance_bias is None
+    real, shuffled = encoders["real"].distance_bias, encoders["shuffled"].distance_bias
+    assert not torch.equal(real.buckets(), shuffled.buckets())
+    mu, _ = encoders["real"](torch.randn(5, n))
+    mu.square().sum().backward()
+    assert real.table.grad is not None and real.table.grad.abs().sum() > 0
+
+
+def test_entropy_meter_matches_the_formula():
+    meter = EntropyMeter(n_layers=2, n_heads=2)
+    uniform = torch.full((3, 2, 4, 8), 1 / 8)
+    one_hot = torch.zeros(3, 2, 4, 8)
+    one_hot[..., 0] = 1.0
+    meter.add(0, uniform)
+    meter.add(1, torch.cat([uniform[:, :1], one_hot[:, :1]], dim=1), first=0)
+    meter.add(1, torch.cat([uniform[:, :1], one_hot[:, :1]], dim=1)[:, :, :2], first=4)
+    torch.testing.assert_close(meter.mean(), torch.tensor([[math.log(8)] * 2, [math.log(8), 0.0]],
+                                                          dtype=torch.float64))

@@ -37,6 +37,28 @@ def test_benchmark_script_on_a_subset(tmp_path):
     assert "| Harmony | 2 |" in report and "Total sd" in report and "cpu_seconds" in report
 
 
+@pytest.mark.slow
+def test_benchmark_runs_batchfix_in_both_output_modes(tmp_path):
+    out = tmp_path / "results.csv"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), str(ROOT / "data" / "cellbench5.h5ad"),
+         "--subset", "200", "--n-top-genes", "300", "--seeds", "0", "--methods", "unintegrated", "batchfix",
+         "--batchfix-override", "trainer.max_epochs=3", "model.genes_per_token=16", "threads=1",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = pd.read_csv(out).set_index("embedding")
+    modes = ["batchfix counterfactual (PCA)", "batchfix denoised (PCA)"]
+    assert set(modes + ["batchfix latent", "Unintegrated PCA"]) == set(rows.index)
+    # 200 cells leave no (batch, label) group of 30 cells: within-type neighbours are not scored.
+    genes = ["DE-rank agreement", "Marker recall", "HVG conservation"]
+    assert rows.loc[modes, genes].notna().all().all() and rows.loc["batchfix latent", genes].isna().all()
+    # The counterfactual keeps more of each cell's own values than the denoised reconstruction.
+    assert (rows.loc[modes[0], genes] > rows.loc[modes[1], genes]).all()
+    assert (rows.loc[modes, "fit_seconds"] > 0).all()
+
+
 def test_benchmark_names_the_obs_columns_when_the_batch_key_is_wrong(tmp_path):
     run = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "benchmark.py"), str(ROOT / "data" / "cellbench5.h5ad"),

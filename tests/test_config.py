@@ -2,6 +2,7 @@
 every out-of-range option is refused with a message naming it."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from batchfix import config, training
-from batchfix.config import CorrectConfig, EvaluateConfig, ModelConfig, TrainConfig, validated
+from batchfix.config import AttentionConfig, CorrectConfig, EvaluateConfig, ModelConfig, TrainConfig, validated
 from batchfix.errors import ConfigError
 from batchfix.genome import GeneCoordinates, make_windows
 from batchfix.model import BatchfixNet
@@ -33,9 +34,9 @@ def tiny_net(model: ModelConfig) -> BatchfixNet:
 
 
 @pytest.mark.parametrize("verb, schema", [("train", TrainConfig), ("correct", CorrectConfig),
-                                          ("evaluate", EvaluateConfig)])
+                                          ("evaluate", EvaluateConfig), ("attention", AttentionConfig)])
 def test_each_verb_config_composes_onto_its_schema(verb, schema):
-    overrides = ["checkpoint=run/model.ckpt"] if verb == "correct" else []
+    overrides = ["checkpoint=run/model.ckpt"] if verb in ("correct", "attention") else []
     assert isinstance(composed(verb, overrides, schema), schema)
 
 
@@ -77,6 +78,11 @@ BAD_OPTIONS = [
     ("model.dropout=1.0", "model.dropout must be in [0.0, 1.0)"),
     ("model.attention=flash", "model.attention must be one of ['guarded', 'sdpa']"),
     ("model.min_wavelength=1e9", "model.min_wavelength and model.max_wavelength"),
+    ("model.position_encoding=sorted", "model.position_encoding must be one of ['real', 'shuffled', 'none', 'learned']"),
+    ("model.token_identity=genes", "model.token_identity must be one of ['learned', 'coordinates']"),
+    ("model.distance_buckets=1", "model.distance_buckets must be >= 2"),
+    ("model.attention_block_size=0", "model.attention_block_size must be >= 1"),
+    ("model.gradient_checkpointing=maybe", "Value 'maybe' is not a valid bool"),
     ("fit.batch_size=0", "fit.batch_size must be >= 1"),
     ("fit.learning_rate=0", "fit.learning_rate must be a finite number > 0"),
     ("fit.validation_fraction=1", "fit.validation_fraction must be in [0.0, 1.0)"),
@@ -112,6 +118,7 @@ def test_bad_train_options_are_refused_naming_the_option(override, message):
     ("key_added=''", "key_added must be a non-empty name"),
     ("key_added=a/b", "key_added must not contain '/'"),
     ("threads=0", "threads must be >= 1"),
+    ("int8=sometimes", "Value 'sometimes' is not a valid bool"),
 ])
 def test_bad_correct_options_are_refused_naming_the_option(override, message):
     with pytest.raises(Exception) as err:
@@ -123,6 +130,20 @@ def test_bad_correct_options_are_refused_naming_the_option(override, message):
 def test_correct_needs_a_checkpoint():
     with pytest.raises(ConfigError, match="correct needs checkpoint="):
         composed("correct", [], CorrectConfig)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("resolution=1", "resolution must be >= 2"),
+    ("max_cells=0", "max_cells must be >= 1"),
+    ("group_by=''", "group_by must name something"),
+    ("batch_size=0", "batch_size must be >= 1"),
+    ("max_missing_fraction=2", "max_missing_fraction must be in [0.0, 1.0]"),
+])
+def test_bad_attention_options_are_refused_naming_the_option(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        composed("attention", ["checkpoint=x", override], AttentionConfig)
+    with pytest.raises(ConfigError, match="attention needs checkpoint="):
+        composed("attention", [], AttentionConfig)
 
 
 def test_option_names_are_unique_across_groups():

@@ -147,7 +147,7 @@ def test_round_trip_keeps_everything_and_adds_the_correction(trained_run, rich_i
     assert layer.nnz == adata.n_obs * len(genes), "every modelled gene has a value in every cell"
     assert not dense(layer[:, ~modelled]).any(), "genes the model did not model are not stored"
     values = dense(layer[:, modelled])
-    assert np.isfinite(values).all() and (values > 0).all()
+    assert np.isfinite(values).all() and (values >= 0).all()
     latent = out.obsm["X_batchfix"]
     assert latent.shape == (adata.n_obs, load_trained(trained_run["checkpoint"]).module.model_config.latent_dim)
     assert np.isfinite(latent).all()
@@ -156,6 +156,7 @@ def test_round_trip_keeps_everything_and_adds_the_correction(trained_run, rich_i
     assert info["version"] == batchfix.__version__
     assert info["checkpoint_sha256"] == sha256(trained_run["checkpoint"])
     assert info["reference_batch"] == "average"
+    assert info["output_mode"] == info["params"]["output_mode"] == "counterfactual"
     assert list(info["modelled_genes"]) == genes
     assert list(info["training_batches"]) == trained_run["seen"]
     assert info["n_missing_genes"] == 0 and len(info["missing_genes"]) == 0
@@ -201,8 +202,9 @@ def test_unseen_batches_are_corrected(trained_run, rich_input, tmp_path):
     out = ad.read_h5ad(correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"]))
     modelled = out.var["batchfix_modelled"].to_numpy()
     values = dense(out.layers["batchfix"][unseen][:, modelled])
-    assert np.isfinite(values).all() and (values > 0).all()
+    assert np.isfinite(values).all() and (values >= 0).all()
     assert np.isfinite(out.obsm["X_batchfix"][unseen]).all()
+    assert list(out.uns["batchfix"]["unseen_batches_estimated"]) == trained_run["unseen"]
     # Decoded as one training batch, unseen cells get that batch's expression profile.
     reference = trained_run["seen"][0]
     as_reference = batchfix.correct(adata, trained_run["checkpoint"], reference=reference, copy=True)
@@ -333,11 +335,14 @@ def test_correcting_a_corrected_file_replaces_the_earlier_correction(trained_run
 # In memory (the notebook API) against the file route
 
 
-def test_streaming_and_in_memory_give_the_same_numbers(trained_run, rich_input, tmp_path):
+@pytest.mark.parametrize("output_mode", ["counterfactual", "denoised"])
+def test_streaming_and_in_memory_give_the_same_numbers(trained_run, rich_input, tmp_path, output_mode):
     adata, source = rich_input
-    streamed = ad.read_h5ad(correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"], chunk_size=37))
+    streamed = ad.read_h5ad(correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"], chunk_size=37,
+                                          output_mode=output_mode))
     in_memory = adata.copy()
-    assert batchfix.correct(in_memory, trained_run["checkpoint"]) is None
+    assert batchfix.correct(in_memory, trained_run["checkpoint"], output_mode=output_mode) is None
+    assert in_memory.uns["batchfix"]["output_mode"] == streamed.uns["batchfix"]["output_mode"] == output_mode
     layer = in_memory.layers["batchfix"]
     assert isinstance(layer, sp.csr_matrix)
     np.testing.assert_array_equal(layer.indices, streamed.layers["batchfix"].indices)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import scanpy as sc
 
-from batchfix import metrics
+from batchfix import fidelity, metrics
 from batchfix.evaluate import evaluate_file
 from batchfix.io import OutputKeys
 from batchfix.normalize import log_cp10k
@@ -138,8 +138,15 @@ def test_evaluate_file_writes_report_and_leaves_input_alone(corrected_file, tmp_
     assert set(scores) == {metrics.UNINTEGRATED, metrics.LATENT, metrics.CORRECTED}
     for name in (metrics.LATENT, metrics.CORRECTED):
         assert scores[name]["Batch correction"] > scores[metrics.UNINTEGRATED]["Batch correction"]
+    genes = result["gene_fidelity"]
+    assert genes["n_genes"] == N_GENES - 200 and genes["labels_given"] and "note" not in genes
+    # ComBat keeps each cell's own values up to a per-batch affine map: near the uncorrected structure.
+    assert genes[fidelity.DE_RANK] > 0.95 and genes[fidelity.MARKER_RECALL] > 0.8
+    assert 0.5 < genes[fidelity.WITHIN_TYPE] <= 1 and 0.5 < genes[fidelity.HVG_CONSERVATION] <= 1
     markdown = (tmp_path / "eval" / "metrics.md").read_text()
     assert "| Embedding |" in markdown and metrics.LATENT in markdown
+    assert "Gene-level fidelity of layers['batchfix']" in markdown
+    assert f"| {genes[fidelity.DE_RANK]:.3f} |" in markdown
     png = (tmp_path / "eval" / "umap.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
 
@@ -180,6 +187,11 @@ def test_evaluate_corrected_without_labels_scores_batch_mixing_only(corrected_fi
         assert set(scores) == {"iLISI", "PCR comparison", "Batch correction",
                                "Bio conservation", "Total"}
         assert scores["Total"] is None and 0 <= scores["Batch correction"] <= 1
+    genes = result["gene_fidelity"]
+    assert genes["note"] == fidelity.NO_LABELS_NOTE and not genes["labels_given"]
+    assert all(genes[m] is None for m in fidelity.LABEL_METRICS)
+    assert 0.5 < genes[fidelity.HVG_CONSERVATION] <= 1
+    assert "No labels" in metrics.gene_markdown(genes)
 
     out = tmp_path / "umap.png"
     metrics.plot_umaps({"latent": adata.obsm["X_batchfix"]}, adata.obs["batch"], None, out)

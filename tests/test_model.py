@@ -102,3 +102,37 @@ def test_weight_decay_spares_biases_layernorm_and_dispersions():
     assert "net.encoder.gene_vectors" in decayed_names and "net.decoder.out.weight" in decayed_names
     assert not any(n.endswith(".bias") or "norm" in n for n in decayed_names)
     assert len(decayed["params"]) + len(spared["params"]) == len(list(module.parameters()))
+
+
+def encoder_for(n_genes: int = 24, **options) -> "LocusEncoder":
+    from batchfix.model import LocusEncoder
+
+    coords = GeneCoordinates(np.array(["1"] * n_genes, dtype=object), np.arange(n_genes) * 50_000,
+                             np.arange(n_genes) * 50_000 + 900)
+    model = ModelConfig(**{**dict(genes_per_token=4, d_model=16, n_heads=2, n_layers=2, latent_dim=5), **options})
+    torch.manual_seed(0)
+    return LocusEncoder(model, make_windows(coords, 4), n_genes).eval()
+
+
+@pytest.mark.parametrize("identity, encoding, invariant", [
+    ("coordinates", "none", True),  # nothing tells tokens apart: the encoder is a function of the set of windows
+    ("coordinates", "real", False), ("coordinates", "learned", False), ("coordinates", "shuffled", False),
+    ("learned", "none", False),  # per-token weights tell them apart whatever the encoding
+])
+def test_with_coordinate_identity_only_the_position_encoding_tells_tokens_apart(identity, encoding, invariant):
+    encoder = encoder_for(token_identity=identity, position_encoding=encoding)
+    assert hasattr(encoder, "token_bias") == (identity == "learned")
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(1))
+    swapped = x.view(5, 6, 4)[:, [3, 0, 5, 1, 4, 2]].reshape(5, 24)  # (B, T, p): the windows' values moved
+    with torch.no_grad():
+        same = torch.allclose(encoder(x)[0], encoder(swapped)[0], atol=1e-5)
+    assert same == invariant
+
+
+def test_learned_position_encoding_is_a_trained_table():
+    encoder = encoder_for(position_encoding="learned", token_identity="coordinates")
+    table = encoder.coordinates.table
+    assert table.shape == (6, 16) and not hasattr(encoder.coordinates, "chromosome_embedding")
+    encoder.train()
+    encoder(torch.randn(3, 24))[0].square().sum().backward()
+    assert table.grad.abs().sum() > 0

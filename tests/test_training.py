@@ -19,7 +19,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from batchfix import tasks, training
+from batchfix import counterfactual, tasks, training
 from batchfix.config import TrainConfig, validated
 from batchfix.errors import InputError
 from batchfix.module import BatchfixModule, load_trained
@@ -126,7 +126,9 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, train_h5ad):
     columns = source.var_names.get_indexer(trained.genes)
     assert (columns >= 0).all()
     x = torch.from_numpy(np.asarray(source.X[:, columns], dtype=np.float32))
-    latent, expression = trained.net.corrected(x)
+    codes = torch.from_numpy(np.searchsorted(trained.batch_categories, source.obs["batch"].astype(str).to_numpy()))
+    statistics = counterfactual.Statistics(trained.net, None, [])
+    latent, expression, _ = counterfactual.corrected(trained.net, x, codes, None, statistics)
     corrected = ad.read_h5ad(cli_run / "corrected.h5ad")
     layer = corrected.layers["batchfix"]
     layer = layer.toarray() if hasattr(layer, "toarray") else np.asarray(layer)
@@ -190,12 +192,19 @@ def test_checkpoint_reload_reproduces_in_memory_model(train_h5ad, tmp_path, capt
     # A freshly initialised model gives other outputs: the comparison above is not vacuous.
     fresh = BatchfixModule(**dict(reloaded.module.hparams)).eval()
     assert not torch.allclose(fresh.net.corrected(x)[0], mu_mem)
-    # model.ckpt holds the epoch with the lowest validation negative ELBO, not simply the last one.
-    saved = torch.load(run_dir / "model.ckpt", map_location="cpu", weights_only=True)
+    # checkpoints/best.ckpt holds the epoch with the lowest validation negative ELBO, not simply the last one.
+    saved = torch.load(run_dir / "checkpoints" / "best.ckpt", map_location="cpu", weights_only=True)
     val_elbo = logged_epochs(run_dir)["val_elbo"]
     assert saved["epoch"] == int(val_elbo.idxmin())
     (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("ModelCheckpoint")]
     assert float(state["best_model_score"]) == pytest.approx(val_elbo.min(), rel=1e-6)
+    # model.ckpt is the best checkpoint plus the training batches' residual statistics.
+    best, final = (load_trained(run_dir / name).module.state_dict() for name in ("checkpoints/best.ckpt", "model.ckpt"))
+    calibration = {"net.residual_location", "net.residual_spread"}
+    assert best.keys() == final.keys() and calibration <= set(final)
+    assert all(torch.equal(best[k], final[k]) for k in best if k not in calibration)
+    assert not best["net.residual_spread"].any() and (final["net.residual_spread"] > 0).all()
+    assert final["net.residual_location"].abs().sum() > 0
 
 
 def test_resume_continues_step_count(train_h5ad, tmp_path):

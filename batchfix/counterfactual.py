@@ -1,0 +1,184 @@
+"""The counterfactual output: each cell's own expression with only what its batch explains removed.
+
+For a cell c of batch b and a modelled gene g, on the log1p(counts per 10k) scale (the input's
+scale for data.scale=log):
+
+    r(c, g)   = observed(c, g) - decoded_b(z_c, g)
+    corrected = max(0, decoded_ref(z_c, g) + location_ref(g) + k_b * (r(c, g) - location_b(g)))
+    k_b       = spread_ref / spread_b
+
+- decoded_b(z_c, g): the decoder's expected expression for the cell's latent z_c in its own batch;
+  decoded_ref: the same as the reference (a training batch, or the average over the training
+  batches, which is the denoised output). Their difference is the batch effect the model learned
+  for that cell's state, so the residual r, which holds what is the cell's own, is carried over.
+- location_b(g): the mean residual of gene g over the training cells of batch b. The decoder
+  models the mean count, and log1p of a mean is not the mean of log1p: the gap depends on the
+  batch's depth and noise, so it is a batch effect the decoder's mean leaves behind.
+- spread_b: one number per batch, the root-mean-square over genes of the residual's within-batch
+  standard deviation: noisier (shallower) batches would otherwise stay apart from the others.
+  One scale per batch, not one per gene, so no gene gains or loses weight against another within
+  a batch; the location and scale alone change no comparison made within a batch.
+- For the average reference, location_ref is the mean of the training batches' locations and
+  spread_ref the root-mean-square of their spreads; for a named reference, that batch's own.
+- Values that would go below 0 (the floor of the log1p scale) are set to 0 and counted.
+
+Training batches are calibrated once after the fit (`calibrate`), on the training cells, and the
+statistics travel in the checkpoint (BatchfixNet.residual_location / residual_spread). A batch the
+model never saw has no decoder of its own: the average decoder stands in for decoded_b, and its
+location and spread are estimated from its own cells in the input (`ResidualSums`); an unseen
+batch with fewer than `MIN_UNSEEN_CELLS` cells is given the denoised output instead.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+
+from batchfix.data import PreparedData
+from batchfix.errors import CheckpointError
+from batchfix.model import BatchfixNet
+
+log = logging.getLogger(__name__)
+
+MIN_UNSEEN_CELLS = 10  # cells a batch the model never saw needs for its own location and spread
+CALIBRATION_BATCH_SIZE = 256  # cells per forward pass while calibrating
+
+
+class ResidualSums:
+    """Per-gene sums of residuals and their squares, for one group of cells (float64)."""
+
+    def __init__(self, n_genes: int):
+        self.n_cells = 0
+        self.sum = np.zeros(n_genes)
+        self.sum_sq = np.zeros(n_genes)
+
+    def add(self, residual: np.ndarray) -> None:
+        residual = residual.astype(np.float64, copy=False)
+        self.n_cells += residual.shape[0]
+        self.sum += residual.sum(axis=0)
+        self.sum_sq += np.square(residual).sum(axis=0)
+
+    def location(self) -> np.ndarray:
+        return self.sum / max(self.n_cells, 1)
+
+    def spread(self, genes: np.ndarray | None = None) -> float:
+        """Root-mean-square over genes (those of the `genes` mask) of the per-gene standard deviation (0.0
+        below two cells)."""
+        if self.n_cells < 2:
+            return 0.0
+        variance = np.clip(self.sum_sq / self.n_cells - np.square(self.location()), 0.0, None)
+        return float(np.sqrt(variance.mean() if genes is None else variance[genes].mean()))
+
+
+@torch.no_grad()
+def residual(net: BatchfixNet, x: torch.Tensor, own: torch.Tensor | None,
+             present: torch.Tensor | None = None) -> torch.Tensor:
+    """observed - decoded in each cell's own batch ((B,) codes), or in the average batch if own is None."""
+    mu, _ = net.encode(x)
+    return net.log_expression(x) - net.decoded(mu, own, present)
+
+
+@torch.no_grad()
+def calibrate(net: BatchfixNet, prepared: PreparedData) -> None:
+    """Store each training batch's residual location and spread in the net (its checkpoint carries them)."""
+    n_batches = len(prepared.batch_categories)
+    sums = [ResidualSums(net.n_genes) for _ in range(n_batches)]
+    was_training = net.training
+    net.eval()
+    for start in range(0, prepared.counts.shape[0], CALIBRATION_BATCH_SIZE):
+        stop = start + CALIBRATION_BATCH_SIZE
+        x = torch.from_numpy(prepared.counts[start:stop].toarray())  # (B, G)
+        codes = prepared.batch_index[start:stop]
+        r = residual(net, x, torch.from_numpy(codes)).numpy()
+        for b in np.unique(codes):
+            sums[b].add(r[codes == b])
+    net.train(was_training)
+    spreads = np.array([s.spread() for s in sums])
+    fallback = np.sqrt(np.mean(np.square(spreads[spreads > 0]))) if (spreads > 0).any() else 1.0
+    spreads[spreads <= 0] = fallback  # a batch of one training cell: its residuals keep their scale
+    net.residual_location.copy_(torch.as_tensor(np.stack([s.location() for s in sums]), dtype=torch.float32))
+    net.residual_spread.copy_(torch.as_tensor(spreads, dtype=torch.float32))
+    log.info("Calibrated the counterfactual output: residual spread per batch %s.",
+             dict(zip(prepared.batch_categories, np.round(spreads, 3).tolist())))
+
+
+def training_statistics(net: BatchfixNet) -> tuple[np.ndarray, np.ndarray]:
+    """(location (batches, genes), spread (batches,)) stored by `calibrate`; refuses an uncalibrated net."""
+    spread = net.residual_spread.numpy().astype(np.float64)
+    if not (spread > 0).all():
+        raise CheckpointError("This checkpoint has no residual calibration, which output_mode=counterfactual "
+                              "needs: use the run folder's model.ckpt (or a model from batchfix.train), or "
+                              "output_mode=denoised.")
+    return net.residual_location.numpy().astype(np.float64), spread
+
+
+def reference_statistics(location: np.ndarray, spread: np.ndarray, reference: int | None) -> tuple[np.ndarray, float]:
+    """The reference's (location, spread): a training batch's own, or the mean location and the
+    root-mean-square spread over the training batches for the average reference."""
+    if reference is not None:
+        return location[reference], float(spread[reference])
+    return location.mean(axis=0), float(np.sqrt(np.mean(np.square(spread))))
+
+
+@dataclass
+class BatchCodes:
+    """Each cell's batch as the counterfactual output treats it.
+
+    codes: (cells,) int32: the training batch's index; n_training + j for the j-th batch of `unseen`
+    (a batch the model never saw, whose location and spread are estimated from its cells); -1 for
+    the cells of `denoised` (unseen batches with fewer than MIN_UNSEEN_CELLS cells: denoised output).
+    """
+
+    codes: np.ndarray
+    n_training: int
+    unseen: list[str]
+    denoised: list[str]
+
+
+def batch_codes(batch: np.ndarray, training: list[str]) -> BatchCodes:
+    """Codes for the cells' batch names (strings), given the model's training batches."""
+    names, inverse, counts = np.unique(batch, return_inverse=True, return_counts=True)
+    position = {name: i for i, name in enumerate(training)}
+    unseen = [n for n, c in zip(names, counts) if n not in position and c >= MIN_UNSEEN_CELLS]
+    denoised = [n for n, c in zip(names, counts) if n not in position and c < MIN_UNSEEN_CELLS]
+    position.update({name: len(training) + j for j, name in enumerate(unseen)})
+    position.update({name: -1 for name in denoised})
+    by_name = np.array([position[n] for n in names], dtype=np.int32)
+    return BatchCodes(by_name[inverse.ravel()], len(training), [str(n) for n in unseen], [str(n) for n in denoised])
+
+
+class Statistics:
+    """Location (per gene) and scale factor k = spread_ref / spread of every batch code, and the reference's location."""
+
+    def __init__(self, net: BatchfixNet, reference: int | None, unseen: list[ResidualSums],
+                 present: np.ndarray | None = None):
+        location, spread = training_statistics(net)
+        reference_location, reference_spread = reference_statistics(location, spread, reference)
+        if unseen:  # their spread over the genes the input holds: a missing gene's residual means nothing
+            location = np.vstack([location, [s.location() for s in unseen]])
+            spread = np.concatenate([spread, [s.spread(present) or reference_spread for s in unseen]])
+        self.location = torch.as_tensor(location, dtype=torch.float32)  # (codes, G)
+        self.scale = torch.as_tensor(reference_spread / spread, dtype=torch.float32)  # (codes,)
+        self.ref_location = torch.as_tensor(reference_location, dtype=torch.float32)  # (G,)
+
+
+@torch.no_grad()
+def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference: int | None, stats: Statistics,
+              present: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(latent mean, counterfactual values (B, G), how many were raised to 0) for cells with batch `codes`."""
+    mu, _ = net.encode(x)
+    reference_values = net.decoded(mu, reference, present)
+    seen = (codes >= 0) & (codes < net.n_batches)
+    own = reference_values if reference is None else net.decoded(mu, None, present)  # unseen: the average
+    if seen.any():
+        own = own.clone()
+        own[seen] = net.decoded(mu[seen], codes[seen].long(), present)
+    known = codes.clamp_min(0).long()
+    residual = net.log_expression(x) - own - stats.location[known]  # (B, G)
+    values = reference_values + stats.ref_location + stats.scale[known, None] * residual
+    values = torch.where((codes < 0)[:, None], reference_values, values)  # too few cells: denoised
+    n_clipped = int((values if present is None else values[:, present]).lt(0).sum())
+    return mu, values.clamp_min(0.0), n_clipped
