@@ -25,8 +25,9 @@ from batchfix.module import BatchfixModel, load_trained
 NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a run folder: use the command line",
                    "evaluate": "score with batchfix.metrics or `python -m batchfix evaluate`",
                    "overwrite": "the Python API writes no run folder",
-                   "stream": "an in-memory AnnData is trained from memory; files too large for it stream with the "
-                             "command line (data.stream)",
+                   **dict.fromkeys(("stream", "stream_above_gb", "chunk_cells", "hvg_max_cells"),
+                                   "an in-memory AnnData is trained from memory; files too large for it stream "
+                                   "with the command line (data.stream)"),
                    "max_cells": "the Python API does not evaluate: score with batchfix.metrics"}
 _CORRECTION = CorrectionSettings()
 

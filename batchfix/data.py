@@ -34,6 +34,7 @@ class DiskCells:
     element: str  # "X" or "layers/<name>"
     rows: np.ndarray  # (cells,) the file rows of the cells trained on (non-empty ones), ascending
     columns: np.ndarray  # (modelled genes,) the file columns of the modelled genes, in genomic order
+    chunk_cells: int = 16384  # cells held at a time (data.chunk_cells)
 
 
 @dataclass
@@ -201,6 +202,20 @@ class StreamedCells(IterableDataset):
             yield kept[i % len(kept)]
 
 
+def in_order(prepared: PreparedData, batch_size: int) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
+    """Every prepared cell once, in order, as (values (B, G), batch codes (B,)): from memory, or streamed
+    from disk a chunk at a time."""
+    if prepared.disk is None:
+        for start in range(0, prepared.n_cells, batch_size):
+            stop = start + batch_size
+            yield torch.from_numpy(prepared.counts[start:stop].toarray()), prepared.batch_index[start:stop]
+        return
+    streamed = StreamedCells(prepared.disk, np.arange(prepared.n_cells), prepared.batch_index, batch_size,
+                             prepared.disk.chunk_cells, shuffle=False)
+    for values, codes in streamed:
+        yield values, codes.numpy()
+
+
 def dense_batch(counts: sp.csr_matrix, codes: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(counts.toarray()), torch.from_numpy(codes)  # (B, G), (B,)
 
@@ -222,7 +237,10 @@ class CellDataModule(pl.LightningDataModule):
         if n_validation >= n_cells:
             raise ConfigError(f"fit.validation_fraction={validation_fraction:g} holds out all {n_cells} cells: "
                               "none are left to train on.")
-        n_validation = min(n_validation, max_validation_cells or n_validation)
+        if max_validation_cells is not None and n_validation > max_validation_cells:
+            log.info("Validating on %d of the %d held-out cells (fit.max_validation_cells); the rest are not "
+                     "are trained on.", max_validation_cells, n_validation)
+            n_validation = max_validation_cells
         self.validation_rows = np.sort(permutation[:n_validation])
         self.train_rows = np.sort(permutation[n_validation:])
 

@@ -264,6 +264,7 @@ def plot_umaps(
     labels: Sequence | None,
     out_png,
     seed: int = 0,
+    image_format: str | None = None,
 ) -> None:
     """One PNG: a row per embedding (UMAP of its 15-NN graph), coloured by batch and by label."""
     columns = [("batch", np.asarray(batch).astype(str))]
@@ -276,7 +277,7 @@ def plot_umaps(
         for col, (what, values) in enumerate(columns):
             _scatter_categories(axes[row, col], coords, values, legend=row == 0)
             axes[row, col].set_title(f"{name} — {what}", fontsize=10)
-    fig.savefig(out_png, dpi=110)
+    fig.savefig(out_png, dpi=110, format=image_format)
 
 
 def umap_coordinates(embedding: np.ndarray, seed: int = 0) -> np.ndarray:

@@ -161,7 +161,7 @@ def prepare_streamed(path: str, data: DataConfig) -> PreparedData:
     with h5py.File(source, "r") as f:
         ondisk.check_anndata_file(f, source)
         elem = ondisk.matrix_element(f, data.counts_layer, "data.counts_layer")
-        reader = ondisk.open_rows(elem)
+        reader, element = ondisk.open_rows(elem), elem.name
         batch = read_obs_column(f, data.batch_key, "Batch", "data.batch_key")
         if data.label_key:
             read_obs_column(f, data.label_key, "Label", "data.label_key", "; data.label_key=null trains without labels")
@@ -188,7 +188,7 @@ def prepare_streamed(path: str, data: DataConfig) -> PreparedData:
         coordinates=coordinates,
         gene_mean=gene_mean,
         gene_std=gene_std,
-        disk=DiskCells(str(Path(source)), elem.name, rows, file_columns),
+        disk=DiskCells(str(Path(source)), element, rows, file_columns, data.chunk_cells),
     )
 
 

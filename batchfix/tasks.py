@@ -70,7 +70,8 @@ def write_outputs(cfg: TrainConfig, result: training.FitResult, prepared: Prepar
         from batchfix.evaluate import evaluate_file
 
         metrics["evaluation"] = evaluate_file(corrected_path, cfg.data.batch_key, cfg.data.label_key, run_dir,
-                                              counts_layer=cfg.data.counts_layer, key_added=cfg.correction.key_added)
+                                              counts_layer=cfg.data.counts_layer, key_added=cfg.correction.key_added,
+                                              max_cells=cfg.evaluation.max_cells)
     return metrics
 
 
@@ -152,7 +153,8 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path) -> dict:
     from batchfix.evaluate import evaluate_file
 
     return evaluate_file(training.input_path(cfg.input), cfg.data.batch_key, cfg.data.label_key, out_dir,
-                         counts_layer=cfg.data.counts_layer, key_added=cfg.key_added)
+                         counts_layer=cfg.data.counts_layer, key_added=cfg.key_added,
+                         max_cells=cfg.evaluation.max_cells)
 
 
 def headline(metrics: dict) -> float | None:

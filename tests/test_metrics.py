@@ -196,3 +196,57 @@ def test_evaluate_corrected_without_labels_scores_batch_mixing_only(corrected_fi
     out = tmp_path / "umap.png"
     metrics.plot_umaps({"latent": adata.obsm["X_batchfix"]}, adata.obs["batch"], None, out)
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_evaluate_file_scores_a_stratified_subsample_of_a_large_file(corrected_file, tmp_path):
+    """Above evaluation.max_cells only a subsample is read and scored, each batch x label keeping its share."""
+    before = hashlib.sha256(corrected_file.read_bytes()).hexdigest()
+    full = ad.read_h5ad(corrected_file)
+    result = evaluate_file(corrected_file, "batch", "cell_type", tmp_path / "eval", max_cells=120)
+    assert hashlib.sha256(corrected_file.read_bytes()).hexdigest() == before
+    assert result["n_cells"] == 120
+    assert result["subsample"] == {"n_cells": 120, "of_cells": N_CELLS, "max_cells": 120,
+                                   "stratified_by": ["batch", "cell_type"], "seed": 0}
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text()) == result
+    markdown = (tmp_path / "eval" / "metrics.md").read_text()
+    assert f"subsample of 120 of {N_CELLS} cells (evaluation.max_cells=120), stratified by batch x cell_type" \
+        in markdown
+    assert (tmp_path / "eval" / "umap.png").read_bytes().startswith(b"\x89PNG")
+    for name in (metrics.LATENT, metrics.CORRECTED):  # still scores, and still better than uncorrected
+        assert result["scores"][name]["Batch correction"] > result["scores"][metrics.UNINTEGRATED]["Batch correction"]
+
+
+def test_subsample_read_from_disk_matches_the_file(corrected_file):
+    """The cells read row by row from disk are those of the file, every stratum represented in proportion."""
+    from batchfix.evaluate import read_for_scoring
+    from batchfix.subsample import stratified_rows
+
+    full = ad.read_h5ad(corrected_file)
+    adata, info = read_for_scoring(corrected_file, "batch", "cell_type", 100, OutputKeys("batchfix"), None)
+    rows = stratified_rows([full.obs["batch"].astype(str).to_numpy(), full.obs["cell_type"].astype(str).to_numpy()],
+                           100)
+    assert adata.n_obs == 100 and info["n_cells"] == 100
+    assert list(adata.obs_names) == list(full.obs_names[rows])
+    np.testing.assert_array_equal(np.asarray(adata.X.todense() if hasattr(adata.X, "todense") else adata.X),
+                                  np.asarray(full.X[rows].todense() if hasattr(full.X, "todense") else full.X[rows]))
+    np.testing.assert_array_equal(adata.layers["batchfix"], full.layers["batchfix"][rows])
+    np.testing.assert_array_equal(adata.obsm["X_batchfix"], full.obsm["X_batchfix"][rows])
+    strata = full.obs.groupby(["batch", "cell_type"], observed=True).size()
+    kept = adata.obs.groupby(["batch", "cell_type"], observed=True).size()
+    assert set(kept.index) == set(strata.index)  # no batch x label lost
+    assert np.all(np.abs(kept[strata.index] - strata * 100 / N_CELLS) <= 1)
+    whole, none = read_for_scoring(corrected_file, "batch", "cell_type", N_CELLS, OutputKeys("batchfix"), None)
+    assert none is None and whole.n_obs == N_CELLS
+
+
+def test_subsample_allocation_keeps_small_strata():
+    from batchfix.subsample import allocate, stratified_rows
+
+    sizes = np.array([1000, 10, 1, 0])
+    quota = allocate(sizes, 101)
+    assert quota.sum() == 101 and quota[2] == 1 and quota[3] == 0 and quota[1] >= 1
+    batch = np.repeat(["a", "b", "c"], [500, 30, 2])
+    rows = stratified_rows([batch], 50)
+    assert len(rows) == 50 and np.all(np.diff(rows) > 0) and set(batch[rows]) == {"a", "b", "c"}
+    np.testing.assert_array_equal(rows, stratified_rows([batch], 50))  # the same subsample every run
+    np.testing.assert_array_equal(stratified_rows([batch], 600), np.arange(532))
