@@ -234,7 +234,8 @@ def test_subsample_read_from_disk_matches_the_file(corrected_file):
     strata = full.obs.groupby(["batch", "cell_type"], observed=True).size()
     kept = adata.obs.groupby(["batch", "cell_type"], observed=True).size()
     assert set(kept.index) == set(strata.index)  # no batch x label lost
-    assert np.all(np.abs(kept[strata.index] - strata * 100 / N_CELLS) <= 1)
+    # proportional shares, give or take the one cell every stratum is guaranteed
+    assert np.all(np.abs(kept[strata.index] - strata * 100 / N_CELLS) < 2)
     whole, none = read_for_scoring(corrected_file, "batch", "cell_type", N_CELLS, OutputKeys("batchfix"), None)
     assert none is None and whole.n_obs == N_CELLS
 
