@@ -7,8 +7,10 @@ persistent compilation cache and numba's cache at one user cache directory:
     $BATCHFIX_CACHE_DIR, else $XDG_CACHE_HOME/batchfix, else ~/.cache/batchfix
 
 (`BATCHFIX_CACHE_DIR=off` turns both caches off). numba only caches functions compiled with
-`cache=True`; umap-learn's layout optimisers are not, so `enable()` also turns caching on for those
-module-level dispatchers (caching changes where compiled code comes from, never what it computes).
+`cache=True`; umap-learn's layout optimiser and much of pynndescent (the nearest neighbours of
+scib-metrics) are not, so `enable()` also turns caching on for those modules' module-level functions
+(caching changes where compiled code comes from, never what it computes; numba keys it on the
+source file and the argument types).
 A cache that cannot be written is skipped with a log line: evaluation does not depend on it.
 """
 from __future__ import annotations
@@ -21,12 +23,10 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "BATCHFIX_CACHE_DIR"
 OFF = ("off", "none", "0", "false")
-# umap-learn dispatchers that are compiled on every run unless their caching is turned on.
-UMAP_DISPATCHERS = {
-    "umap.layouts": ("_nb_optimize_layout_euclidean_single_epoch",
-                     "_nb_optimize_layout_euclidean_single_epoch_parallel", "rdist", "clip"),
-    "umap.umap_": ("smooth_knn_dist", "compute_membership_strengths"),
-}
+# Modules whose module-level numba functions are compiled on every run unless their caching is turned on:
+# umap-learn's layout optimiser and pynndescent's nearest-neighbour descent (scib-metrics' neighbours).
+NUMBA_MODULES = ("umap.layouts", "umap.umap_", "pynndescent.pynndescent_", "pynndescent.utils",
+                 "pynndescent.rp_trees", "pynndescent.graph_utils", "pynndescent.distances")
 
 _enabled: Path | None = None
 
@@ -75,18 +75,21 @@ def enable_jax(directory: Path) -> None:
 
 def enable_numba(directory: Path) -> None:
     import importlib
+    import warnings
 
     from numba.core import config
+    from numba.core.dispatcher import Dispatcher
+    from numba.core.errors import NumbaWarning
 
     os.environ.setdefault("NUMBA_CACHE_DIR", str(directory))
     config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]  # numba read its environment when it was imported
-    for module_name, names in UMAP_DISPATCHERS.items():
+    for module_name in NUMBA_MODULES:
         try:
             module = importlib.import_module(module_name)
-        except ImportError:  # pragma: no cover - scanpy's UMAP brings umap-learn
+        except ImportError:  # pragma: no cover - scanpy's UMAP and scib-metrics bring them
             continue
-        for name in names:
-            dispatcher = getattr(module, name, None)
-            if dispatcher is not None and hasattr(dispatcher, "enable_caching") and dispatcher._cache is not None \
-                    and type(dispatcher._cache).__name__ == "NullCache":
-                dispatcher.enable_caching()
+        for value in list(vars(module).values()):
+            if isinstance(value, Dispatcher) and type(value._cache).__name__ == "NullCache":
+                value.enable_caching()
+    # A function numba cannot cache (one that takes functions as arguments) is compiled as before; say nothing.
+    warnings.filterwarnings("ignore", message=r"Cannot cache compiled function", category=NumbaWarning)

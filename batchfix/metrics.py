@@ -284,9 +284,27 @@ def umap_coordinates(embedding: np.ndarray, seed: int = 0) -> np.ndarray:
     """2-D UMAP (scanpy) of an embedding, on its 15-nearest-neighbour graph."""
     tmp = ad.AnnData(obsm={"X_emb": np.asarray(embedding, dtype=np.float32)},
                      obs=pd.DataFrame(index=np.arange(len(embedding)).astype(str)))
-    sc.pp.neighbors(tmp, use_rep="X_emb", n_neighbors=15, random_state=seed)
+    # scanpy switches to pynndescent from 8192 cells; its transformer now returns a scipy sparse array,
+    # which scanpy 1.11 cannot read (no getnnz): the same transformer, returning a sparse matrix.
+    transformer = approximate_neighbors(len(embedding), 15, seed) if len(embedding) >= 8192 else None
+    sc.pp.neighbors(tmp, use_rep="X_emb", n_neighbors=15, random_state=seed, transformer=transformer)
     sc.tl.umap(tmp, random_state=seed)
     return tmp.obsm["X_umap"]
+
+
+def approximate_neighbors(n_cells: int, n_neighbors: int, seed: int):
+    """scanpy's default pynndescent transformer for n_cells (UMAP's n_trees and n_iters), giving a CSR matrix."""
+    from pynndescent import PyNNDescentTransformer
+
+    class MatrixOutput(PyNNDescentTransformer):
+        def fit_transform(self, X, y=None, **kwargs):
+            return sp.csr_matrix(super().fit_transform(X, y, **kwargs))
+
+        def transform(self, X, y=None):
+            return sp.csr_matrix(super().transform(X, y))
+
+    return MatrixOutput(n_neighbors=n_neighbors, metric="euclidean", random_state=seed, n_jobs=None,
+                        n_trees=min(64, 5 + round(n_cells**0.5 / 20.0)), n_iters=max(5, round(np.log2(n_cells))))
 
 
 def _scatter_categories(ax, coords: np.ndarray, values: np.ndarray, legend: bool) -> None:

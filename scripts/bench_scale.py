@@ -187,6 +187,8 @@ from pytorch_lightning.callbacks import Callback
 from batchfix.select import highly_variable_genes
 scvi.settings.num_threads = threads
 adata = ad.read_h5ad(path)
+import scipy.sparse as sp
+adata.X = sp.csr_matrix(adata.X, dtype=np.float32)
 genes = highly_variable_genes(adata.X, adata.obs["batch"].astype(str).to_numpy(), 2000, "counts")
 adata = adata[:, np.asarray(genes)].copy()
 try:
