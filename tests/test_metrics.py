@@ -251,3 +251,18 @@ def test_subsample_allocation_keeps_small_strata():
     assert len(rows) == 50 and np.all(np.diff(rows) > 0) and set(batch[rows]) == {"a", "b", "c"}
     np.testing.assert_array_equal(rows, stratified_rows([batch], 50))  # the same subsample every run
     np.testing.assert_array_equal(stratified_rows([batch], 600), np.arange(532))
+
+
+@pytest.mark.slow
+def test_umap_of_8192_cells_or_more(log_expr):
+    """From 8,192 cells scanpy's neighbours go through pynndescent (whose sparse-array output scanpy 1.11
+    cannot read on its own): the UMAP still comes out, and close cells stay close."""
+    pcs = metrics.pca_embedding(log_expr, n_comps=10)
+    rng = np.random.default_rng(0)
+    source = rng.integers(0, len(pcs), size=8300)
+    embedding = pcs[source] + rng.normal(scale=0.01, size=(8300, pcs.shape[1])).astype(np.float32)
+    coords = metrics.umap_coordinates(embedding)
+    assert coords.shape == (8300, 2) and np.isfinite(coords).all()
+    twins = np.flatnonzero(source == source[0])[1:]  # resampled copies of the first cell
+    spread = np.linalg.norm(coords - coords.mean(axis=0), axis=1).mean()
+    assert np.linalg.norm(coords[twins] - coords[0], axis=1).mean() < 0.2 * spread
