@@ -28,7 +28,8 @@ NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a 
                    **dict.fromkeys(("stream", "stream_above_gb", "chunk_cells", "hvg_max_cells"),
                                    "an in-memory AnnData is trained from memory; files too large for it stream "
                                    "with the command line (data.stream)"),
-                   "max_cells": "the Python API does not evaluate: score with batchfix.metrics"}
+                   **dict.fromkeys(("max_cells", "neighbors"),
+                                   "the Python API does not evaluate: score with batchfix.metrics")}
 _CORRECTION = CorrectionSettings()
 
 

@@ -33,6 +33,7 @@ def evaluate_file(
     counts_layer: str | None = None,
     key_added: str = CorrectionOptions.key_added,
     max_cells: int = EvaluationOptions.max_cells,
+    neighbors: str = EvaluationOptions.neighbors,
 ) -> dict:
     """Score a corrected file (never modified) and write metrics.json, metrics.md, umap.png.
 
@@ -42,7 +43,8 @@ def evaluate_file(
     on the same genes, within each batch (`batchfix.metrics.gene_level_scores`). Returns the
     metrics dict written to metrics.json.
 
-    A file of more than `max_cells` cells is scored (every score and the UMAP) on a subsample of
+    `neighbors`: "approximate" (pynndescent, scib-metrics' default) or "exact" neighbour graphs for the
+    scores (batchfix.metrics.NEIGHBOR_METHODS). A file of more than `max_cells` cells is scored (every score and the UMAP) on a subsample of
     `max_cells` cells stratified by batch x label (by batch without labels), read from disk without
     loading the rest; the result's `subsample` says so. JAX and numba compile into a user cache
     directory (batchfix.caches), so a second evaluation does not compile again.
@@ -54,8 +56,10 @@ def evaluate_file(
     metrics.check_obs_keys(adata.obs, batch_key, label_key)
     embeddings, info = metrics.evaluation_embeddings(adata, OutputKeys(key_added), counts_layer)
     table, result = metrics.score_evaluation(
-        adata.obs, embeddings, {"input": str(input_path), **info}, batch_key, label_key
+        adata.obs, embeddings, {"input": str(input_path), **info}, batch_key, label_key, neighbors
     )
+    if neighbors != EvaluationOptions.neighbors:
+        result["neighbors"] = neighbors
     result["gene_fidelity"] = metrics.gene_level_scores(adata, OutputKeys(key_added), batch_key, label_key,
                                                         counts_layer)
     if subsample is not None:

@@ -71,7 +71,8 @@ def write_outputs(cfg: TrainConfig, result: training.FitResult, prepared: Prepar
 
         metrics["evaluation"] = evaluate_file(corrected_path, cfg.data.batch_key, cfg.data.label_key, run_dir,
                                               counts_layer=cfg.data.counts_layer, key_added=cfg.correction.key_added,
-                                              max_cells=cfg.evaluation.max_cells)
+                                              max_cells=cfg.evaluation.max_cells,
+                                              neighbors=cfg.evaluation.neighbors)
     return metrics
 
 
@@ -154,7 +155,7 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path) -> dict:
 
     return evaluate_file(training.input_path(cfg.input), cfg.data.batch_key, cfg.data.label_key, out_dir,
                          counts_layer=cfg.data.counts_layer, key_added=cfg.key_added,
-                         max_cells=cfg.evaluation.max_cells)
+                         max_cells=cfg.evaluation.max_cells, neighbors=cfg.evaluation.neighbors)
 
 
 def headline(metrics: dict) -> float | None:
