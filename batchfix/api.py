@@ -24,7 +24,12 @@ from batchfix.module import BatchfixModel, load_trained
 # Options of the command line that have no meaning for an in-memory AnnData.
 NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a run folder: use the command line",
                    "evaluate": "score with batchfix.metrics or `python -m batchfix evaluate`",
-                   "overwrite": "the Python API writes no run folder"}
+                   "overwrite": "the Python API writes no run folder",
+                   **dict.fromkeys(("stream", "stream_above_gb", "chunk_cells", "hvg_max_cells"),
+                                   "an in-memory AnnData is trained from memory; files too large for it stream "
+                                   "with the command line (data.stream)"),
+                   **dict.fromkeys(("max_cells", "neighbors"),
+                                   "the Python API does not evaluate: score with batchfix.metrics")}
 _CORRECTION = CorrectionSettings()
 
 

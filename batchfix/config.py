@@ -26,7 +26,9 @@ POSITION_ENCODINGS = ("real", "shuffled", "none", "learned")
 TOKEN_IDENTITIES = ("learned", "coordinates")
 LIKELIHOODS = ("nb", "gaussian")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
+STREAM_CHOICES = ("auto", "true", "false")
 OUTPUT_MODES = ("counterfactual", "denoised")
+NEIGHBOR_METHODS = ("approximate", "exact")  # how batchfix.metrics finds the scores' neighbour graphs
 
 
 def one_of(option: str, value, choices) -> None:
@@ -74,6 +76,12 @@ class DataConfig(DataKeys):
     genome: str = "GRCh38"  # GRCh38 | mm10: the bundled coordinate table for genes var does not place
     gtf: Optional[str] = None  # a GTF file to place genes instead of the bundled table
     unplaced: str = "keep"  # keep (a trailing 'unplaced' group) | drop genes with no coordinates
+    # Training minibatches read from the file on disk instead of memory: true | false | auto (streamed when
+    # the counts matrix, uncompressed, is larger than stream_above_gb: in memory it is held several times).
+    stream: str = "auto"
+    stream_above_gb: float = 2.0
+    chunk_cells: int = 16384  # streaming: cells held at a time, read as 16 blocks from random places of the file
+    hvg_max_cells: int = 20000  # streaming: HVGs are ranked on a subsample of this many cells, stratified by batch
 
     def __post_init__(self):
         super().__post_init__()
@@ -84,6 +92,11 @@ class DataConfig(DataKeys):
         one_of("data.unplaced", self.unplaced, UNPLACED_CHOICES)
         if self.n_top_genes is not None:
             at_least("data.n_top_genes", self.n_top_genes, 1, " (or null for all genes)")
+        self.stream = str(self.stream).lower()  # Hydra reads data.stream=true as a boolean
+        one_of("data.stream", self.stream, STREAM_CHOICES)
+        at_least("data.stream_above_gb", self.stream_above_gb, 0.0)
+        at_least("data.chunk_cells", self.chunk_cells, 16, " (16 blocks of at least one cell)")
+        at_least("data.hvg_max_cells", self.hvg_max_cells, 100)
 
 
 @dataclass
@@ -152,7 +165,8 @@ class FitConfig:
     learning_rate: float = 2e-3  # AdamW peak rate; cosine decay to 0.1x over the planned steps
     weight_decay: float = 1e-4  # AdamW decay of weight matrices (biases and LayerNorm are not decayed)
     kl_warmup_fraction: float = 0.3  # share of the planned steps over which the KL weight ramps 0 -> 1
-    validation_fraction: float = 0.1  # held-out cells for early stopping (none below 50 cells)
+    validation_fraction: float = 0.1  # held-out cells for early stopping (none below 50 cells) ...
+    max_validation_cells: int = 10000  # ... but at most this many (a validation pass per epoch costs their forward)
     early_stopping_patience: int = 10  # epochs without a better validation ELBO; 0 = off
     target_steps: int = 500  # with trainer.max_epochs=null: epochs = ceil(target_steps / steps per epoch) ...
     min_auto_epochs: int = 5  # ... but at least this many ...
@@ -165,6 +179,7 @@ class FitConfig:
         at_least("fit.weight_decay", self.weight_decay, 0.0)
         within("fit.kl_warmup_fraction", self.kl_warmup_fraction, 0.0, 1.0)
         within("fit.validation_fraction", self.validation_fraction, 0.0, 1.0, high_open=True)
+        at_least("fit.max_validation_cells", self.max_validation_cells, 1)
         at_least("fit.early_stopping_patience", self.early_stopping_patience, 0, " (0 = off)")
         at_least("fit.target_steps", self.target_steps, 1)
         at_least("fit.min_auto_epochs", self.min_auto_epochs, 1)
@@ -203,6 +218,21 @@ class TrainerConfig:
         ):
             raise ConfigError(f"trainer.devices must be a positive count, -1 (all), a list of device indices or "
                               f"'auto', got {devices!r}.")
+
+
+@dataclass
+class EvaluationOptions:
+    """How a corrected file is scored (`evaluation.*` of train and evaluate)."""
+
+    # Larger files are scored (scIB metrics and UMAP) on a subsample of this many cells, stratified by batch x label.
+    max_cells: int = 20000
+    # Neighbour graphs of the scores: approximate (pynndescent, compiled again by every run: 20-45 s) | exact
+    # (brute force: fast up to tens of thousands of cells; kBET can differ by a few hundredths).
+    neighbors: str = "approximate"
+
+    def __post_init__(self):
+        at_least("evaluation.max_cells", self.max_cells, 100)
+        one_of("evaluation.neighbors", self.neighbors, NEIGHBOR_METHODS)
 
 
 @dataclass
@@ -264,6 +294,7 @@ class TrainConfig:
     fit: FitConfig = field(default_factory=FitConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     correction: CorrectionOptions = field(default_factory=CorrectionOptions)
+    evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
     seed: int = 0  # 0 .. 2**32 - 1 (what numpy accepts)
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
     resume: Optional[str] = None  # a previous run folder: continue from its checkpoints/last.ckpt
@@ -311,6 +342,7 @@ class EvaluateConfig:
     input: Optional[str] = None  # a corrected .h5ad; null = the bundled dataset
     data: DataKeys = field(default_factory=DataKeys)  # counts_layer: the uncorrected counts to compare with
     key_added: str = CorrectionOptions.key_added  # the key the correction was written under
+    evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
 
     def __post_init__(self):
         non_empty("input", self.input)

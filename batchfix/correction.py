@@ -54,6 +54,7 @@ import torch
 from tqdm.auto import tqdm
 
 import batchfix
+from batchfix.attention import fused_attention
 from batchfix import counterfactual, ondisk, signals
 from batchfix.config import CorrectionSettings
 from batchfix.errors import InputError
@@ -170,6 +171,10 @@ class Corrector:
         """Before correcting: estimate the unseen batches' location and spread (one pass over their cells)."""
         if self.settings.output_mode != "counterfactual":
             return
+        with fused_attention(self.net):
+            self.estimate_unseen(rows, n_obs)
+
+    def estimate_unseen(self, rows, n_obs: int) -> None:
         n_training = self.batches.n_training
         sums = [counterfactual.ResidualSums(len(self.trained.genes)) for _ in self.batches.unseen]
         for start in range(0, n_obs if sums else 0, self.settings.chunk_size):
@@ -201,6 +206,10 @@ class Corrector:
 
     @torch.inference_mode()
     def __call__(self, chunk, first_cell: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        with fused_attention(self.net):
+            return self.corrected(chunk, first_cell)
+
+    def corrected(self, chunk, first_cell: int) -> tuple[np.ndarray, np.ndarray]:
         x = self.model_input(chunk, first_cell)
         latent = np.empty((x.shape[0], self.latent_dim), dtype=np.float32)
         values = np.empty((x.shape[0], self.n_out), dtype=np.float32)

@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from batchfix.data import PreparedData
+from batchfix.data import PreparedData, in_order
 from batchfix.errors import CheckpointError
 from batchfix.model import BatchfixNet
 
@@ -88,10 +88,7 @@ def calibrate(net: BatchfixNet, prepared: PreparedData) -> None:
     sums = [ResidualSums(net.n_genes) for _ in range(n_batches)]
     was_training = net.training
     net.eval()
-    for start in range(0, prepared.counts.shape[0], CALIBRATION_BATCH_SIZE):
-        stop = start + CALIBRATION_BATCH_SIZE
-        x = torch.from_numpy(prepared.counts[start:stop].toarray())  # (B, G)
-        codes = prepared.batch_index[start:stop]
+    for x, codes in in_order(prepared, CALIBRATION_BATCH_SIZE):  # (B, G), (B,)
         r = residual(net, x, torch.from_numpy(codes)).numpy()
         for b in np.unique(codes):
             sums[b].add(r[codes == b])

@@ -2,12 +2,27 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 from pathlib import Path
 
-from batchfix import metrics
-from batchfix.config import CorrectionOptions
-from batchfix.io import OutputKeys, read_h5ad
+import anndata as ad
+import h5py
+import numpy as np
+
+try:  # anndata >= 0.11
+    from anndata.io import read_elem
+except ImportError:  # pragma: no cover - older anndata
+    from anndata.experimental import read_elem
+
+from batchfix import caches, metrics, ondisk
+from batchfix.config import CorrectionOptions, EvaluationOptions
+from batchfix.errors import InputError
+from batchfix.io import OutputKeys, atomic_output, check_h5ad_path, obs_strings, read_h5ad
 from batchfix.runfolder import METRICS_JSON, METRICS_MD, UMAP_PNG
+from batchfix.subsample import SEED, stratified_rows
+
+log = logging.getLogger(__name__)
 
 
 def evaluate_file(
@@ -17,6 +32,8 @@ def evaluate_file(
     out_dir,
     counts_layer: str | None = None,
     key_added: str = CorrectionOptions.key_added,
+    max_cells: int = EvaluationOptions.max_cells,
+    neighbors: str = EvaluationOptions.neighbors,
 ) -> dict:
     """Score a corrected file (never modified) and write metrics.json, metrics.md, umap.png.
 
@@ -25,23 +42,106 @@ def evaluate_file(
     Scored gene by gene (`gene_fidelity` in the result): `layers[key_added]` against the raw counts
     on the same genes, within each batch (`batchfix.metrics.gene_level_scores`). Returns the
     metrics dict written to metrics.json.
+
+    `neighbors`: "approximate" (pynndescent, scib-metrics' default) or "exact" neighbour graphs for the
+    scores (batchfix.metrics.NEIGHBOR_METHODS). A file of more than `max_cells` cells is scored (every score and the UMAP) on a subsample of
+    `max_cells` cells stratified by batch x label (by batch without labels), read from disk without
+    loading the rest; the result's `subsample` says so. JAX and numba compile into a user cache
+    directory (batchfix.caches), so a second evaluation does not compile again.
     """
-    adata = read_h5ad(input_path)
+    started = time.perf_counter()
+    caches.enable()
+    adata, subsample = read_for_scoring(input_path, batch_key, label_key, max_cells, OutputKeys(key_added),
+                                        counts_layer)
     metrics.check_obs_keys(adata.obs, batch_key, label_key)
     embeddings, info = metrics.evaluation_embeddings(adata, OutputKeys(key_added), counts_layer)
     table, result = metrics.score_evaluation(
-        adata.obs, embeddings, {"input": str(input_path), **info}, batch_key, label_key
+        adata.obs, embeddings, {"input": str(input_path), **info}, batch_key, label_key, neighbors
     )
+    if neighbors != EvaluationOptions.neighbors:
+        result["neighbors"] = neighbors
     result["gene_fidelity"] = metrics.gene_level_scores(adata, OutputKeys(key_added), batch_key, label_key,
                                                         counts_layer)
+    if subsample is not None:
+        result["subsample"] = subsample
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / METRICS_JSON).write_text(json.dumps(result, indent=2) + "\n")
-    (out_dir / METRICS_MD).write_text(_markdown_report(table, result))
     labels = adata.obs[label_key] if label_key else None
-    metrics.plot_umaps(embeddings, adata.obs[batch_key], labels, out_dir / UMAP_PNG)
+    with atomic_output(out_dir / UMAP_PNG, overwrite=True) as tmp:
+        metrics.plot_umaps(embeddings, adata.obs[batch_key], labels, tmp, image_format="png")
+    result["evaluation_seconds"] = round(time.perf_counter() - started, 2)
+    with atomic_output(out_dir / METRICS_MD, overwrite=True) as tmp:
+        tmp.write_text(_markdown_report(table, result))
+    with atomic_output(out_dir / METRICS_JSON, overwrite=True) as tmp:
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def read_for_scoring(input_path, batch_key: str, label_key: str | None, max_cells: int, keys: OutputKeys,
+                     counts_layer: str | None) -> tuple[ad.AnnData, dict | None]:
+    """The corrected file whole (no more than max_cells cells), else a stratified subsample of its cells
+    with only what scoring reads (obs, var, the counts, the corrected layer and the latent), and a
+    description of the subsample (None when every cell is scored)."""
+    path = check_h5ad_path(input_path)
+    try:
+        with h5py.File(path, "r") as f:
+            ondisk.check_anndata_file(f, path)
+            n_obs = ondisk.n_obs_of(f)
+            if n_obs <= max_cells:
+                rows = None
+            else:
+                strata = [stratum_column(f, key) for key in (batch_key, label_key) if key]
+                rows = stratified_rows([s for s in strata if s is not None], max_cells) \
+                    if all(s is not None for s in strata) else None
+            if rows is not None:
+                adata = read_rows(f, rows, keys, counts_layer)
+    except OSError as err:
+        raise InputError(f"Cannot read {path} as AnnData: {type(err).__name__}: {err}") from err
+    if rows is None:
+        return read_h5ad(path), None
+    by = [key for key in (batch_key, label_key) if key]
+    log.info("Scoring %d of %d cells (evaluation.max_cells=%d), stratified by %s.", len(rows), n_obs, max_cells,
+             " x ".join(by))
+    return adata, {"n_cells": len(rows), "of_cells": n_obs, "max_cells": max_cells, "stratified_by": by,
+                   "seed": SEED}
+
+
+def stratum_column(f: h5py.File, key: str):
+    """obs[key] as strings, or None when it is missing (the scoring then reports it)."""
+    column = ondisk.read_obs_column(f, key)
+    return None if column is None else obs_strings(column, key)
+
+
+def read_rows(f: h5py.File, rows: np.ndarray, keys: OutputKeys, counts_layer: str | None) -> ad.AnnData:
+    """The cells `rows` (ascending) of an open .h5ad: obs, var, the counts (X or counts_layer), the corrected
+    layer and the latent; a missing layer or latent is named with what the file has."""
+    layers = list(f["layers"].keys()) if "layers" in f else []
+    obsm = list(f["obsm"].keys()) if "obsm" in f else []
+    for what, key, where in (("corrected layer", keys.layer, layers), ("counts layer", counts_layer, layers),
+                             ("latent obsm key", keys.latent, obsm)):
+        if key is not None and key not in where:
+            raise InputError(f"The {what} {key!r} is missing; the file has: {sorted(where)}. "
+                             "Was it corrected under another key_added?")
+    obs = read_elem(f["obs"]).iloc[rows]
+    var = read_elem(f["var"])
+    x = ondisk.open_rows(ondisk.matrix_element(f, counts_layer)).take(rows)
+    adata = ad.AnnData(X=None, obs=obs, var=var)
+    adata.layers[keys.layer] = ondisk.open_rows(f["layers"][keys.layer]).take(rows)
+    if counts_layer is None:
+        adata.X = x
+    else:
+        adata.layers[counts_layer] = x
+    adata.obsm[keys.latent] = np.asarray(ondisk.open_rows(f["obsm"][keys.latent]).take(rows))
+    return adata
+
+
+def subsample_lines(subsample: dict | None) -> list[str]:
+    if not subsample:
+        return []
+    return [f"Scored on a subsample of {subsample['n_cells']} of {subsample['of_cells']} cells "
+            f"(evaluation.max_cells={subsample['max_cells']}), stratified by "
+            f"{' x '.join(subsample['stratified_by'])} (every score, gene-level fidelity and the UMAP)."]
 
 
 def _markdown_report(table, result: dict) -> str:
@@ -50,6 +150,7 @@ def _markdown_report(table, result: dict) -> str:
         "",
         f"{result['n_cells']} cells, {result['n_genes_scored']} genes ({result['genes']}); "
         f"batch key `{result['batch_key']}`, label key `{result['label_key']}`.",
+        *subsample_lines(result.get("subsample")),
         f"Uncorrected: {result['uncorrected_source']}. scib-metrics, unscaled; "
         "Total = 0.4 batch correction + 0.6 bio conservation.",
         "",

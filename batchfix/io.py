@@ -115,11 +115,19 @@ def read_h5ad(path: str | os.PathLike) -> ad.AnnData:
 def require_obs_column(adata: ad.AnnData, key: str, what: str, option: str, hint: str = "") -> np.ndarray:
     """Return obs[key] as strings, or raise an error listing the obs columns that exist."""
     if key not in adata.obs.columns:
-        raise InputError(
-            f"{what} key '{key}' is not an obs column. Columns present: "
-            f"{list(map(str, adata.obs.columns)) or '(none)'}. Set it with {option}=<column>{hint}."
-        )
-    values = adata.obs[key]
+        raise missing_obs_column(key, list(adata.obs.columns), what, option, hint)
+    return obs_strings(adata.obs[key], key)
+
+
+def missing_obs_column(key: str, columns: list, what: str, option: str, hint: str = "") -> InputError:
+    return InputError(
+        f"{what} key '{key}' is not an obs column. Columns present: "
+        f"{list(map(str, columns)) or '(none)'}. Set it with {option}=<column>{hint}."
+    )
+
+
+def obs_strings(values: pd.Series, key: str) -> np.ndarray:
+    """An obs column as strings; missing values are refused."""
     if values.isna().any():
         raise InputError(f"obs column '{key}' has {int(values.isna().sum())} missing values.")
     return values.astype(str).to_numpy()

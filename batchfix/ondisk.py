@@ -90,11 +90,11 @@ def n_obs_of(f: h5py.File) -> int:
     return int(obs[index_key].shape[0])
 
 
-def matrix_element(f: h5py.File, layer: str | None):
+def matrix_element(f: h5py.File, layer: str | None, option: str = "counts_layer"):
     """The h5py object of X or of layers/<layer>, with errors naming what exists."""
     layers = list(f["layers"].keys()) if "layers" in f else []
     if (layer is None and "X" not in f) or (layer is not None and layer not in layers):
-        raise missing_matrix(layer, layers, "counts_layer")
+        raise missing_matrix(layer, layers, option)
     return f["X"] if layer is None else f["layers"][layer]
 
 
@@ -110,6 +110,19 @@ class DenseRows:
     def rows(self, start: int, stop: int) -> np.ndarray:
         return self.dataset[start:stop]
 
+    def take(self, rows: np.ndarray) -> np.ndarray:
+        """The rows `rows` (ascending), one read per run of consecutive rows."""
+        parts = [self.dataset[rows[a]:rows[b] + 1] for a, b in run_bounds(rows)]
+        return np.concatenate(parts) if parts else np.empty((0, self.shape[1]), dtype=self.dataset.dtype)
+
+
+def run_bounds(rows: np.ndarray) -> list[tuple[int, int]]:
+    """(first, last) positions in `rows` (ascending) of each run of consecutive rows."""
+    if len(rows) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    return list(zip(np.r_[0, breaks].tolist(), np.r_[breaks - 1, len(rows) - 1].tolist()))
+
 
 class CSRRows:
     """Row chunks of an on-disk CSR matrix: only the chunk's slice of data/indices is read."""
@@ -118,12 +131,26 @@ class CSRRows:
         self.group = group
         self.shape = tuple(int(n) for n in group.attrs["shape"])
         self.data, self.indices, self.indptr = group["data"], group["indices"], group["indptr"]
+        self._offsets = None  # the whole indptr, read by the first `take`
 
     def rows(self, start: int, stop: int) -> sp.csr_matrix:
         indptr = self.indptr[start:stop + 1].astype(np.int64)
         first, last = int(indptr[0]), int(indptr[-1])
         return sp.csr_matrix((self.data[first:last], self.indices[first:last], indptr - first),
                              shape=(stop - start, self.shape[1]))
+
+    def take(self, rows: np.ndarray) -> sp.csr_matrix:
+        """The rows `rows` (ascending): one read of data and of indices per run of consecutive rows."""
+        if self._offsets is None:
+            self._offsets = self.indptr[:].astype(np.int64)
+        starts, stops = self._offsets[rows], self._offsets[rows + 1]
+        spans = [(starts[a], stops[b]) for a, b in run_bounds(rows)]
+        data = [self.data[a:b] for a, b in spans if b > a]
+        indices = [self.indices[a:b] for a, b in spans if b > a]
+        indptr = np.concatenate([[0], np.cumsum(stops - starts)])
+        return sp.csr_matrix((np.concatenate(data) if data else np.empty(0, self.data.dtype),
+                              np.concatenate(indices) if indices else np.empty(0, self.indices.dtype), indptr),
+                             shape=(len(rows), self.shape[1]))
 
 
 class InMemoryRows:
@@ -135,6 +162,10 @@ class InMemoryRows:
 
     def rows(self, start: int, stop: int):
         chunk = self.matrix[start:stop]
+        return chunk if sp.issparse(chunk) else np.asarray(chunk)
+
+    def take(self, rows: np.ndarray):
+        chunk = self.matrix[rows]
         return chunk if sp.issparse(chunk) else np.asarray(chunk)
 
 

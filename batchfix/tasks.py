@@ -70,7 +70,9 @@ def write_outputs(cfg: TrainConfig, result: training.FitResult, prepared: Prepar
         from batchfix.evaluate import evaluate_file
 
         metrics["evaluation"] = evaluate_file(corrected_path, cfg.data.batch_key, cfg.data.label_key, run_dir,
-                                              counts_layer=cfg.data.counts_layer, key_added=cfg.correction.key_added)
+                                              counts_layer=cfg.data.counts_layer, key_added=cfg.correction.key_added,
+                                              max_cells=cfg.evaluation.max_cells,
+                                              neighbors=cfg.evaluation.neighbors)
     return metrics
 
 
@@ -78,7 +80,8 @@ def fit_metrics(result: training.FitResult, prepared: PreparedData) -> dict:
     """What the fit did: sizes, epochs, steps, precision, time and the last logged losses."""
     trainer = result.trainer
     return {
-        "n_cells": int(prepared.counts.shape[0]),
+        "n_cells": int(prepared.n_cells),
+        "streamed": prepared.disk is not None,
         "n_genes": len(prepared.genes),
         "n_tokens": result.module.windows.n_tokens,
         "epochs": int(trainer.current_epoch),
@@ -151,7 +154,8 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path) -> dict:
     from batchfix.evaluate import evaluate_file
 
     return evaluate_file(training.input_path(cfg.input), cfg.data.batch_key, cfg.data.label_key, out_dir,
-                         counts_layer=cfg.data.counts_layer, key_added=cfg.key_added)
+                         counts_layer=cfg.data.counts_layer, key_added=cfg.key_added,
+                         max_cells=cfg.evaluation.max_cells, neighbors=cfg.evaluation.neighbors)
 
 
 def headline(metrics: dict) -> float | None:

@@ -27,6 +27,7 @@ from batchfix.errors import ConfigError, InputError, Interrupted
 from batchfix.genome import chromosome_runs
 from batchfix.io import expression_input, load_expression
 from batchfix.module import BatchfixModel, BatchfixModule, load_trained
+from batchfix.streaming import prepare_streamed, use_streaming
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,14 @@ def seed_and_threads(seed: int, threads: int | None) -> None:
 
 
 def load_training_data(data: DataConfig, adata: ad.AnnData | None = None) -> PreparedData:
-    """Validated cells and modelled genes in genomic order, from `adata` or else the file data.path."""
-    if adata is None:
-        inp = load_expression(input_path(data.path), data, data.scale)
-    else:
-        inp = expression_input(adata, data, data.scale)
-    return prepare(inp, data)
+    """Validated cells and modelled genes in genomic order, from `adata` or else the file data.path
+    (read into memory, or left on disk for streaming: data.stream)."""
+    if adata is not None:
+        return prepare(expression_input(adata, data, data.scale), data)
+    path = input_path(data.path)
+    if use_streaming(data, path):
+        return prepare_streamed(path, data)
+    return prepare(load_expression(path, data, data.scale), data)
 
 
 def resolve_precision(requested: str | None, accelerator: str = "auto") -> str:
@@ -176,7 +179,8 @@ def fit(cfg: TrainConfig, prepared: PreparedData, run_dir: Path) -> FitResult:
 
     A signal stops training at the next step boundary, saves checkpoints/last.ckpt and raises Interrupted.
     """
-    datamodule = CellDataModule(prepared, cfg.fit.batch_size, cfg.fit.validation_fraction, cfg.seed)
+    datamodule = CellDataModule(prepared, cfg.fit.batch_size, cfg.fit.validation_fraction, cfg.seed,
+                                cfg.fit.max_validation_cells, cfg.data.chunk_cells)
     resume_from = resume_checkpoint(cfg.resume, prepared)
     trainer = build_trainer(cfg, run_dir, has_validation=len(datamodule.validation_rows) > 0)
     # Under DDP each process takes every world_size-th minibatch: steps per epoch shrink accordingly.
@@ -186,7 +190,7 @@ def fit(cfg: TrainConfig, prepared: PreparedData, run_dir: Path) -> FitResult:
     module = build_module(cfg, prepared, planned_steps=max_epochs * steps_per_epoch)
     log.info("Modelling %d genes as %d locus tokens of %d genes, %d cells, %d batches; %d epochs planned.",
              len(prepared.genes), module.windows.n_tokens, module.model_config.genes_per_token,
-             prepared.counts.shape[0], len(prepared.batch_categories), max_epochs)
+             prepared.n_cells, len(prepared.batch_categories), max_epochs)
     started = time.perf_counter()
     try:
         with signals.deferred():

@@ -98,6 +98,13 @@ BAD_OPTIONS = [
     ("correction.key_added=''", "correction.key_added must be a non-empty name"),
     ("fit.batch_size=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
     ("model.nope=1", "Could not override 'model.nope'"),
+    ("data.stream=sometimes", "data.stream must be one of ['auto', 'true', 'false']"),
+    ("data.stream_above_gb=-1", "data.stream_above_gb must be >= 0"),
+    ("data.chunk_cells=8", "data.chunk_cells must be >= 16"),
+    ("data.hvg_max_cells=50", "data.hvg_max_cells must be >= 100"),
+    ("fit.max_validation_cells=0", "fit.max_validation_cells must be >= 1"),
+    ("evaluation.max_cells=10", "evaluation.max_cells must be >= 100"),
+    ("evaluation.neighbors=fast", "evaluation.neighbors must be one of ['approximate', 'exact']"),
 ]
 
 
@@ -125,6 +132,11 @@ def test_bad_correct_options_are_refused_naming_the_option(override, message):
         composed("correct", ["checkpoint=x", override], CorrectConfig)
     assert isinstance(err.value, ConfigError) or type(err.value).__module__.startswith("hydra")
     assert message in f"{err.value} {err.value.__cause__}"
+
+
+def test_evaluate_refuses_a_too_small_subsample():
+    with pytest.raises(ConfigError, match=re.escape("evaluation.max_cells must be >= 100")):
+        composed("evaluate", ["evaluation.max_cells=99"], EvaluateConfig)
 
 
 def test_correct_needs_a_checkpoint():

@@ -471,3 +471,25 @@ def test_cli_writes_the_output_and_reports_errors(trained_run, rich_input, tmp_p
     with pytest.raises(FileExistsError, match="exists; pass overwrite=true"):
         tasks.correct(cfg)
     assert sha256(target) == before
+
+
+@pytest.mark.parametrize("output_mode", ["counterfactual", "denoised"])
+def test_fused_attention_of_the_correction_changes_values_by_float_noise_only(trained_run, subset, output_mode):
+    """Correction runs the attention through torch's fused kernel: the written-out guarded softmax gives the
+    same values up to float rounding, and the model's own backend is left as it was."""
+    from batchfix import correction
+    from batchfix.attention import MultiHeadSelfAttention
+
+    model = load_trained(trained_run["checkpoint"])
+    attention = [m for m in model.net.modules() if isinstance(m, MultiHeadSelfAttention)]
+    assert attention and all(m.backend == "guarded" for m in attention)
+    settings = CorrectionSettings(output_mode=output_mode)
+    batch = subset.obs["batch"].astype(str).to_numpy()
+    corrector = correction.Corrector(model, subset.var_names, settings, batch=batch, batch_key="batch")
+    corrector.prepare(ondisk.InMemoryRows(subset.X), subset.n_obs)
+    fused_latent, fused = corrector(subset.X, 0)
+    assert all(m.backend == "guarded" for m in attention)  # restored
+    with torch.inference_mode():
+        written_latent, written = corrector.corrected(subset.X, 0)  # the guarded softmax, as trained
+    np.testing.assert_allclose(fused, written, atol=1e-4)
+    np.testing.assert_allclose(fused_latent, written_latent, atol=1e-4)

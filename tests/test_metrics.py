@@ -196,3 +196,91 @@ def test_evaluate_corrected_without_labels_scores_batch_mixing_only(corrected_fi
     out = tmp_path / "umap.png"
     metrics.plot_umaps({"latent": adata.obsm["X_batchfix"]}, adata.obs["batch"], None, out)
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_evaluate_file_scores_a_stratified_subsample_of_a_large_file(corrected_file, tmp_path):
+    """Above evaluation.max_cells only a subsample is read and scored, each batch x label keeping its share."""
+    before = hashlib.sha256(corrected_file.read_bytes()).hexdigest()
+    full = ad.read_h5ad(corrected_file)
+    result = evaluate_file(corrected_file, "batch", "cell_type", tmp_path / "eval", max_cells=120, neighbors="exact")
+    assert hashlib.sha256(corrected_file.read_bytes()).hexdigest() == before
+    assert result["n_cells"] == 120
+    assert result["subsample"] == {"n_cells": 120, "of_cells": N_CELLS, "max_cells": 120,
+                                   "stratified_by": ["batch", "cell_type"], "seed": 0}
+    assert result["neighbors"] == "exact"
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text()) == result
+    markdown = (tmp_path / "eval" / "metrics.md").read_text()
+    assert f"subsample of 120 of {N_CELLS} cells (evaluation.max_cells=120), stratified by batch x cell_type" \
+        in markdown
+    assert (tmp_path / "eval" / "umap.png").read_bytes().startswith(b"\x89PNG")
+    for name in (metrics.LATENT, metrics.CORRECTED):  # still scores, and still better than uncorrected
+        assert result["scores"][name]["Batch correction"] > result["scores"][metrics.UNINTEGRATED]["Batch correction"]
+
+
+def test_subsample_read_from_disk_matches_the_file(corrected_file):
+    """The cells read row by row from disk are those of the file, every stratum represented in proportion."""
+    from batchfix.evaluate import read_for_scoring
+    from batchfix.subsample import stratified_rows
+
+    full = ad.read_h5ad(corrected_file)
+    adata, info = read_for_scoring(corrected_file, "batch", "cell_type", 100, OutputKeys("batchfix"), None)
+    rows = stratified_rows([full.obs["batch"].astype(str).to_numpy(), full.obs["cell_type"].astype(str).to_numpy()],
+                           100)
+    assert adata.n_obs == 100 and info["n_cells"] == 100
+    assert list(adata.obs_names) == list(full.obs_names[rows])
+    np.testing.assert_array_equal(np.asarray(adata.X.todense() if hasattr(adata.X, "todense") else adata.X),
+                                  np.asarray(full.X[rows].todense() if hasattr(full.X, "todense") else full.X[rows]))
+    np.testing.assert_array_equal(adata.layers["batchfix"], full.layers["batchfix"][rows])
+    np.testing.assert_array_equal(adata.obsm["X_batchfix"], full.obsm["X_batchfix"][rows])
+    strata = full.obs.groupby(["batch", "cell_type"], observed=True).size()
+    kept = adata.obs.groupby(["batch", "cell_type"], observed=True).size()
+    assert set(kept.index) == set(strata.index)  # no batch x label lost
+    # proportional shares, give or take the one cell every stratum is guaranteed
+    assert np.all(np.abs(kept[strata.index] - strata * 100 / N_CELLS) < 2)
+    whole, none = read_for_scoring(corrected_file, "batch", "cell_type", N_CELLS, OutputKeys("batchfix"), None)
+    assert none is None and whole.n_obs == N_CELLS
+
+
+def test_exact_neighbours_agree_with_approximate_ones_on_real_cells(small, embeddings):
+    """Exact neighbour graphs give pynndescent's scores, except kBET: it weighs every neighbour, and moves
+    (by 0.14 here, 0.024 on the bundled data; the README says so)."""
+    subset = {name: embeddings[name] for name in ("Unintegrated", "ComBat")}
+    exact = metrics.score_embeddings(small.obs, subset, subset["Unintegrated"], "batch", "cell_type", "exact")
+    approximate = metrics.score_embeddings(small.obs, subset, subset["Unintegrated"], "batch", "cell_type")
+    difference = (exact - approximate).abs().max()
+    aggregates = ["KBET", "Batch correction", "Total"]
+    assert difference.drop(aggregates).max() < 1e-3, difference
+    assert difference["Batch correction"] <= difference["KBET"] / 5 + 1e-3  # kBET is one of five batch metrics
+    assert exact.loc["ComBat", "Batch correction"] > exact.loc["Unintegrated", "Batch correction"]
+    with pytest.raises(ValueError, match="neighbors must be one of"):
+        metrics.score_embeddings(small.obs, subset, subset["Unintegrated"], "batch", "cell_type", "fast")
+    result = metrics.exact_neighbors(subset["ComBat"], 5)
+    assert (result.indices[:, 0] == np.arange(len(small))).mean() > 0.99 and (result.distances[:, 0] < 1e-3).all()
+
+
+def test_subsample_allocation_keeps_small_strata():
+    from batchfix.subsample import allocate, stratified_rows
+
+    sizes = np.array([1000, 10, 1, 0])
+    quota = allocate(sizes, 101)
+    assert quota.sum() == 101 and quota[2] == 1 and quota[3] == 0 and quota[1] >= 1
+    batch = np.repeat(["a", "b", "c"], [500, 30, 2])
+    rows = stratified_rows([batch], 50)
+    assert len(rows) == 50 and np.all(np.diff(rows) > 0) and set(batch[rows]) == {"a", "b", "c"}
+    np.testing.assert_array_equal(rows, stratified_rows([batch], 50))  # the same subsample every run
+    np.testing.assert_array_equal(stratified_rows([batch], 600), np.arange(532))
+
+
+@pytest.mark.slow
+def test_umap_of_8192_cells_or_more(log_expr):
+    """From 8,192 cells scanpy's neighbours go through pynndescent (whose sparse-array output scanpy 1.11
+    cannot read on its own): the UMAP still comes out, and close cells stay close."""
+    pcs = metrics.pca_embedding(log_expr, n_comps=10)
+    rng = np.random.default_rng(0)
+    source = rng.integers(0, len(pcs), size=8300)
+    embedding = pcs[source] + rng.normal(scale=0.01, size=(8300, pcs.shape[1])).astype(np.float32)
+    coords = metrics.umap_coordinates(embedding)
+    assert coords.shape == (8300, 2) and np.isfinite(coords).all()
+    twins = np.flatnonzero(source == source[0])[1:]  # resampled copies of the first cell
+    spread = np.linalg.norm(coords - coords.mean(axis=0), axis=1).mean()
+    assert np.linalg.norm(coords[twins] - coords[0], axis=1).mean() < 0.2 * spread

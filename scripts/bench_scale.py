@@ -1,0 +1,289 @@
+"""batchfix against scVI as the data grow: fit, correct and evaluate times, peak memory, and the ratio
+to scVI's default training time, all from one command.
+
+For each size N a file of N cells is made from the bundled CellBench cells by Poisson resampling: a
+new cell draws a real cell at random and takes Poisson(count) of each of its counts, so cells are not
+copies, and it keeps that cell's batch and cell line (obs 'batch' and 'cell_type'; the batch
+structure of the bundled data). The file is written chunk by chunk (CSR raw counts in X, every
+bundled gene unless --genes), so even 1,000,000 cells need little memory to make. `--bundled` adds
+the bundled 1,021 real cells as they are.
+
+Per file:
+
+- batchfix: `python -m batchfix train` with its defaults (labels: cell_type) in a child process, as a
+  user runs it: fit, correct and evaluate seconds from its metrics.json, the planned epochs, whether
+  it streamed the file, and the peak resident set size of the run (sampled with psutil, children
+  included). With --fit-epochs E the fit stops after E epochs and the fit time of the planned
+  epochs is projected from the measured time per epoch (said so in the output).
+- scVI (scvi-tools, imported only in its own child process): SCVI on the same file's 2,000 highly
+  variable genes (batch-aware seurat_v3, as batchfix selects them), trained --scvi-epochs epochs
+  with its default settings; the time of each epoch is measured (the first one, which includes
+  start-up, is left out when there are more) and its default training time projected: scvi-tools'
+  default max_epochs = min(round(20000 / n_cells * 400), 400) times the measured epoch time.
+- ratio = (batchfix fit + correct) / scVI's projected default training time.
+
+Everything runs on this machine's CPU with --threads threads (no GPU figure exists yet).
+
+    python scripts/bench_scale.py                       # 10,000 and 100,000 cells
+    python scripts/bench_scale.py --sizes 10000 --bundled --threads 1
+    python scripts/bench_scale.py --million --fit-epochs 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+GENERATE_CHUNK = 20_000
+
+
+def string_dataset(group: h5py.Group, name: str, values) -> h5py.Dataset:
+    dataset = group.create_dataset(name, data=np.asarray(values, dtype=object), dtype=h5py.string_dtype())
+    dataset.attrs.update({"encoding-type": "string-array", "encoding-version": "0.2.0"})
+    return dataset
+
+
+def categorical(obs: h5py.Group, name: str, categories: list[str], n_cells: int) -> h5py.Dataset:
+    group = obs.create_group(name)
+    group.attrs.update({"encoding-type": "categorical", "encoding-version": "0.2.0", "ordered": False})
+    string_dataset(group, "categories", categories)
+    codes = group.create_dataset("codes", shape=(n_cells,), dtype=np.int8, chunks=(min(n_cells, 1 << 18),))
+    codes.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+    return codes
+
+
+def generate(path: Path, n_cells: int, n_genes: int | None, seed: int = 0) -> None:
+    """An N-cell .h5ad of Poisson-resampled bundled cells (CSR counts, obs batch and cell_type), chunk by chunk."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    from batchfix.training import bundled_dataset
+
+    source = ad.read_h5ad(bundled_dataset())
+    if n_genes:  # the most detected genes, in the file's order
+        detected = (np.asarray(source.X) > 0).sum(axis=0)
+        source = source[:, np.sort(np.argsort(-detected, kind="stable")[:n_genes])]
+    counts = sp.csr_matrix(np.asarray(source.X, dtype=np.float32))
+    obs = {key: source.obs[key].astype("category") for key in ("batch", "cell_type")}
+    rng = np.random.default_rng(seed)
+    tmp = path.with_name(path.name + ".partial")
+    with h5py.File(tmp, "w") as f:
+        f.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
+        X = f.create_group("X")
+        X.attrs.update({"encoding-type": "csr_matrix", "encoding-version": "0.1.0"})
+        X.attrs["shape"] = np.array([n_cells, counts.shape[1]], dtype=np.int64)
+        data = X.create_dataset("data", shape=(0,), maxshape=(None,), dtype=np.float32, chunks=(1 << 20,))
+        indices = X.create_dataset("indices", shape=(0,), maxshape=(None,), dtype=np.int32, chunks=(1 << 20,))
+        indptr = X.create_dataset("indptr", shape=(n_cells + 1,), dtype=np.int64)
+        o = f.create_group("obs")
+        o.attrs.update({"_index": "_index", "column-order": np.array(list(obs), dtype=object),
+                        "encoding-type": "dataframe", "encoding-version": "0.2.0"})
+        names = o.create_dataset("_index", shape=(n_cells,), dtype=h5py.string_dtype())
+        names.attrs.update({"encoding-type": "string-array", "encoding-version": "0.2.0"})
+        codes = {key: categorical(o, key, list(col.cat.categories), n_cells) for key, col in obs.items()}
+        var = f.create_group("var")
+        var.attrs.update({"_index": "_index", "column-order": np.array([], dtype=np.float64),
+                          "encoding-type": "dataframe", "encoding-version": "0.2.0"})
+        string_dataset(var, "_index", source.var_names.to_numpy())
+        for name in ("layers", "obsm", "obsp", "varm", "varp", "uns"):
+            f.create_group(name).attrs.update({"encoding-type": "dict", "encoding-version": "0.1.0"})
+        filled = 0
+        indptr[0] = 0
+        for start in range(0, n_cells, GENERATE_CHUNK):
+            stop = min(start + GENERATE_CHUNK, n_cells)
+            rows = rng.integers(0, counts.shape[0], size=stop - start)
+            chunk = counts[rows]
+            chunk.data = rng.poisson(chunk.data).astype(np.float32)
+            chunk.eliminate_zeros()
+            data.resize((filled + chunk.nnz,))
+            indices.resize((filled + chunk.nnz,))
+            data[filled:] = chunk.data
+            indices[filled:] = chunk.indices
+            indptr[start + 1:stop + 1] = chunk.indptr[1:].astype(np.int64) + filled
+            filled += chunk.nnz
+            names[start:stop] = np.array([f"cell{i:08d}" for i in range(start, stop)], dtype=object)
+            for key, col in obs.items():
+                codes[key][start:stop] = col.cat.codes.to_numpy()[rows]
+    os.replace(tmp, path)
+
+
+def run_sampled(command: list[str], threads: int, cwd: Path) -> tuple[int, float, int, str]:
+    """Run a child; (exit status, wall seconds, peak RSS bytes of it and its children, stderr tail)."""
+    import psutil
+
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    started = time.perf_counter()
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: dict = {}
+    readers = [threading.Thread(target=lambda k=k, s=s: out.__setitem__(k, s.read()), daemon=True)
+               for k, s in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    for reader in readers:
+        reader.start()
+    watched, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        try:
+            peak = max(peak, sum(p.memory_info().rss for p in [watched, *watched.children(recursive=True)]))
+        except psutil.Error:
+            pass
+        time.sleep(0.2)
+    for reader in readers:
+        reader.join(timeout=10)
+    return proc.returncode, time.perf_counter() - started, peak, out.get("stdout", "") + out.get("stderr", "")[-4000:]
+
+
+def default_planned_epochs(n_cells: int) -> int:
+    """The epochs `train` plans by default for n_cells (no empty cells)."""
+    from batchfix.config import FitConfig, TrainerConfig
+    from batchfix.training import planned_epochs
+
+    fit = FitConfig()
+    n_validation = min(int(round(fit.validation_fraction * n_cells)) if n_cells >= 50 else 0,
+                       fit.max_validation_cells)
+    return planned_epochs(TrainerConfig(), fit, math.ceil((n_cells - n_validation) / fit.batch_size))
+
+
+def bench_batchfix(path: Path, n_cells: int, workdir: Path, args) -> dict:
+    run_dir = workdir / f"run_{path.stem}"
+    command = [sys.executable, "-m", "batchfix", "train", f"data.path={path}", "data.label_key=cell_type",
+               f"threads={args.threads}", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}",
+               "overwrite=true"]
+    if args.fit_epochs:
+        command.append(f"trainer.max_epochs={args.fit_epochs}")
+    status, wall, peak, output = run_sampled(command, args.threads, workdir)
+    if status != 0:
+        raise SystemExit(f"batchfix train failed on {path} (exit status {status}):\n{output}")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    planned = default_planned_epochs(n_cells)
+    epochs = metrics["epochs"]
+    fit_seconds = metrics["fit_seconds"]
+    projected_fit = fit_seconds / max(epochs, 1) * planned if epochs < planned else fit_seconds
+    evaluation = metrics.get("evaluation") or {}
+    return {"fit_s": fit_seconds, "epochs_run": epochs, "planned_epochs": planned,
+            "fit_s_planned": round(projected_fit, 1), "fit_projected": epochs < planned,
+            "correct_s": metrics["correct_seconds"], "evaluate_s": evaluation.get("evaluation_seconds"),
+            "evaluated_cells": evaluation.get("n_cells"), "streamed": metrics.get("streamed"),
+            "train_cells_per_s": metrics.get("train_cells_per_second"), "total_s": metrics.get("total_seconds"),
+            "wall_s": round(wall, 1), "peak_rss_mb": round(peak / 2**20)}
+
+
+SCVI_CHILD = r"""
+import json, sys, time
+import numpy as np, torch
+path, epochs, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+torch.set_num_threads(threads)
+import anndata as ad
+import scvi
+from pytorch_lightning.callbacks import Callback
+from batchfix.select import highly_variable_genes
+scvi.settings.num_threads = threads
+adata = ad.read_h5ad(path)
+import scipy.sparse as sp
+adata.X = sp.csr_matrix(adata.X, dtype=np.float32)
+genes = highly_variable_genes(adata.X, adata.obs["batch"].astype(str).to_numpy(), 2000, "counts")
+adata = adata[:, np.asarray(genes)].copy()
+try:
+    from scvi.model._utils import get_max_epochs_heuristic
+    default_epochs = int(get_max_epochs_heuristic(adata.n_obs))
+except ImportError:
+    default_epochs = int(min(round(20000 / adata.n_obs * 400), 400))
+class Timer(Callback):
+    def __init__(self):
+        self.times = []
+    def on_train_epoch_start(self, trainer, module):
+        self.start = time.perf_counter()
+    def on_train_epoch_end(self, trainer, module):
+        self.times.append(time.perf_counter() - self.start)
+timer = Timer()
+scvi.settings.seed = 0
+scvi.model.SCVI.setup_anndata(adata, batch_key="batch")
+model = scvi.model.SCVI(adata)
+started = time.perf_counter()
+model.train(max_epochs=epochs, enable_progress_bar=False, callbacks=[timer])
+print("SCVI " + json.dumps({"epoch_times": timer.times, "train_s": time.perf_counter() - started,
+                            "default_epochs": default_epochs, "n_genes": int(adata.n_vars),
+                            "version": scvi.__version__}))
+"""
+
+
+def bench_scvi(path: Path, workdir: Path, args) -> dict:
+    status, wall, peak, output = run_sampled([sys.executable, "-c", SCVI_CHILD, str(path), str(args.scvi_epochs),
+                                              str(args.threads)], args.threads, workdir)
+    lines = [line for line in output.splitlines() if line.startswith("SCVI ")]
+    if status != 0 or not lines:
+        raise SystemExit(f"scVI failed on {path} (exit status {status}):\n{output}")
+    result = json.loads(lines[-1][5:])
+    times = result["epoch_times"]
+    epoch = float(np.mean(times[1:] if len(times) > 1 else times))
+    return {"scvi_epoch_s": round(epoch, 2), "scvi_epochs_timed": len(times[1:] if len(times) > 1 else times),
+            "scvi_default_epochs": result["default_epochs"],
+            "scvi_default_s": round(epoch * result["default_epochs"], 1), "scvi_peak_rss_mb": round(peak / 2**20),
+            "scvi_version": result["version"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000], help="cells per file")
+    parser.add_argument("--million", action="store_true", help="add a 1,000,000-cell file")
+    parser.add_argument("--bundled", action="store_true", help="add the bundled 1,021 real cells as they are")
+    parser.add_argument("--genes", type=int, default=0, help="keep the N most detected genes (0: all)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--fit-epochs", type=int, default=0,
+                        help="stop batchfix's fit after this many epochs and project the planned ones (0: all)")
+    parser.add_argument("--scvi-epochs", type=int, default=2, help="scVI epochs to train and time (1-2)")
+    parser.add_argument("--skip-scvi", action="store_true")
+    parser.add_argument("--workdir", type=Path, default=Path("bench_scale_work"))
+    args = parser.parse_args()
+    for option in ("threads", "scvi_epochs"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be >= 1")
+    if args.fit_epochs < 0 or args.genes < 0 or min(args.sizes) < 100:
+        parser.error("--fit-epochs and --genes must be >= 0, --sizes >= 100")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    workdir = args.workdir.resolve()
+    sizes = sorted(set(args.sizes + ([1_000_000] if args.million else [])))
+    files: list[tuple[int, Path]] = []
+    if args.bundled:
+        from batchfix.training import bundled_dataset
+
+        files.append((1021, Path(bundled_dataset())))
+    for n in sizes:
+        path = workdir / f"resampled_{n}{f'_{args.genes}g' if args.genes else ''}.h5ad"
+        if not path.is_file():
+            started = time.perf_counter()
+            generate(path, n, args.genes or None)
+            print(f"Made {path} ({path.stat().st_size / 2**20:,.0f} MB) in {time.perf_counter() - started:.0f} s",
+                  flush=True)
+        files.append((n, path))
+    rows = []
+    for n, path in files:
+        print(f"\n== {n:,} cells: {path.name}", flush=True)
+        row = {"cells": n, "file": path.name, **bench_batchfix(path, n, workdir, args)}
+        projected = f"; {row['fit_s_planned']:.1f} s projected for all" if row["fit_projected"] else ""
+        print(f"  batchfix  fit {row['fit_s']:.1f} s ({row['epochs_run']} of {row['planned_epochs']} planned epochs"
+              f"{projected}), "
+              f"correct {row['correct_s']:.1f} s, evaluate {row['evaluate_s']} s on {row['evaluated_cells']} cells, "
+              f"streamed {row['streamed']}, peak RSS {row['peak_rss_mb']:,} MB", flush=True)
+        if not args.skip_scvi:
+            row.update(bench_scvi(path, workdir, args))
+            row["ratio"] = round((row["fit_s_planned"] + row["correct_s"]) / row["scvi_default_s"], 3)
+            print(f"  scVI      {row['scvi_epoch_s']:.2f} s per epoch x {row['scvi_default_epochs']} default epochs "
+                  f"= {row['scvi_default_s']:.0f} s projected (peak RSS {row['scvi_peak_rss_mb']:,} MB)\n"
+                  f"  ratio     batchfix fit + correct / scVI default training = {row['ratio']:.3f}", flush=True)
+        rows.append(row)
+    summary = {"threads": args.threads, "device": "cpu (no GPU figure exists yet)", "rows": rows}
+    (workdir / "bench_scale.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print("\n" + json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
