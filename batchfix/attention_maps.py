@@ -115,12 +115,7 @@ def attention_maps(trained: BatchfixModel, path, group_by: str | None, settings:
     """Encode (a random subset of at most max_cells of) a file's cells, streamed, and average the attention per
     group of obs[group_by]."""
     source = check_h5ad_path(path)
-    try:
-        f = h5py.File(source, "r")
-    except OSError as err:
-        raise InputError(f"Cannot open {source} as HDF5: {err}") from err
-    with f:
-        ondisk.check_anndata_file(f, source)
+    with ondisk.open_anndata(source) as f:
         n_obs = ondisk.n_obs_of(f)
         groups = obs_column(f, group_by) if group_by else np.full(n_obs, "all cells")
         rows = np.arange(n_obs)

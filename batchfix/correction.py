@@ -378,12 +378,7 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
     """
     source, target = open_input(input_path, output_path, overwrite)
     keys = OutputKeys(settings.key_added)
-    try:
-        src = h5py.File(source, "r")
-    except OSError as err:
-        raise InputError(f"Cannot open {source} as HDF5: {err}") from err
-    with src:
-        ondisk.check_anndata_file(src, source)
+    with ondisk.open_anndata(source) as src:
         var_names = ondisk.read_var_names(src)
         n_obs = ondisk.n_obs_of(src)
         rows = ondisk.open_rows(ondisk.matrix_element(src, counts_layer))

@@ -62,6 +62,20 @@ def check_anndata_file(f: h5py.File, path) -> None:
             raise InputError(f"{path} has no '{key}' group; it is not a complete AnnData file.")
 
 
+def open_anndata(path) -> h5py.File:
+    """Open an .h5ad file read-only, refusing one that is not HDF5 or not an AnnData file (InputError)."""
+    try:
+        f = h5py.File(path, "r")
+    except OSError as err:
+        raise InputError(f"Cannot open {path} as HDF5: {err}") from err
+    try:
+        check_anndata_file(f, path)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
 def read_var_names(f: h5py.File) -> pd.Index:
     """var_names of an open .h5ad file (only var's index is read)."""
     var = f["var"]

@@ -158,8 +158,7 @@ def gene_statistics(reader, rows: np.ndarray, columns: np.ndarray, scale: str,
 def prepare_streamed(path: str, data: DataConfig) -> PreparedData:
     """The PreparedData of an .h5ad file left on disk (see the module docstring)."""
     source = check_h5ad_path(path)
-    with h5py.File(source, "r") as f:
-        ondisk.check_anndata_file(f, source)
+    with ondisk.open_anndata(source) as f:
         elem = ondisk.matrix_element(f, data.counts_layer, "data.counts_layer")
         reader, element = ondisk.open_rows(elem), elem.name
         batch = read_obs_column(f, data.batch_key, "Batch", "data.batch_key")

@@ -1,8 +1,8 @@
 """Benchmark `batchfix correct` on large synthetic files: throughput (cells/s) and peak memory.
 
 For each --cells N, an .h5ad of N cells x the model's genes (2,000 by default) is generated chunk
-by chunk with h5py: its cells are resampled (with replacement) from the bundled CellBench data,
-raw counts stored as CSR in X, obs['batch'] from the sampled cells. The generator holds one chunk
+by chunk (scripts/resampled.py): its cells are resampled (with replacement) from the bundled CellBench
+data and their counts Poisson-resampled, stored as CSR in X, obs batch and cell_type from the sampled cells. The generator holds one chunk
 at a time, so even the 1,000,000-cell file needs little memory.
 
 The correction then runs in a child process exactly as the CLI does (`correct_file`, streaming),
@@ -34,13 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-import h5py
-import numpy as np
-
-from batchfix.training import bundled_dataset
-
-BUNDLED = Path(bundled_dataset())
-GENERATE_CHUNK = 20_000
+from resampled import generate  # scripts/resampled.py, beside this script
 
 
 def train_checkpoint(workdir: Path, threads: int) -> Path:
@@ -54,78 +48,6 @@ def train_checkpoint(workdir: Path, threads: int) -> Path:
                     f"threads={threads}", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"],
                    check=True, cwd=workdir, stdout=subprocess.DEVNULL)
     return checkpoint
-
-
-def string_dataset(group: h5py.Group, name: str, values, chunks=None) -> h5py.Dataset:
-    dataset = group.create_dataset(name, data=np.asarray(values, dtype=object), dtype=h5py.string_dtype(),
-                                   chunks=chunks)
-    dataset.attrs.update({"encoding-type": "string-array", "encoding-version": "0.2.0"})
-    return dataset
-
-
-def generate(path: Path, n_cells: int, genes: list[str], seed: int = 0) -> None:
-    """Write an N-cell .h5ad (CSR counts on `genes`) by resampling the bundled cells, chunk by chunk."""
-    import anndata as ad
-    import scipy.sparse as sp
-
-    source = ad.read_h5ad(BUNDLED)
-    missing = set(genes) - set(source.var_names)
-    if missing:
-        raise SystemExit(f"{len(missing)} of the model's genes are not in the bundled data: use a model trained on it.")
-    counts = sp.csr_matrix(np.asarray(source[:, genes].X, dtype=np.float32))
-    batch = source.obs["batch"].astype("category")
-    categories = list(batch.cat.categories)
-    codes = batch.cat.codes.to_numpy().astype(np.int8)
-    rng = np.random.default_rng(seed)
-    # The expected number of stored values, to size the datasets once (a final resize trims them).
-    capacity = int(counts.nnz / counts.shape[0] * n_cells * 1.01) + counts.shape[1] * GENERATE_CHUNK
-    dict_attrs = {"encoding-type": "dict", "encoding-version": "0.1.0"}
-    tmp = path.with_name(path.name + ".partial")
-    with h5py.File(tmp, "w") as f:
-        f.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
-        X = f.create_group("X")
-        X.attrs.update({"encoding-type": "csr_matrix", "encoding-version": "0.1.0"})
-        X.attrs["shape"] = np.array([n_cells, len(genes)], dtype=np.int64)
-        data = X.create_dataset("data", shape=(capacity,), maxshape=(None,), dtype=np.float32, chunks=(1 << 20,))
-        indices = X.create_dataset("indices", shape=(capacity,), maxshape=(None,), dtype=np.int32,
-                                   chunks=(1 << 20,))
-        indptr = X.create_dataset("indptr", shape=(n_cells + 1,), dtype=np.int64, chunks=(min(n_cells + 1, 1 << 18),))
-        obs = f.create_group("obs")
-        obs.attrs.update({"_index": "_index", "column-order": np.array(["batch"], dtype=object),
-                          "encoding-type": "dataframe", "encoding-version": "0.2.0"})
-        names = obs.create_dataset("_index", shape=(n_cells,), dtype=h5py.string_dtype(),
-                                   chunks=(min(n_cells, 1 << 16),))
-        names.attrs.update({"encoding-type": "string-array", "encoding-version": "0.2.0"})
-        group = obs.create_group("batch")
-        group.attrs.update({"encoding-type": "categorical", "encoding-version": "0.2.0", "ordered": False})
-        string_dataset(group, "categories", categories)
-        batch_codes = group.create_dataset("codes", shape=(n_cells,), dtype=np.int8, chunks=(min(n_cells, 1 << 18),))
-        batch_codes.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
-        var = f.create_group("var")
-        var.attrs.update({"_index": "_index", "column-order": np.array([], dtype=np.float64),
-                          "encoding-type": "dataframe", "encoding-version": "0.2.0"})
-        string_dataset(var, "_index", genes)
-        for name in ("layers", "obsm", "obsp", "varm", "varp", "uns"):
-            f.create_group(name).attrs.update(dict_attrs)
-
-        filled = 0
-        indptr[0] = 0
-        for start in range(0, n_cells, GENERATE_CHUNK):
-            stop = min(start + GENERATE_CHUNK, n_cells)
-            rows = rng.integers(0, counts.shape[0], size=stop - start)
-            chunk = counts[rows]
-            if filled + chunk.nnz > data.shape[0]:
-                data.resize((filled + chunk.nnz,))
-                indices.resize((filled + chunk.nnz,))
-            data[filled:filled + chunk.nnz] = chunk.data
-            indices[filled:filled + chunk.nnz] = chunk.indices
-            indptr[start + 1:stop + 1] = chunk.indptr[1:].astype(np.int64) + filled
-            filled += chunk.nnz
-            names[start:stop] = np.array([f"cell{i:08d}" for i in range(start, stop)], dtype=object)
-            batch_codes[start:stop] = codes[rows]
-        data.resize((filled,))
-        indices.resize((filled,))
-    os.replace(tmp, path)
 
 
 def child(args) -> None:

@@ -52,6 +52,17 @@ def _subset_index(bundled_adata):
     return cells, genes
 
 
+@pytest.fixture(scope="session")
+def subset_h5ad(tmp_path_factory, bundled_adata, _subset_index) -> Path:
+    """The real 200-cell x 600-gene subset (5 batches) written once, for tests that train on a file."""
+    cells, genes = _subset_index
+    adata = bundled_adata[cells][:, genes].copy()
+    adata.X = np.asarray(adata.X, dtype=np.float32)
+    path = tmp_path_factory.mktemp("data") / "small.h5ad"
+    adata.write_h5ad(path)
+    return path
+
+
 @pytest.fixture
 def small_adata(bundled_adata, _subset_index) -> ad.AnnData:
     """A fresh in-memory copy of the real 200 x 600 subset (dense float32 raw counts in X)."""

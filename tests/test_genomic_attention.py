@@ -29,16 +29,6 @@ TINY = dict(n_top_genes=200, genes_per_token=16, d_model=16, n_heads=2, n_layers
             batch_size=64, threads=1, enable_progress_bar=False, seed=0)
 
 
-@pytest.fixture(scope="module")
-def subset_h5ad(tmp_path_factory, bundled_adata, _subset_index) -> Path:
-    cells, genes = _subset_index
-    adata = bundled_adata[cells][:, genes].copy()
-    adata.X = np.asarray(adata.X, dtype=np.float32)
-    path = tmp_path_factory.mktemp("data") / "small.h5ad"
-    adata.write_h5ad(path)
-    return path
-
-
 def train_run(h5ad: Path, run_dir: Path, *overrides: str) -> Path:
     """tasks.train (as the CLI runs it) of a tiny model; returns the run folder."""
     tiny = ["data.n_top_genes=200", "model.d_model=16", "model.n_heads=2", "model.n_layers=1", "model.latent_dim=8",

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCAL_MODULES = {"batchfix", "conftest"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
+LOCAL_MODULES = {"batchfix", "conftest"} | {p.stem for folder in ("tests", "scripts") for p in (ROOT / folder).glob("*.py")}
 
 
 def normalized(name: str) -> str:

@@ -42,17 +42,6 @@ def tiny_overrides(h5ad: Path) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="module")
-def train_h5ad(tmp_path_factory, bundled_adata, _subset_index) -> Path:
-    """The real 200-cell x 600-gene subset (5 batches) written once for this module."""
-    cells, genes = _subset_index
-    adata = bundled_adata[cells][:, genes].copy()
-    adata.X = np.asarray(adata.X, dtype=np.float32)
-    path = tmp_path_factory.mktemp("data") / "small.h5ad"
-    adata.write_h5ad(path)
-    return path
-
-
 def compose_train(h5ad: Path, *extra: str) -> TrainConfig:
     with initialize_config_module(config_module="batchfix.conf", version_base=None):
         return validated(compose(config_name="train", overrides=[*tiny_overrides(h5ad), *extra]), TrainConfig)
@@ -84,21 +73,21 @@ def checkpoint_lr(path: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def cli_run(train_h5ad, tmp_path_factory):
+def cli_run(subset_h5ad, tmp_path_factory):
     work = tmp_path_factory.mktemp("cli")
     run_dir = work / "run"
-    result = run_cli(["train", *tiny_overrides(train_h5ad), f"trainer.max_epochs={CLI_EPOCHS}",
+    result = run_cli(["train", *tiny_overrides(subset_h5ad), f"trainer.max_epochs={CLI_EPOCHS}",
                       f"hydra.run.dir={run_dir}"], cwd=work)
     assert result.returncode == 0, result.stderr[-4000:]
     return run_dir
 
 
-def test_cli_train_writes_run_folder(cli_run, train_h5ad):
+def test_cli_train_writes_run_folder(cli_run, subset_h5ad):
     for name in (".hydra/config.yaml", "model.ckpt", "corrected.h5ad", "metrics.json", "checkpoints/last.ckpt",
                  "logs/metrics.csv"):
         assert (cli_run / name).is_file(), f"missing {name}"
     config = (cli_run / ".hydra" / "config.yaml").read_text()
-    assert "d_model: 16" in config and f"max_epochs: {CLI_EPOCHS}" in config and str(train_h5ad) in config
+    assert "d_model: 16" in config and f"max_epochs: {CLI_EPOCHS}" in config and str(subset_h5ad) in config
 
     metrics = json.loads((cli_run / "metrics.json").read_text())
     assert metrics["n_cells"] == 200 and metrics["n_genes"] == N_TOP_GENES
@@ -111,7 +100,7 @@ def test_cli_train_writes_run_folder(cli_run, train_h5ad):
     trained = load_trained(cli_run / "model.ckpt")
     assert len(trained.genes) == N_TOP_GENES and len(trained.batch_categories) == 5
     corrected = ad.read_h5ad(cli_run / "corrected.h5ad")
-    source = ad.read_h5ad(train_h5ad)
+    source = ad.read_h5ad(subset_h5ad)
     assert corrected.shape == source.shape
     assert corrected.obsm["X_batchfix"].shape == (200, 8)
     modelled = corrected.var["batchfix_modelled"].to_numpy()
@@ -119,10 +108,10 @@ def test_cli_train_writes_run_folder(cli_run, train_h5ad):
     assert set(corrected.var_names[modelled]) == set(trained.genes)
 
 
-def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, train_h5ad):
+def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad):
     """The written correction equals what the reloaded model.ckpt computes on the same cells."""
     trained = load_trained(cli_run / "model.ckpt")
-    source = ad.read_h5ad(train_h5ad)
+    source = ad.read_h5ad(subset_h5ad)
     columns = source.var_names.get_indexer(trained.genes)
     assert (columns >= 0).all()
     x = torch.from_numpy(np.asarray(source.X[:, columns], dtype=np.float32))
@@ -173,15 +162,15 @@ def capture_module(monkeypatch):
     return built
 
 
-def test_checkpoint_reload_reproduces_in_memory_model(train_h5ad, tmp_path, capture_module):
+def test_checkpoint_reload_reproduces_in_memory_model(subset_h5ad, tmp_path, capture_module):
     run_dir = tmp_path / "run"
-    tasks.train(compose_train(train_h5ad, "trainer.max_epochs=2"), run_dir)
+    tasks.train(compose_train(subset_h5ad, "trainer.max_epochs=2"), run_dir)
     (module,) = capture_module
     module.eval()
     reloaded = load_trained(run_dir / "checkpoints" / "last.ckpt")
     assert not reloaded.module.training
 
-    source = ad.read_h5ad(train_h5ad)
+    source = ad.read_h5ad(subset_h5ad)
     columns = source.var_names.get_indexer(reloaded.genes)
     x = torch.from_numpy(np.asarray(source.X[:, columns], dtype=np.float32))
     for reference in (None, 2):
@@ -207,11 +196,11 @@ def test_checkpoint_reload_reproduces_in_memory_model(train_h5ad, tmp_path, capt
     assert final["net.residual_location"].abs().sum() > 0
 
 
-def test_resume_continues_step_count(train_h5ad, tmp_path):
+def test_resume_continues_step_count(subset_h5ad, tmp_path):
     first_dir, second_dir = tmp_path / "first", tmp_path / "second"
-    first = tasks.train(compose_train(train_h5ad, "trainer.max_epochs=1"), first_dir)
+    first = tasks.train(compose_train(subset_h5ad, "trainer.max_epochs=1"), first_dir)
     assert first["steps"] == STEPS_PER_EPOCH
-    second = tasks.train(compose_train(train_h5ad, "trainer.max_epochs=2", f"resume={first_dir}"), second_dir)
+    second = tasks.train(compose_train(subset_h5ad, "trainer.max_epochs=2", f"resume={first_dir}"), second_dir)
     assert second["steps"] == 2 * STEPS_PER_EPOCH  # went on from step 3, not from 0
     assert second["epochs"] == 2
     epochs = logged_epochs(second_dir)
@@ -223,20 +212,20 @@ def test_resume_continues_step_count(train_h5ad, tmp_path):
     assert checkpoint_lr(second_dir / "checkpoints" / "last.ckpt") == pytest.approx(0.1 * LEARNING_RATE)
 
 
-def test_resume_refuses_other_genes(train_h5ad, tmp_path):
+def test_resume_refuses_other_genes(subset_h5ad, tmp_path):
     first_dir = tmp_path / "first"
-    tasks.train(compose_train(train_h5ad, "trainer.max_epochs=1"), first_dir)
+    tasks.train(compose_train(subset_h5ad, "trainer.max_epochs=1"), first_dir)
     with pytest.raises(InputError, match="other genes"):
-        tasks.train(compose_train(train_h5ad, "trainer.max_epochs=2", f"resume={first_dir}",
+        tasks.train(compose_train(subset_h5ad, "trainer.max_epochs=2", f"resume={first_dir}",
                                   "data.n_top_genes=150"), tmp_path / "second")
     with pytest.raises(InputError, match="no checkpoint"):
-        tasks.train(compose_train(train_h5ad, f"resume={tmp_path / 'nowhere'}"), tmp_path / "third")
+        tasks.train(compose_train(subset_h5ad, f"resume={tmp_path / 'nowhere'}"), tmp_path / "third")
 
 
-def test_same_seed_same_losses(train_h5ad, tmp_path):
+def test_same_seed_same_losses(subset_h5ad, tmp_path):
     def losses(seed: int, name: str) -> pd.DataFrame:
         run_dir = tmp_path / name
-        tasks.train(compose_train(train_h5ad, "trainer.max_epochs=2", f"seed={seed}"), run_dir)
+        tasks.train(compose_train(subset_h5ad, "trainer.max_epochs=2", f"seed={seed}"), run_dir)
         return logged_epochs(run_dir)[["train_loss", "train_kl", "val_loss"]]
 
     a, b, other = losses(3, "a"), losses(3, "b"), losses(4, "c")
@@ -245,9 +234,9 @@ def test_same_seed_same_losses(train_h5ad, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU fallback of 16-mixed")
-def test_precision_16_mixed_runs_as_bf16_on_cpu(train_h5ad, tmp_path, caplog):
+def test_precision_16_mixed_runs_as_bf16_on_cpu(subset_h5ad, tmp_path, caplog):
     caplog.set_level("INFO", logger="batchfix")
-    metrics = tasks.train(compose_train(train_h5ad, "trainer.max_epochs=1", "trainer.precision=16-mixed"), tmp_path)
+    metrics = tasks.train(compose_train(subset_h5ad, "trainer.max_epochs=1", "trainer.precision=16-mixed"), tmp_path)
     assert metrics["precision"] == "bf16-mixed"
     assert json.loads((tmp_path / "metrics.json").read_text())["precision"] == "bf16-mixed"
     assert "Training precision: bf16-mixed on CPU" in caplog.text
@@ -270,11 +259,11 @@ def test_default_precision_follows_the_accelerator(monkeypatch):
 # ---------------------------------------------------------------- DDP: two CPU processes (gloo)
 
 
-def test_ddp_two_cpu_processes_through_cli(train_h5ad, tmp_path):
+def test_ddp_two_cpu_processes_through_cli(subset_h5ad, tmp_path):
     run_dir = tmp_path / "ddp run"  # a space: the launcher must quote the run folder for the child
     ddp_batch = 32
     result = run_cli(["train", "trainer=ddp", "trainer.accelerator=cpu", "trainer.max_epochs=2",
-                      *tiny_overrides(train_h5ad), f"fit.batch_size={ddp_batch}", f"hydra.run.dir={run_dir}"],
+                      *tiny_overrides(subset_h5ad), f"fit.batch_size={ddp_batch}", f"hydra.run.dir={run_dir}"],
                      cwd=tmp_path, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
@@ -306,9 +295,9 @@ def test_ddp_two_cpu_processes_through_cli(train_h5ad, tmp_path):
 # ---------------------------------------------------------------- a Hydra multirun sweep
 
 
-def test_cli_sweep_over_heads_writes_summary(train_h5ad, tmp_path):
+def test_cli_sweep_over_heads_writes_summary(subset_h5ad, tmp_path):
     sweep_dir = tmp_path / "sweep"
-    overrides = [o for o in tiny_overrides(train_h5ad) if not o.startswith("model.n_heads=")]
+    overrides = [o for o in tiny_overrides(subset_h5ad) if not o.startswith("model.n_heads=")]
     result = run_cli(["train", "-m", "model.n_heads=1,2", *overrides, "trainer.max_epochs=2",
                       f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
