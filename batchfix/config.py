@@ -126,8 +126,8 @@ class ModelConfig:
     max_wavelength: float = 3e8
     attention_block_size: Optional[int] = None  # queries per attention block (bounds memory); null = all at once
     # Recompute each transformer block in the backward pass instead of keeping its activations (and, with
-    # attention_block_size, each block of queries too): bounds the training memory of per-gene tokens, at
-    # about 2.7x the training time (README, per-gene tokens).
+    # attention_block_size, each block of queries too): bounds the training memory of per-gene tokens, at the
+    # cost of the recomputation (README, Per-gene tokens, measures both).
     gradient_checkpointing: bool = False
     likelihood: str = "nb"  # nb on counts | gaussian (set automatically for data.scale=log)
     kl_weight: float = 1.0
