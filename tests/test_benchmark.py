@@ -68,3 +68,15 @@ def test_benchmark_names_the_obs_columns_when_the_batch_key_is_wrong(tmp_path):
     assert run.returncode != 0
     assert "'sample'" in run.stderr and "cell_type" in run.stderr
     assert not (tmp_path / "r.csv").exists()
+
+
+def test_batches_keep_a_sub_problem_and_unknown_ones_are_named(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import benchmark
+
+    data = ROOT / "data" / "cellbench5.h5ad"
+    pair = benchmark.load(data, "batch", "cell_type", None, ["sc_celseq2", "sc_dropseq"])
+    assert sorted(pair.obs["batch"].cat.categories) == ["sc_celseq2", "sc_dropseq"]
+    assert pair.n_obs == 450 and pair.n_vars == 11533
+    with pytest.raises(SystemExit, match=r"\['nowhere'\] not in obs\['batch'\].*sc_celseq2_5cl_p1"):
+        benchmark.load(data, "batch", "cell_type", None, ["sc_celseq2", "nowhere"])
