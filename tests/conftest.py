@@ -53,23 +53,26 @@ def _subset_index(bundled_adata):
 
 
 @pytest.fixture(scope="session")
-def subset_h5ad(tmp_path_factory, bundled_adata, _subset_index) -> Path:
-    """The real 200-cell x 600-gene subset (5 batches) written once, for tests that train on a file."""
-    cells, genes = _subset_index
-    adata = bundled_adata[cells][:, genes].copy()
-    adata.X = np.asarray(adata.X, dtype=np.float32)
-    path = tmp_path_factory.mktemp("data") / "small.h5ad"
-    adata.write_h5ad(path)
-    return path
-
-
-@pytest.fixture
-def small_adata(bundled_adata, _subset_index) -> ad.AnnData:
-    """A fresh in-memory copy of the real 200 x 600 subset (dense float32 raw counts in X)."""
+def subset(bundled_adata, _subset_index) -> ad.AnnData:
+    """The real 200 x 600 subset (5 batches of 40 cells), dense float32 raw counts in X. Shared: do not modify."""
     cells, genes = _subset_index
     adata = bundled_adata[cells][:, genes].copy()
     adata.X = np.asarray(adata.X, dtype=np.float32)
     return adata
+
+
+@pytest.fixture(scope="session")
+def subset_h5ad(tmp_path_factory, subset) -> Path:
+    """The real 200-cell x 600-gene subset (5 batches) written once, for tests that train on a file."""
+    path = tmp_path_factory.mktemp("data") / "small.h5ad"
+    subset.write_h5ad(path)
+    return path
+
+
+@pytest.fixture
+def small_adata(subset) -> ad.AnnData:
+    """A fresh in-memory copy of the real 200 x 600 subset (dense float32 raw counts in X)."""
+    return subset.copy()
 
 
 @pytest.fixture

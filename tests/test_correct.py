@@ -49,15 +49,6 @@ def files_in(folder: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def subset(bundled_adata, _subset_index) -> ad.AnnData:
-    """The real 200 x 600 subset, all five batches, dense float32 counts in X. Do not modify."""
-    cells, genes = _subset_index
-    adata = bundled_adata[cells][:, genes].copy()
-    adata.X = np.asarray(adata.X, dtype=np.float32)
-    return adata
-
-
-@pytest.fixture(scope="module")
 def trained_run(subset, tmp_path_factory) -> dict:
     """Train a tiny model (1 epoch) on the subset's first three batches; return its paths and batches."""
     from hydra import compose, initialize_config_module

@@ -88,15 +88,6 @@ def tiny_train_config(**options) -> TrainConfig:
 # Files
 
 
-@pytest.fixture(scope="module")
-def subset(bundled_adata, _subset_index) -> ad.AnnData:
-    """The real 200 x 600 subset (5 batches of 40 cells), dense float32 counts. Do not modify."""
-    cells, genes = _subset_index
-    adata = bundled_adata[cells][:, genes].copy()
-    adata.X = np.asarray(adata.X, dtype=np.float32)
-    return adata
-
-
 def one_cell_batch(adata: ad.AnnData) -> tuple[ad.AnnData, str]:
     """`adata` with its first batch cut down to one cell, and that batch's name."""
     batch = adata.obs["batch"].astype(str).to_numpy()
