@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 # The API pulls in torch and Lightning: imported on first use, so `python -m batchfix --help` stays quick.
 _LAZY = {"train": "batchfix.api", "correct": "batchfix.api", "BatchfixModel": "batchfix.module",
-         "bundled_dataset": "batchfix.training"}
+         "bundled_dataset": "batchfix.io"}
 
 
 def __getattr__(name: str):

@@ -28,7 +28,7 @@ LIKELIHOODS = ("nb", "gaussian")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
 STREAM_CHOICES = ("auto", "true", "false")
 OUTPUT_MODES = ("counterfactual", "denoised")
-NEIGHBOR_METHODS = ("approximate", "exact")  # how batchfix.metrics finds the scores' neighbour graphs
+NEIGHBOR_METHODS = ("auto", "exact", "approximate")  # how batchfix.metrics finds the scores' neighbour graphs
 
 
 def one_of(option: str, value, choices) -> None:
@@ -226,9 +226,9 @@ class EvaluationOptions:
 
     # Larger files are scored (scIB metrics and UMAP) on a subsample of this many cells, stratified by batch x label.
     max_cells: int = 20000
-    # Neighbour graphs of the scores: approximate (pynndescent, compiled again by every run: 20-45 s) | exact
-    # (brute force: fast up to tens of thousands of cells; kBET can differ by a few hundredths).
-    neighbors: str = "approximate"
+    # Neighbour graphs of the scores and UMAP: exact (brute force) | approximate (pynndescent, scib-metrics'
+    # default; compiled again by every process: 20-45 s) | auto (exact up to 50,000 scored cells, else approximate)
+    neighbors: str = "auto"
 
     def __post_init__(self):
         at_least("evaluation.max_cells", self.max_cells, 100)

@@ -34,7 +34,6 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 import torch
 
 from batchfix.data import PreparedData, in_order

@@ -16,17 +16,24 @@ except ImportError:  # pragma: no cover - older anndata
     from anndata.experimental import read_elem
 
 from batchfix import caches, metrics, ondisk
-from batchfix.config import CorrectionOptions, EvaluationOptions
+from batchfix.config import CorrectionOptions, EvaluateConfig, EvaluationOptions
 from batchfix.errors import InputError
-from batchfix.io import OutputKeys, atomic_output, check_h5ad_path, obs_strings, read_h5ad
+from batchfix.io import OutputKeys, atomic_output, check_h5ad_path, input_path, obs_strings, read_h5ad
 from batchfix.runfolder import METRICS_JSON, METRICS_MD, UMAP_PNG
 from batchfix.subsample import SEED, stratified_rows
 
 log = logging.getLogger(__name__)
 
 
+def evaluate(cfg: EvaluateConfig, out_dir: str | Path) -> dict:
+    """The evaluate verb: score cfg.input (null = the bundled dataset) into out_dir."""
+    return evaluate_file(input_path(cfg.input), cfg.data.batch_key, cfg.data.label_key, out_dir,
+                         counts_layer=cfg.data.counts_layer, key_added=cfg.key_added,
+                         max_cells=cfg.evaluation.max_cells, neighbors=cfg.evaluation.neighbors)
+
+
 def evaluate_file(
-    input_path,
+    path,
     batch_key: str,
     label_key: str | None,
     out_dir,
@@ -43,23 +50,24 @@ def evaluate_file(
     on the same genes, within each batch (`batchfix.metrics.gene_level_scores`). Returns the
     metrics dict written to metrics.json.
 
-    `neighbors`: "approximate" (pynndescent, scib-metrics' default) or "exact" neighbour graphs for the
-    scores (batchfix.metrics.NEIGHBOR_METHODS). A file of more than `max_cells` cells is scored (every score and the UMAP) on a subsample of
+    `neighbors`: "exact", "approximate" (pynndescent, scib-metrics' default) or "auto" (exact up to
+    batchfix.metrics.EXACT_NEIGHBORS_MAX_CELLS scored cells) neighbour graphs for the scores and the UMAP;
+    the result's `neighbors` says which were used. A file of more than `max_cells` cells is scored (every score and the UMAP) on a subsample of
     `max_cells` cells stratified by batch x label (by batch without labels), read from disk without
     loading the rest; the result's `subsample` says so. JAX and numba compile into a user cache
     directory (batchfix.caches), so a second evaluation does not compile again.
     """
     started = time.perf_counter()
     caches.enable()
-    adata, subsample = read_for_scoring(input_path, batch_key, label_key, max_cells, OutputKeys(key_added),
+    adata, subsample = read_for_scoring(path, batch_key, label_key, max_cells, OutputKeys(key_added),
                                         counts_layer)
     metrics.check_obs_keys(adata.obs, batch_key, label_key)
     embeddings, info = metrics.evaluation_embeddings(adata, OutputKeys(key_added), counts_layer)
+    neighbors = metrics.resolve_neighbors(neighbors, adata.n_obs)
     table, result = metrics.score_evaluation(
-        adata.obs, embeddings, {"input": str(input_path), **info}, batch_key, label_key, neighbors
+        adata.obs, embeddings, {"input": str(path), **info, "neighbors": neighbors}, batch_key, label_key,
+        neighbors,
     )
-    if neighbors != EvaluationOptions.neighbors:
-        result["neighbors"] = neighbors
     result["gene_fidelity"] = metrics.gene_level_scores(adata, OutputKeys(key_added), batch_key, label_key,
                                                         counts_layer)
     if subsample is not None:
@@ -69,7 +77,7 @@ def evaluate_file(
     out_dir.mkdir(parents=True, exist_ok=True)
     labels = adata.obs[label_key] if label_key else None
     with atomic_output(out_dir / UMAP_PNG, overwrite=True) as tmp:
-        metrics.plot_umaps(embeddings, adata.obs[batch_key], labels, tmp, image_format="png")
+        metrics.plot_umaps(embeddings, adata.obs[batch_key], labels, tmp, image_format="png", neighbors=neighbors)
     result["evaluation_seconds"] = round(time.perf_counter() - started, 2)
     with atomic_output(out_dir / METRICS_MD, overwrite=True) as tmp:
         tmp.write_text(_markdown_report(table, result))
@@ -78,12 +86,12 @@ def evaluate_file(
     return result
 
 
-def read_for_scoring(input_path, batch_key: str, label_key: str | None, max_cells: int, keys: OutputKeys,
+def read_for_scoring(source, batch_key: str, label_key: str | None, max_cells: int, keys: OutputKeys,
                      counts_layer: str | None) -> tuple[ad.AnnData, dict | None]:
     """The corrected file whole (no more than max_cells cells), else a stratified subsample of its cells
     with only what scoring reads (obs, var, the counts, the corrected layer and the latent), and a
     description of the subsample (None when every cell is scored)."""
-    path = check_h5ad_path(input_path)
+    path = check_h5ad_path(source)
     try:
         with h5py.File(path, "r") as f:
             ondisk.check_anndata_file(f, path)

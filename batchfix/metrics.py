@@ -12,6 +12,8 @@ batch effects. Bio conservation and Total are then NaN, and `LABEL_FREE_NOTE` sa
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from collections.abc import Mapping, Sequence
 
@@ -70,7 +72,7 @@ def score_embeddings(
     neighbors: str = "approximate",
 ) -> pd.DataFrame:
     """Score each embedding against the unintegrated embedding with scib-metrics (neighbour graphs:
-    `neighbors`, one of NEIGHBOR_METHODS).
+    `neighbors`, one of NEIGHBOR_METHODS; see `resolve_neighbors`).
 
     Returns one row per embedding name (in the given order) with every metric column, then
     'Batch correction', 'Bio conservation' and 'Total' (NaN for the last two without labels).
@@ -103,10 +105,10 @@ def score_embeddings(
         n_jobs=1,
         progress_bar=False,
     )
-    if neighbors not in NEIGHBOR_METHODS:
-        raise ValueError(f"neighbors must be one of {list(NEIGHBOR_METHODS)}, got {neighbors!r}.")
-    bench.prepare(neighbor_computer=exact_neighbors if neighbors == "exact" else None)
-    bench.benchmark()
+    exact = resolve_neighbors(neighbors, n_cells) == "exact"
+    bench.prepare(neighbor_computer=exact_neighbors if exact else None)
+    with frozen_heap(), exact_diffusion_neighbors() if exact else contextlib.nullcontext():
+        bench.benchmark()
     results = bench.get_results(min_max_scale=False)
     results = results.loc[keys].astype(float)
     results.index = list(embeddings)
@@ -118,11 +120,55 @@ def score_embeddings(
     return results[metric_columns + AGGREGATE_COLUMNS]
 
 
-# How the scores' neighbour graphs are found: "approximate" = scib-metrics' pynndescent (its default, and
-# batchfix's), "exact" = brute force (well under a second for a few thousand cells, seconds for 20,000).
+# How the scores' neighbour graphs are found: "approximate" = scib-metrics' pynndescent (its default; the
+# benchmark's, like the reference scores'), "exact" = brute force (well under a second for a few thousand
+# cells, seconds for 20,000), "auto" (train's and evaluate's default) = exact up to EXACT_NEIGHBORS_MAX_CELLS.
 # pynndescent's numba code takes functions as arguments, so no cache keeps it: every process compiles it
-# again (20-45 s on a 2-core CPU). On the bundled data pynndescent finds 99.998% of the exact neighbours;
-# kBET, which weighs the neighbours by distance, still moves by up to 0.024 between the two.
+# again (20-45 s on a 2-core CPU); exact search compiles nothing. On the bundled data pynndescent finds
+# 99.998% of the exact neighbours; kBET, which weighs the neighbours by distance, still moves between the two.
+EXACT_NEIGHBORS_MAX_CELLS = 50_000
+
+
+def resolve_neighbors(method: str, n_cells: int) -> str:
+    """'exact' or 'approximate': what `method` (one of NEIGHBOR_METHODS) means for n_cells scored cells."""
+    if method not in NEIGHBOR_METHODS:
+        raise ValueError(f"neighbors must be one of {list(NEIGHBOR_METHODS)}, got {method!r}.")
+    if method == "auto":
+        return "exact" if n_cells <= EXACT_NEIGHBORS_MAX_CELLS else "approximate"
+    return method
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Within it, the garbage collector skips every object that existed before.
+
+    scib-metrics' Benchmarker runs gc.collect() after each metric of each embedding (30 times for three
+    embeddings); in a process holding torch and Lightning each pass walks the whole heap (about 0.5 s each on a
+    2-core CPU: 16 s of a 1,000-cell evaluation). Nothing scoring allocates is kept from the collector.
+    """
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+@contextlib.contextmanager
+def exact_diffusion_neighbors():
+    """Within it, scib-metrics' kBET finds its diffusion-map neighbours exactly too.
+
+    kbet_per_label re-embeds each label's cells (scib_metrics.utils.diffusion_nn) and searches them with
+    `scib_metrics.nearest_neighbors.pynndescent` whatever graph it was given; with exact graphs asked for,
+    that search is routed to `exact_neighbors` so no pynndescent code is compiled.
+    """
+    import scib_metrics.nearest_neighbors as scib_neighbors
+
+    original = scib_neighbors.pynndescent
+    scib_neighbors.pynndescent = lambda x, n_neighbors, **_: exact_neighbors(x, n_neighbors)
+    try:
+        yield
+    finally:
+        scib_neighbors.pynndescent = original
 
 
 def exact_neighbors(x: np.ndarray, n_neighbors: int):
@@ -272,6 +318,16 @@ def results_dict(
     return out
 
 
+def headline(metrics: dict) -> float | None:
+    """The number a sweep optimises: corrected-expression Total when evaluated, else the validation negative ELBO."""
+    scores = (metrics.get("evaluation") or {}).get("scores", {})
+    total = scores.get(CORRECTED, {}).get(TOTAL_SCORE)
+    if total is not None:
+        return float(total)
+    loss = metrics.get("losses", {}).get("val_elbo")
+    return None if loss is None else float(loss)
+
+
 def markdown_table(table: pd.DataFrame, digits: int = 3) -> str:
     """A GitHub-markdown table of a scores table ('n/a' for NaN), index as first column."""
     header = [table.index.name or ""] + [str(c) for c in table.columns]
@@ -289,28 +345,33 @@ def plot_umaps(
     out_png,
     seed: int = 0,
     image_format: str | None = None,
+    neighbors: str = "approximate",
 ) -> None:
-    """One PNG: a row per embedding (UMAP of its 15-NN graph), coloured by batch and by label."""
+    """One PNG: a row per embedding (UMAP of its 15-NN graph, found as `neighbors` says), coloured by batch
+    and by label."""
     columns = [("batch", np.asarray(batch).astype(str))]
     if labels is not None:
         columns.append(("label", np.asarray(labels).astype(str)))
     fig = Figure(figsize=(5.5 * len(columns), 4.5 * len(embeddings)), layout="constrained")
     axes = fig.subplots(len(embeddings), len(columns), squeeze=False)
     for row, (name, emb) in enumerate(embeddings.items()):
-        coords = umap_coordinates(emb, seed)
+        coords = umap_coordinates(emb, seed, neighbors)
         for col, (what, values) in enumerate(columns):
             _scatter_categories(axes[row, col], coords, values, legend=row == 0)
             axes[row, col].set_title(f"{name} — {what}", fontsize=10)
     fig.savefig(out_png, dpi=110, format=image_format)
 
 
-def umap_coordinates(embedding: np.ndarray, seed: int = 0) -> np.ndarray:
-    """2-D UMAP (scanpy) of an embedding, on its 15-nearest-neighbour graph."""
+def umap_coordinates(embedding: np.ndarray, seed: int = 0, neighbors: str = "approximate") -> np.ndarray:
+    """2-D UMAP (scanpy) of an embedding, on its 15-nearest-neighbour graph (exact or as scanpy does)."""
     tmp = ad.AnnData(obsm={"X_emb": np.asarray(embedding, dtype=np.float32)},
                      obs=pd.DataFrame(index=np.arange(len(embedding)).astype(str)))
     # scanpy switches to pynndescent from 8192 cells; its transformer now returns a scipy sparse array,
     # which scanpy 1.11 cannot read (no getnnz): the same transformer, returning a sparse matrix.
-    transformer = approximate_neighbors(len(embedding), 15, seed) if len(embedding) >= 8192 else None
+    if resolve_neighbors(neighbors, len(embedding)) == "exact":
+        transformer = "sklearn"  # scanpy's brute-force search
+    else:
+        transformer = approximate_neighbors(len(embedding), 15, seed) if len(embedding) >= 8192 else None
     sc.pp.neighbors(tmp, use_rep="X_emb", n_neighbors=15, random_state=seed, transformer=transformer)
     sc.tl.umap(tmp, random_state=seed)
     return tmp.obsm["X_umap"]

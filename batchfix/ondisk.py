@@ -16,7 +16,6 @@ cells, never for the whole matrix:
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import h5py
 import numpy as np

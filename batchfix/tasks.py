@@ -1,4 +1,5 @@
-"""The verbs as plain functions of validated options: train, correct, evaluate (the CLI and tests call these)."""
+"""The verbs as plain functions of validated options: train, correct, attention (the CLI and tests call these;
+evaluate's is batchfix.evaluate.evaluate, which needs neither torch nor Lightning)."""
 from __future__ import annotations
 
 import json
@@ -10,12 +11,12 @@ from pathlib import Path
 import torch
 
 from batchfix import runfolder, signals, training
-from batchfix.config import AttentionConfig, CorrectConfig, CorrectionSettings, EvaluateConfig, TrainConfig
+from batchfix.config import AttentionConfig, CorrectConfig, CorrectionSettings, TrainConfig
 from batchfix.correction import correct_file, reference_index
 from batchfix.data import PreparedData
 from batchfix.errors import Interrupted
-from batchfix.io import atomic_output
-from batchfix.module import ENTROPY_PREFIX, load_trained
+from batchfix.io import atomic_output, input_path
+from batchfix.module import ENTROPY_PREFIX, BatchfixModel, load_trained
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def write_outputs(cfg: TrainConfig, result: training.FitResult, prepared: Prepar
     model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
     metrics = fit_metrics(result, prepared)
     correct_started = time.perf_counter()
-    corrected_path = correct_file(training.input_path(cfg.data.path), run_dir / runfolder.CORRECTED_H5AD, model,
+    corrected_path = correct_file(input_path(cfg.data.path), run_dir / runfolder.CORRECTED_H5AD, model,
                                   CorrectionSettings(**asdict(cfg.correction)), counts_layer=cfg.data.counts_layer,
                                   batch_key=cfg.data.batch_key, overwrite=True)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
@@ -98,7 +99,7 @@ def correct(cfg: CorrectConfig) -> Path:
     """Correct cfg.input with cfg.checkpoint into cfg.output (streamed, chunk_size cells at a time)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    source = training.input_path(cfg.input)
+    source = input_path(cfg.input)
     output = Path(cfg.output or Path.cwd() / (Path(source).stem + ".corrected.h5ad"))
     earlier = file_identity(output)
     try:
@@ -119,7 +120,7 @@ def attention_picture(cfg: TrainConfig, model: BatchfixModel, run_dir: Path) -> 
     from batchfix.attention_maps import attention_maps, write_attention
 
     options = AttentionConfig(checkpoint=str(model.path), group_by=cfg.data.label_key or cfg.data.batch_key)
-    maps = attention_maps(model, training.input_path(cfg.data.path), options.group_by,
+    maps = attention_maps(model, input_path(cfg.data.path), options.group_by,
                           CorrectionSettings(), cfg.data.counts_layer, options.max_cells, options.resolution)
     return write_attention(maps, run_dir, npz=False, overwrite=True)[0]
 
@@ -130,7 +131,7 @@ def attention(cfg: AttentionConfig) -> list[Path]:
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    source = training.input_path(cfg.input)
+    source = input_path(cfg.input)
     output = Path(cfg.output).expanduser() if cfg.output else Path.cwd() / (Path(source).stem + ".attention")
     settings = CorrectionSettings(batch_size=cfg.batch_size, max_missing_fraction=cfg.max_missing_fraction)
     trained = load_trained(cfg.checkpoint)
@@ -147,25 +148,3 @@ def file_identity(path: Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return stat.st_dev, stat.st_ino
-
-
-def evaluate(cfg: EvaluateConfig, out_dir: str | Path) -> dict:
-    """Score a corrected file's batch mixing and biology conservation."""
-    from batchfix.evaluate import evaluate_file
-
-    return evaluate_file(training.input_path(cfg.input), cfg.data.batch_key, cfg.data.label_key, out_dir,
-                         counts_layer=cfg.data.counts_layer, key_added=cfg.key_added,
-                         max_cells=cfg.evaluation.max_cells, neighbors=cfg.evaluation.neighbors)
-
-
-def headline(metrics: dict) -> float | None:
-    """The number a sweep optimises: corrected-expression Total when evaluated, else the validation negative ELBO."""
-    from batchfix.metrics import CORRECTED, TOTAL_SCORE
-
-    scores = (metrics.get("evaluation") or {}).get("scores", {})
-    total = scores.get(CORRECTED, {}).get(TOTAL_SCORE)
-    if total is not None:
-        return float(total)
-    loss = metrics.get("losses", {}).get("val_elbo")
-    return None if loss is None else float(loss)
-

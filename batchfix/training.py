@@ -25,23 +25,11 @@ from batchfix.counterfactual import calibrate
 from batchfix.data import CellDataModule, PreparedData, prepare
 from batchfix.errors import ConfigError, InputError, Interrupted
 from batchfix.genome import chromosome_runs
-from batchfix.io import expression_input, load_expression
+from batchfix.io import expression_input, input_path, load_expression
 from batchfix.module import BatchfixModel, BatchfixModule, load_trained
 from batchfix.streaming import prepare_streamed, use_streaming
 
 log = logging.getLogger(__name__)
-
-
-def bundled_dataset() -> str:
-    """Path of the bundled CellBench dataset (the default input of every command)."""
-    from importlib import resources
-
-    return str(resources.files("batchfix.bundled").joinpath("cellbench5.h5ad"))
-
-
-def input_path(path: str | None) -> str:
-    """A user's input path, or the bundled dataset for null / 'bundled'."""
-    return bundled_dataset() if path in (None, "", "bundled") else str(Path(path).expanduser())
 
 
 def seed_and_threads(seed: int, threads: int | None) -> None:

@@ -183,7 +183,7 @@ def main() -> None:
     sizes = sorted(set(args.sizes + ([1_000_000] if args.million else [])))
     files: list[tuple[int, Path]] = []
     if args.bundled:
-        from batchfix.training import bundled_dataset
+        from batchfix.io import bundled_dataset
 
         files.append((1021, Path(bundled_dataset())))
     for n in sizes:

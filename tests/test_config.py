@@ -104,7 +104,7 @@ BAD_OPTIONS = [
     ("data.hvg_max_cells=50", "data.hvg_max_cells must be >= 100"),
     ("fit.max_validation_cells=0", "fit.max_validation_cells must be >= 1"),
     ("evaluation.max_cells=10", "evaluation.max_cells must be >= 100"),
-    ("evaluation.neighbors=fast", "evaluation.neighbors must be one of ['approximate', 'exact']"),
+    ("evaluation.neighbors=fast", "evaluation.neighbors must be one of ['auto', 'exact', 'approximate']"),
 ]
 
 

@@ -201,7 +201,6 @@ def test_evaluate_corrected_without_labels_scores_batch_mixing_only(corrected_fi
 def test_evaluate_file_scores_a_stratified_subsample_of_a_large_file(corrected_file, tmp_path):
     """Above evaluation.max_cells only a subsample is read and scored, each batch x label keeping its share."""
     before = hashlib.sha256(corrected_file.read_bytes()).hexdigest()
-    full = ad.read_h5ad(corrected_file)
     result = evaluate_file(corrected_file, "batch", "cell_type", tmp_path / "eval", max_cells=120, neighbors="exact")
     assert hashlib.sha256(corrected_file.read_bytes()).hexdigest() == before
     assert result["n_cells"] == 120
@@ -256,6 +255,57 @@ def test_exact_neighbours_agree_with_approximate_ones_on_real_cells(small, embed
         metrics.score_embeddings(small.obs, subset, subset["Unintegrated"], "batch", "cell_type", "fast")
     result = metrics.exact_neighbors(subset["ComBat"], 5)
     assert (result.indices[:, 0] == np.arange(len(small))).mean() > 0.99 and (result.distances[:, 0] < 1e-3).all()
+
+
+def test_exact_scoring_compiles_no_pynndescent(corrected_file, tmp_path, monkeypatch):
+    """With exact neighbours (the default up to 50,000 cells) no pynndescent index is built anywhere: not for
+    the scores' graphs, not inside kBET's diffusion-map search, not for the UMAP; so nothing is compiled."""
+    import pynndescent
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pynndescent used")
+
+    monkeypatch.setattr(pynndescent.NNDescent, "__init__", refuse)  # the class every caller builds
+    result = evaluate_file(corrected_file, "batch", "cell_type", tmp_path / "eval")
+    assert result["neighbors"] == "exact"
+    assert result["scores"][metrics.CORRECTED]["KBET"] is not None
+    with pytest.raises(AssertionError, match="pynndescent used"):  # the guard itself works
+        evaluate_file(corrected_file, "batch", "cell_type", tmp_path / "approx", neighbors="approximate")
+
+
+def test_auto_neighbours_are_exact_up_to_the_limit():
+    limit = metrics.EXACT_NEIGHBORS_MAX_CELLS
+    assert metrics.resolve_neighbors("auto", limit) == "exact"
+    assert metrics.resolve_neighbors("auto", limit + 1) == "approximate"
+    assert metrics.resolve_neighbors("approximate", 10) == "approximate"
+    assert metrics.resolve_neighbors("exact", 10 * limit) == "exact"
+    with pytest.raises(ValueError, match=r"neighbors must be one of \['auto', 'exact', 'approximate'\]"):
+        metrics.resolve_neighbors("fast", 10)
+
+
+def test_exact_diffusion_neighbours_are_exact_and_restored():
+    """kBET's diffusion-map search is exact inside the context, and scib-metrics' own search is back after."""
+    import scib_metrics.nearest_neighbors as scib_neighbors
+    from scib_metrics.utils import diffusion_nn
+    from scipy.sparse import csr_matrix
+
+    rng = np.random.default_rng(0)
+    points = rng.normal(size=(200, 5))
+    distances = np.linalg.norm(points[:, None] - points[None], axis=-1)
+    graph = csr_matrix(np.exp(-distances**2) * (distances < 1.5))
+    original = scib_neighbors.pynndescent
+    with metrics.exact_diffusion_neighbors():
+        result = diffusion_nn(graph, k=10, n_comps=20)
+    assert scib_neighbors.pynndescent is original
+    assert result.indices.shape == (200, 11) and (np.diff(result.distances, axis=1) >= -1e-6).all()
+
+
+def test_frozen_heap_is_undone():
+    import gc
+
+    with metrics.frozen_heap():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
 
 
 def test_subsample_allocation_keeps_small_strata():
