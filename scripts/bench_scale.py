@@ -29,6 +29,7 @@ Everything runs on this machine's CPU with --threads threads (no GPU figure exis
     python scripts/bench_scale.py                       # 10,000 and 100,000 cells
     python scripts/bench_scale.py --sizes 10000 --bundled --threads 1
     python scripts/bench_scale.py --million --fit-epochs 1
+    python scripts/bench_scale.py --sizes 1000000 --genes 2000 --stop-after 900 --skip-scvi   # memory only
 """
 from __future__ import annotations
 
@@ -49,8 +50,9 @@ from resampled import generate  # scripts/resampled.py, beside this script
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_sampled(command: list[str], threads: int, cwd: Path) -> tuple[int, float, int, str]:
-    """Run a child; (exit status, wall seconds, peak RSS bytes of it and its children, stderr tail)."""
+def run_sampled(command: list[str], threads: int, cwd: Path, stop_after: float = 0) -> tuple[int, float, int, str]:
+    """Run a child (sent SIGTERM after stop_after seconds when > 0); (exit status, wall seconds, peak RSS bytes of
+    it and its children, stderr tail)."""
     import psutil
 
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
@@ -63,6 +65,9 @@ def run_sampled(command: list[str], threads: int, cwd: Path) -> tuple[int, float
         reader.start()
     watched, peak = psutil.Process(proc.pid), 0
     while proc.poll() is None:
+        if stop_after and time.perf_counter() - started > stop_after:
+            proc.terminate()  # batchfix stops at the next step and saves checkpoints/last.ckpt
+            stop_after = 0
         try:
             peak = max(peak, sum(p.memory_info().rss for p in [watched, *watched.children(recursive=True)]))
         except psutil.Error:
@@ -91,7 +96,9 @@ def bench_batchfix(path: Path, n_cells: int, workdir: Path, args) -> dict:
                "overwrite=true"]
     if args.fit_epochs:
         command.append(f"trainer.max_epochs={args.fit_epochs}")
-    status, wall, peak, output = run_sampled(command, args.threads, workdir)
+    status, wall, peak, output = run_sampled(command, args.threads, workdir, args.stop_after)
+    if status != 0 and args.stop_after and wall >= args.stop_after:
+        return stopped_run(run_dir, n_cells, wall, peak, output)
     if status != 0:
         raise SystemExit(f"batchfix train failed on {path} (exit status {status}):\n{output}")
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -105,6 +112,19 @@ def bench_batchfix(path: Path, n_cells: int, workdir: Path, args) -> dict:
             "correct_s": metrics["correct_seconds"], "evaluate_s": evaluation.get("evaluation_seconds"),
             "evaluated_cells": evaluation.get("n_cells"), "streamed": metrics.get("streamed"),
             "train_cells_per_s": metrics.get("train_cells_per_second"), "total_s": metrics.get("total_seconds"),
+            "wall_s": round(wall, 1), "peak_rss_mb": round(peak / 2**20)}
+
+
+def stopped_run(run_dir: Path, n_cells: int, wall: float, peak: int, output: str) -> dict:
+    """What a train stopped by --stop-after reached: its peak RSS, and the last step its log recorded."""
+    import pandas as pd
+
+    log = run_dir / "logs" / "metrics.csv"
+    if "Traceback" in output or not log.is_file():
+        raise SystemExit(f"batchfix train stopped before training (no training log in {run_dir}):\n{output}")
+    steps = int(pd.read_csv(log)["step"].max())
+    print(f"  stopped by --stop-after after {wall:.0f} s, at step {steps}", flush=True)
+    return {"stopped_after_s": round(wall, 1), "steps_reached": steps, "planned_epochs": default_planned_epochs(n_cells),
             "wall_s": round(wall, 1), "peak_rss_mb": round(peak / 2**20)}
 
 
@@ -173,13 +193,16 @@ def main() -> None:
                         help="stop batchfix's fit after this many epochs and project the planned ones (0: all)")
     parser.add_argument("--scvi-epochs", type=int, default=2, help="scVI epochs to train and time (1-2)")
     parser.add_argument("--skip-scvi", action="store_true")
+    parser.add_argument("--stop-after", type=float, default=0,
+                        help="send batchfix's train SIGTERM after this many seconds and report its peak RSS so far "
+                             "and the step it reached (memory of a file too large to train on here; 0: never)")
     parser.add_argument("--workdir", type=Path, default=Path("bench_scale_work"))
     args = parser.parse_args()
     for option in ("threads", "scvi_epochs"):
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be >= 1")
-    if args.fit_epochs < 0 or args.genes < 0 or min(args.sizes) < 100:
-        parser.error("--fit-epochs and --genes must be >= 0, --sizes >= 100")
+    if args.fit_epochs < 0 or args.genes < 0 or args.stop_after < 0 or min(args.sizes) < 100:
+        parser.error("--fit-epochs, --genes and --stop-after must be >= 0, --sizes >= 100")
     args.workdir.mkdir(parents=True, exist_ok=True)
     workdir = args.workdir.resolve()
     sizes = sorted(set(args.sizes + ([1_000_000] if args.million else [])))
@@ -200,6 +223,11 @@ def main() -> None:
     for n, path in files:
         print(f"\n== {n:,} cells: {path.name}", flush=True)
         row = {"cells": n, "file": path.name, **bench_batchfix(path, n, workdir, args)}
+        if "stopped_after_s" in row:
+            print(f"  batchfix  peak RSS {row['peak_rss_mb']:,} MB until stopped at step {row['steps_reached']} "
+                  f"({row['planned_epochs']} epochs planned)", flush=True)
+            rows.append(row)
+            continue
         projected = f"; {row['fit_s_planned']:.1f} s projected for all" if row["fit_projected"] else ""
         print(f"  batchfix  fit {row['fit_s']:.1f} s ({row['epochs_run']} of {row['planned_epochs']} planned epochs"
               f"{projected}), "
