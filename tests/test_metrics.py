@@ -300,6 +300,21 @@ def test_exact_diffusion_neighbours_are_exact_and_restored():
     assert result.indices.shape == (200, 11) and (np.diff(result.distances, axis=1) >= -1e-6).all()
 
 
+def test_umap_starts_from_pca_on_a_graph_of_many_components():
+    """Spectral initialisation solves an eigenproblem per connected component; beyond
+    MAX_SPECTRAL_COMPONENTS components (resampled cells gave 761) UMAP starts from the PCA instead."""
+    from scipy.sparse import block_diag, csr_matrix
+
+    clique = csr_matrix(np.ones((4, 4)) - np.eye(4))
+    few = block_diag([clique] * metrics.MAX_SPECTRAL_COMPONENTS)
+    many = block_diag([clique] * (metrics.MAX_SPECTRAL_COMPONENTS + 1))
+    assert metrics.umap_initialisation(few) == "spectral"
+    assert metrics.umap_initialisation(many) == "pca"
+    points = np.repeat(np.arange(30.0)[:, None] * 100, 6, axis=0) + np.random.default_rng(0).normal(size=(180, 3))
+    coords = metrics.umap_coordinates(points.astype(np.float32), neighbors="exact")  # 30 far-apart clusters
+    assert coords.shape == (180, 2) and np.isfinite(coords).all()
+
+
 def test_frozen_heap_is_undone():
     import gc
 
