@@ -52,7 +52,10 @@ N_MARKERS = 50
 N_PCS = 10
 N_NEIGHBORS = 10
 N_HVG = 200
-FULL_SVD_MAX = 1000  # exact PCA up to this min(cells, genes) per group, randomized above
+# Per-group PCA: LAPACK's full SVD up to this min(cells, genes), ARPACK's top components above (the same
+# components to solver tolerance, 4x faster for 800 cells x 2,000 genes; a randomized SVD was faster still
+# but kept only 9% of the 10-NN on noisy data, whose trailing components are close in variance).
+FULL_SVD_MAX = 200
 
 DE_RANK = "DE-rank agreement"
 MARKER_RECALL = "Marker recall"
@@ -237,7 +240,7 @@ def _neighbours_kept(reference: np.ndarray, corrected: np.ndarray, n_pcs: int, k
 
 def _pca(values: np.ndarray, n_pcs: int) -> np.ndarray:
     n_comps = min(n_pcs, *values.shape)
-    solver = "full" if min(values.shape) <= FULL_SVD_MAX else "randomized"
+    solver = "full" if min(values.shape) <= FULL_SVD_MAX else "arpack"
     return PCA(n_components=n_comps, svd_solver=solver, random_state=0).fit_transform(values)
 
 

@@ -265,3 +265,16 @@ def test_real_data(cellbench):
     )
     assert abs(shuffled[DE_RANK]) < 0.2 and shuffled[MARKER_RECALL] < 0.3 and shuffled[WITHIN_TYPE] < 0.15, \
         scores(shuffled)
+
+
+def test_group_pca_above_the_full_svd_size_keeps_the_exact_neighbours():
+    """Groups larger than FULL_SVD_MAX use ARPACK: the same 10-NN as LAPACK's full SVD."""
+    from sklearn.decomposition import PCA
+
+    rng = np.random.default_rng(0)
+    values = np.log1p(rng.poisson(rng.gamma(0.5, 2, size=(fidelity.FULL_SVD_MAX + 200, 600)))).astype(np.float32)
+    values[: len(values) // 2] += rng.normal(size=600).astype(np.float32) * 0.5
+    exact = fidelity._knn(PCA(10, svd_solver="full").fit_transform(values), 10)
+    used = fidelity._knn(fidelity._pca(values, 10), 10)
+    jaccard = np.mean([len(set(a) & set(b)) / len(set(a) | set(b)) for a, b in zip(exact, used)])
+    assert jaccard > 0.99
