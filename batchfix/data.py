@@ -238,7 +238,7 @@ class CellDataModule(pl.LightningDataModule):
             raise ConfigError(f"fit.validation_fraction={validation_fraction:g} holds out all {n_cells} cells: "
                               "none are left to train on.")
         if max_validation_cells is not None and n_validation > max_validation_cells:
-            log.info("Validating on %d of the %d held-out cells (fit.max_validation_cells); the rest are not "
+            log.info("Validating on %d of the %d held-out cells (fit.max_validation_cells); the rest "
                      "are trained on.", max_validation_cells, n_validation)
             n_validation = max_validation_cells
         self.validation_rows = np.sort(permutation[:n_validation])

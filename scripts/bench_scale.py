@@ -116,13 +116,13 @@ def bench_batchfix(path: Path, n_cells: int, workdir: Path, args) -> dict:
 
 
 def stopped_run(run_dir: Path, n_cells: int, wall: float, peak: int, output: str) -> dict:
-    """What a train stopped by --stop-after reached: its peak RSS, and the last step its log recorded."""
-    import pandas as pd
+    """What a train stopped by --stop-after reached: its peak RSS, and the step its stop message names."""
+    import re
 
-    log = run_dir / "logs" / "metrics.csv"
-    if "Traceback" in output or not log.is_file():
-        raise SystemExit(f"batchfix train stopped before training (no training log in {run_dir}):\n{output}")
-    steps = int(pd.read_csv(log)["step"].max())
+    reached = re.search(r"interrupted by SIGTERM after (\d+) training steps", output)
+    if "Traceback" in output or reached is None:
+        raise SystemExit(f"batchfix train was stopped before it trained (in {run_dir}):\n{output}")
+    steps = int(reached.group(1))
     print(f"  stopped by --stop-after after {wall:.0f} s, at step {steps}", flush=True)
     return {"stopped_after_s": round(wall, 1), "steps_reached": steps, "planned_epochs": default_planned_epochs(n_cells),
             "wall_s": round(wall, 1), "peak_rss_mb": round(peak / 2**20)}
