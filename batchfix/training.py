@@ -86,6 +86,8 @@ class StopOnSignal(Callback):
     def on_exception(self, trainer: pl.Trainer, module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, (Interrupted, SIGTERMException)) and trainer.global_step > 0:
             trainer.save_checkpoint(self.last)
+            if trainer.logger is not None:
+                trainer.logger.save()  # the losses logged so far reach logs/metrics.csv
 
 
 def build_trainer(cfg: TrainConfig, run_dir: Path, has_validation: bool) -> pl.Trainer:

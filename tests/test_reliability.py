@@ -260,6 +260,8 @@ def test_signal_stops_train_with_a_checkpoint(signalled, signum):
     step, _ = checkpoint_progress(runfolder.last_checkpoint(run_dir))
     assert step == int(re.search(r"after (\d+) training", line).group(1)) > 0
     assert not (run_dir / "model.ckpt").exists() and not (run_dir / "metrics.json").exists()
+    logged = pd.read_csv(run_dir / "logs" / "metrics.csv")  # the losses logged until the signal are kept
+    assert step - 5 <= logged["step"].max() <= step  # logged every 5 steps (trainer.log_every_n_steps)
 
 
 def test_interrupted_run_is_refused_then_resumed_or_overwritten(signalled, files, subset):

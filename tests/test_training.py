@@ -309,3 +309,24 @@ def test_cli_sweep_over_heads_writes_summary(subset_h5ad, tmp_path):
     assert table["losses.val_elbo"].notna().all()
     assert (sweep_dir / "sweep_summary.md").read_text().count("|") > 10
     assert list(sweep_dir.glob("sweep_*.png")), "no metric plot written"
+
+
+def test_an_interrupted_fit_keeps_the_losses_logged_so_far(tmp_path):
+    """Lightning's CSVLogger writes logs/metrics.csv at epoch ends (and rarely between): a signal in the middle
+    of a long epoch (an atlas has thousands of steps per epoch) must not lose what was logged."""
+    import signal
+    from types import SimpleNamespace
+
+    from pytorch_lightning.loggers import CSVLogger
+
+    from batchfix.errors import Interrupted
+    from batchfix.training import StopOnSignal
+
+    logger = CSVLogger(str(tmp_path), name="logs", version="")
+    logger.log_metrics({"train_loss": 1.5}, step=4)
+    saved = []
+    trainer = SimpleNamespace(global_step=5, save_checkpoint=saved.append, logger=logger)
+    StopOnSignal(tmp_path / "last.ckpt").on_exception(trainer, None, Interrupted(signal.SIGTERM))
+    assert saved == [tmp_path / "last.ckpt"]
+    logged = pd.read_csv(tmp_path / "logs" / "metrics.csv")
+    assert logged["step"].tolist() == [4] and logged["train_loss"].tolist() == [1.5]
