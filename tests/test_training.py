@@ -330,3 +330,18 @@ def test_an_interrupted_fit_keeps_the_losses_logged_so_far(tmp_path):
     assert saved == [tmp_path / "last.ckpt"]
     logged = pd.read_csv(tmp_path / "logs" / "metrics.csv")
     assert logged["step"].tolist() == [4] and logged["train_loss"].tolist() == [1.5]
+
+
+def test_the_epoch_plan_follows_the_data():
+    """About fit.target_steps gradient steps, but never less than one pass over the cells nor more than
+    fit.max_auto_epochs; trainer.max_epochs overrides the plan."""
+    from batchfix.config import FitConfig, TrainerConfig
+    from batchfix.training import planned_epochs
+
+    fit, trainer = FitConfig(), TrainerConfig()
+    assert planned_epochs(trainer, fit, 8) == 63  # the bundled 1,021 cells: 504 steps
+    assert planned_epochs(trainer, fit, 71) == 8  # 10,000 cells: 568 steps
+    assert planned_epochs(trainer, fit, 704) == 1  # 100,000 cells: one pass, 704 steps
+    assert planned_epochs(trainer, fit, 7032) == 1  # 1,000,000 cells: one pass
+    assert planned_epochs(trainer, FitConfig(target_steps=10**6), 1) == fit.max_auto_epochs
+    assert planned_epochs(TrainerConfig(max_epochs=3), fit, 8) == 3
