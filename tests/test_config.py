@@ -86,7 +86,7 @@ BAD_OPTIONS = [
     ("fit.batch_size=0", "fit.batch_size must be >= 1"),
     ("fit.learning_rate=0", "fit.learning_rate must be a finite number > 0"),
     ("fit.validation_fraction=1", "fit.validation_fraction must be in [0.0, 1.0)"),
-    ("fit.max_auto_epochs=2", "fit.max_auto_epochs must be >= 5"),
+    ("fit.max_auto_epochs=0", "fit.max_auto_epochs must be >= 1"),
     ("data.n_top_genes=0", "data.n_top_genes must be >= 1"),
     ("data.genome=hg19", "data.genome must be one of ['GRCh38', 'mm10']"),
     ("data.label_key=batch", "data.label_key and data.batch_key both name obs column 'batch'"),
