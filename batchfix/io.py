@@ -42,6 +42,7 @@ def input_path(path: str | None) -> str:
     """A user's input path, or the bundled dataset for null / 'bundled'."""
     return bundled_dataset() if path in (None, "", "bundled") else str(Path(path).expanduser())
 
+
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 
 

@@ -48,8 +48,7 @@ PASS_VALUES = 1 << 24  # a pass reads at most this many matrix entries (rows x g
 def stored_matrix_bytes(path: str, counts_layer: str | None) -> int | None:
     """Uncompressed size of the counts matrix as stored, or None when the file cannot be streamed."""
     try:
-        with h5py.File(path, "r") as f:
-            ondisk.check_anndata_file(f, path)
+        with ondisk.open_anndata(path) as f:
             elem = ondisk.matrix_element(f, counts_layer, "data.counts_layer")
             parts = [elem] if isinstance(elem, h5py.Dataset) else [elem[k] for k in ("data", "indices") if k in elem]
             return int(sum(part.size * part.dtype.itemsize for part in parts))
