@@ -197,7 +197,8 @@ class TrainerConfig:
     devices: Any = 1  # number of devices, a list of indices, or "auto"
     strategy: str = "auto"  # auto | ddp | ddp_find_unused_parameters_true | ...
     num_nodes: int = 1
-    precision: Optional[str] = None  # null = 16-mixed on a GPU, 32-true on CPU
+    # null = 16-mixed on a GPU; on CPU bf16-mixed where it has bf16 matrix units (AMX), else 32-true
+    precision: Optional[str] = None
     max_epochs: Optional[int] = None  # null = sized to the data (fit.target_steps)
     gradient_clip_val: Optional[float] = 1.0
     log_every_n_steps: int = 5

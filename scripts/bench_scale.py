@@ -23,12 +23,15 @@ Per file:
 - ratio = (batchfix fit + correct) / scVI's projected default training time; end to end = the whole
   train command's wall time (start-up, fit, correct, attention picture, evaluation) / the same, when
   the fit ran all its planned epochs.
+- `--variant NAME KEY=VALUE ...` (repeatable) also trains a named variant of batchfix (its Hydra
+  overrides) on every file, each compared with the same scVI measurement.
 
 Everything runs on this machine's CPU with --threads threads (no GPU figure exists yet).
 
     python scripts/bench_scale.py                       # 10,000 and 100,000 cells
     python scripts/bench_scale.py --sizes 10000 --bundled --threads 1
     python scripts/bench_scale.py --million --fit-epochs 1
+    python scripts/bench_scale.py --bundled --sizes --threads 2 --variant tokens48 model.genes_per_token=48
     python scripts/bench_scale.py --sizes 1000000 --genes 2000 --stop-after 900 --skip-scvi   # memory only
 """
 from __future__ import annotations
@@ -89,11 +92,11 @@ def default_planned_epochs(n_cells: int) -> int:
     return planned_epochs(TrainerConfig(), fit, math.ceil((n_cells - n_validation) / fit.batch_size))
 
 
-def bench_batchfix(path: Path, n_cells: int, workdir: Path, args) -> dict:
-    run_dir = workdir / f"run_{path.stem}"
+def bench_batchfix(path: Path, n_cells: int, workdir: Path, args, variant: str = "", overrides=()) -> dict:
+    run_dir = workdir / f"run_{path.stem}{f'_{variant}' if variant else ''}"
     command = [sys.executable, "-m", "batchfix", "train", f"data.path={path}", "data.label_key=cell_type",
                f"threads={args.threads}", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}",
-               "overwrite=true"]
+               "overwrite=true", *overrides]
     if args.fit_epochs:
         command.append(f"trainer.max_epochs={args.fit_epochs}")
     status, wall, peak, output = run_sampled(command, args.threads, workdir, args.stop_after)
@@ -184,7 +187,8 @@ def bench_scvi(path: Path, workdir: Path, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000], help="cells per file")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[10_000, 100_000],
+                        help="cells per resampled file (none: only --bundled)")
     parser.add_argument("--million", action="store_true", help="add a 1,000,000-cell file")
     parser.add_argument("--bundled", action="store_true", help="add the bundled 1,021 real cells as they are")
     parser.add_argument("--genes", type=int, default=0, help="keep the N most detected genes (0: all)")
@@ -196,13 +200,21 @@ def main() -> None:
     parser.add_argument("--stop-after", type=float, default=0,
                         help="send batchfix's train SIGTERM after this many seconds and report its peak RSS so far "
                              "and the step it reached (memory of a file too large to train on here; 0: never)")
+    parser.add_argument("--variant", nargs="+", action="append", metavar=("NAME", "KEY=VALUE"),
+                        help="also train this named variant of batchfix (its Hydra overrides) on every file, "
+                             "against the same scVI measurement (repeatable)")
     parser.add_argument("--workdir", type=Path, default=Path("bench_scale_work"))
     args = parser.parse_args()
+    if args.variant and any("=" in name or not name.strip() for name, *_ in args.variant):
+        parser.error("--variant: give a NAME first, then its KEY=VALUE overrides")
+    variants = [("", [])] + [(name, extra) for name, *extra in args.variant or []]
     for option in ("threads", "scvi_epochs"):
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} must be >= 1")
-    if args.fit_epochs < 0 or args.genes < 0 or args.stop_after < 0 or min(args.sizes) < 100:
+    if args.fit_epochs < 0 or args.genes < 0 or args.stop_after < 0 or min(args.sizes, default=100) < 100:
         parser.error("--fit-epochs, --genes and --stop-after must be >= 0, --sizes >= 100")
+    if not (args.sizes or args.million or args.bundled):
+        parser.error("nothing to measure: give --sizes, --million or --bundled")
     args.workdir.mkdir(parents=True, exist_ok=True)
     workdir = args.workdir.resolve()
     sizes = sorted(set(args.sizes + ([1_000_000] if args.million else [])))
@@ -222,28 +234,35 @@ def main() -> None:
     rows = []
     for n, path in files:
         print(f"\n== {n:,} cells: {path.name}", flush=True)
-        row = {"cells": n, "file": path.name, **bench_batchfix(path, n, workdir, args)}
-        if "stopped_after_s" in row:
-            print(f"  batchfix  peak RSS {row['peak_rss_mb']:,} MB until stopped at step {row['steps_reached']} "
-                  f"({row['planned_epochs']} epochs planned)", flush=True)
+        scvi = None
+        for variant, overrides in variants:
+            name = f"batchfix {variant}" if variant else "batchfix"
+            row = {"cells": n, "file": path.name, "variant": variant or "default", "overrides": overrides,
+                   **bench_batchfix(path, n, workdir, args, variant, overrides)}
             rows.append(row)
-            continue
-        projected = f"; {row['fit_s_planned']:.1f} s projected for all" if row["fit_projected"] else ""
-        print(f"  batchfix  fit {row['fit_s']:.1f} s ({row['epochs_run']} of {row['planned_epochs']} planned epochs"
-              f"{projected}), "
-              f"correct {row['correct_s']:.1f} s, evaluate {row['evaluate_s']} s on {row['evaluated_cells']} cells, "
-              f"streamed {row['streamed']}, peak RSS {row['peak_rss_mb']:,} MB", flush=True)
-        if not args.skip_scvi:
-            row.update(bench_scvi(path, workdir, args))
+            if "stopped_after_s" in row:
+                print(f"  {name}  peak RSS {row['peak_rss_mb']:,} MB until stopped at step {row['steps_reached']} "
+                      f"({row['planned_epochs']} epochs planned)", flush=True)
+                continue
+            projected = f"; {row['fit_s_planned']:.1f} s projected for all" if row["fit_projected"] else ""
+            print(f"  {name}  fit {row['fit_s']:.1f} s ({row['epochs_run']} of {row['planned_epochs']} planned "
+                  f"epochs{projected}), correct {row['correct_s']:.1f} s, evaluate {row['evaluate_s']} s on "
+                  f"{row['evaluated_cells']} cells, streamed {row['streamed']}, peak RSS {row['peak_rss_mb']:,} MB",
+                  flush=True)
+            if args.skip_scvi:
+                continue
+            if scvi is None:  # once per file: every variant is compared with the same measurement
+                scvi = bench_scvi(path, workdir, args)
+                print(f"  scVI      {scvi['scvi_epoch_s']:.2f} s per epoch x {scvi['scvi_default_epochs']} default "
+                      f"epochs = {scvi['scvi_default_s']:.0f} s projected (peak RSS {scvi['scvi_peak_rss_mb']:,} MB)",
+                      flush=True)
+            row.update(scvi)
             row["ratio"] = round((row["fit_s_planned"] + row["correct_s"]) / row["scvi_default_s"], 3)
             row["end_to_end_ratio"] = None if row["fit_projected"] else round(row["wall_s"] / row["scvi_default_s"], 3)
-            print(f"  scVI      {row['scvi_epoch_s']:.2f} s per epoch x {row['scvi_default_epochs']} default epochs "
-                  f"= {row['scvi_default_s']:.0f} s projected (peak RSS {row['scvi_peak_rss_mb']:,} MB)\n"
-                  f"  ratio     batchfix fit + correct / scVI default training = {row['ratio']:.3f}", flush=True)
+            print(f"  ratio     {name} fit + correct / scVI default training = {row['ratio']:.3f}", flush=True)
             if row["end_to_end_ratio"] is not None:
                 print(f"  end to end  the whole train command ({row['wall_s']:.0f} s: start-up, fit, correct, attention "
                       f"picture, evaluation) / scVI default training = {row['end_to_end_ratio']:.3f}", flush=True)
-        rows.append(row)
     summary = {"threads": args.threads, "device": "cpu (no GPU figure exists yet)", "rows": rows}
     (workdir / "bench_scale.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n" + json.dumps(summary, indent=2))

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "data" / "tiny_run_seed0.npz"
 # The options of the regression run (tests/data/tiny_run_seed0.npz): the test_training.py tiny model, 4 epochs.
 TINY = dict(n_top_genes=200, genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8, decoder_hidden=32,
-            batch_size=64, learning_rate=2e-3, threads=1, enable_progress_bar=False, max_epochs=4, seed=0)
+            batch_size=64, learning_rate=2e-3, threads=1, enable_progress_bar=False, max_epochs=4, seed=0,
+            precision="32-true")  # recorded in float32 (a CPU with bf16 units would train bf16-mixed by default)
 
 
 def readme_example() -> str:

@@ -32,6 +32,9 @@ LEARNING_RATE = 2e-3
 CLI_EPOCHS = 6
 
 
+CPU_DEFAULT_PRECISION = "bf16-mixed" if training.cpu_multiplies_bf16() else "32-true"  # this machine's default
+
+
 def tiny_overrides(h5ad: Path) -> list[str]:
     return [
         f"data.path={h5ad}", f"data.n_top_genes={N_TOP_GENES}",
@@ -93,7 +96,7 @@ def test_cli_train_writes_run_folder(cli_run, subset_h5ad):
     assert metrics["n_cells"] == 200 and metrics["n_genes"] == N_TOP_GENES
     assert metrics["epochs"] == CLI_EPOCHS
     assert metrics["steps"] == CLI_EPOCHS * STEPS_PER_EPOCH
-    assert metrics["precision"] == "32-true"
+    assert metrics["precision"] == CPU_DEFAULT_PRECISION
     assert all(math.isfinite(v) for v in metrics["losses"].values())
     assert {"train_loss", "val_loss"} <= set(metrics["losses"])
 
@@ -244,27 +247,46 @@ def test_precision_16_mixed_runs_as_bf16_on_cpu(subset_h5ad, tmp_path, caplog):
     assert all(math.isfinite(v) for v in metrics["losses"].values())
 
 
-def test_default_precision_follows_the_accelerator(monkeypatch):
+@pytest.mark.parametrize("bf16_units", [False, True], ids=["float32_cpu", "amx_cpu"])
+def test_default_precision_follows_the_hardware(monkeypatch, bf16_units):
+    monkeypatch.setattr(training, "cpu_multiplies_bf16", lambda: bf16_units)
+    cpu_default = "bf16-mixed" if bf16_units else "32-true"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert training.resolve_precision(None) == "32-true"
+    assert training.resolve_precision(None) == cpu_default
     assert training.resolve_precision("bf16-mixed") == "bf16-mixed"
+    assert training.resolve_precision("32-true") == "32-true"  # asked for: kept, bf16 units or not
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert training.resolve_precision(None, "auto") == "16-mixed"
     assert training.resolve_precision(None, "gpu") == "16-mixed"
-    # A GPU host told to train on its CPU: 32-true by default, and 16-mixed said to become bf16-mixed.
-    assert training.resolve_precision(None, "cpu") == "32-true"
+    # A GPU host told to train on its CPU: the CPU's default, and 16-mixed said to become bf16-mixed.
+    assert training.resolve_precision(None, "cpu") == cpu_default
     assert training.resolve_precision("16-mixed", "cpu") == "bf16-mixed"
+
+
+def test_bf16_probe_answers_no_when_torch_cannot_tell(monkeypatch):
+    assert isinstance(training.cpu_multiplies_bf16(), bool)
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    assert training.cpu_multiplies_bf16() is False
+
+    def failing_probe():
+        raise RuntimeError("cpuinfo unavailable")
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", failing_probe, raising=False)
+    assert training.cpu_multiplies_bf16() is False
 
 
 # ---------------------------------------------------------------- DDP: two CPU processes (gloo)
 
 
-def test_ddp_two_cpu_processes_through_cli(subset_h5ad, tmp_path):
+@pytest.mark.parametrize("stream", [False, True], ids=["in_memory", "streamed"])
+def test_ddp_two_cpu_processes_through_cli(subset_h5ad, tmp_path, stream):
+    """Two processes, the cells in memory or streamed from disk (each process reading its own shard)."""
     run_dir = tmp_path / "ddp run"  # a space: the launcher must quote the run folder for the child
     ddp_batch = 32
+    streaming = ["data.stream=true", "data.chunk_cells=64"] if stream else ["data.stream=false"]
     result = run_cli(["train", "trainer=ddp", "trainer.accelerator=cpu", "trainer.max_epochs=2",
-                      *tiny_overrides(subset_h5ad), f"fit.batch_size={ddp_batch}", f"hydra.run.dir={run_dir}"],
-                     cwd=tmp_path, timeout=300)
+                      *tiny_overrides(subset_h5ad), *streaming, f"fit.batch_size={ddp_batch}",
+                      f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     # The second process was started by Lightning (python -m batchfix.cli.train <same overrides>).
@@ -273,12 +295,14 @@ def test_ddp_two_cpu_processes_through_cli(subset_h5ad, tmp_path):
     child_log = run_dir / "train_ddp_process_1.log"
     assert child_log.is_file()
     assert "Modelling 200 genes" in child_log.read_text()
+    assert ("Ranking highly variable genes on" in child_log.read_text()) is stream  # the child streams too
 
     # Each process took half the minibatches: 6 per epoch in all, 3 per process.
     per_process = math.ceil(math.ceil(N_TRAIN_CELLS / ddp_batch) / 2)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["steps"] == 2 * per_process
-    assert metrics["precision"] == "32-true"
+    assert metrics["streamed"] is stream
+    assert metrics["precision"] == CPU_DEFAULT_PRECISION
     # The KL warm-up and learning-rate plan count the steps each process really takes.
     trained = load_trained(run_dir / "model.ckpt")
     assert trained.module.hparams.planned_steps == 2 * per_process
