@@ -347,6 +347,7 @@ class EvaluateConfig:
     data: DataKeys = field(default_factory=DataKeys)  # counts_layer: the uncorrected counts to compare with
     key_added: str = CorrectionOptions.key_added  # the key the correction was written under
     evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
+    overwrite: bool = False  # replace the metrics of a run folder (or an earlier evaluation's) evaluated into
 
     def __post_init__(self):
         non_empty("input", self.input)

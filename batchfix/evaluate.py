@@ -15,7 +15,7 @@ try:  # anndata >= 0.11
 except ImportError:  # pragma: no cover - older anndata
     from anndata.experimental import read_elem
 
-from batchfix import caches, metrics, ondisk
+from batchfix import caches, metrics, ondisk, runfolder
 from batchfix.config import CorrectionOptions, EvaluateConfig, EvaluationOptions
 from batchfix.errors import InputError
 from batchfix.io import OutputKeys, atomic_output, check_h5ad_path, input_path, obs_strings, read_h5ad
@@ -26,7 +26,9 @@ log = logging.getLogger(__name__)
 
 
 def evaluate(cfg: EvaluateConfig, out_dir: str | Path) -> dict:
-    """The evaluate verb: score cfg.input (null = the bundled dataset) into out_dir."""
+    """The evaluate verb: score cfg.input (null = the bundled dataset) into out_dir (refused if it holds a run or
+    an evaluation, unless cfg.overwrite)."""
+    runfolder.check_evaluation_folder(Path(out_dir), cfg.overwrite)
     return evaluate_file(input_path(cfg.input), cfg.data.batch_key, cfg.data.label_key, out_dir,
                          counts_layer=cfg.data.counts_layer, key_added=cfg.key_added,
                          max_cells=cfg.evaluation.max_cells, neighbors=cfg.evaluation.neighbors)

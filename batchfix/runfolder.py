@@ -67,6 +67,17 @@ def check_reuse(run_dir: Path, overwrite: bool, resume: str | None) -> list[str]
     return found
 
 
+def check_evaluation_folder(out_dir: Path, overwrite: bool) -> None:
+    """Refuse to evaluate into a folder that holds a run or an evaluation, unless `overwrite` (its metrics are then
+    replaced)."""
+    found = previous_outputs(Path(out_dir).expanduser())
+    if found and not overwrite:
+        raise OutputExistsError(
+            f"Output folder {out_dir} already holds a run or an evaluation ({', '.join(found)}); evaluating into it "
+            "would replace its metrics and its .hydra/ files. Evaluate into a new folder (hydra.run.dir=...), or "
+            "replace them with overwrite=true.")
+
+
 def claim(run_dir: Path, overwrite: bool, resume: str | None) -> None:
     """Make `run_dir` ready for a run (see `check_reuse`): with overwrite, delete the previous run's outputs."""
     found = check_reuse(run_dir, overwrite, resume)
@@ -117,8 +128,8 @@ def remove_if_unused(run_dir: str | Path) -> None:
 
 class RunFolderCheck(Callback):
     """Hydra callback: before Hydra writes into the run folder, make it (writable, or a one-line error) and
-    remember the folders made for it (`remove_if_unused`); for `train`, refuse bad options and a folder that
-    holds a run, so that Hydra never replaces a previous run's .hydra/ files."""
+    remember the folders made for it (`remove_if_unused`); for `train` and `evaluate`, refuse bad options and a
+    folder that holds a run (or an evaluation), so that Hydra never replaces a previous run's .hydra/ files."""
 
     def __init__(self, verb: str = "train"):
         self.verb = verb
@@ -127,15 +138,18 @@ class RunFolderCheck(Callback):
         from hydra.core.hydra_config import HydraConfig
 
         from batchfix.cli.common import user_errors_reported
-        from batchfix.config import TrainConfig, validated
+        from batchfix.config import EvaluateConfig, TrainConfig, validated
 
         HydraConfig.instance().set_config(config)  # as Hydra does next, so ${hydra:...} resolves
         run_dir = Path(str(config.hydra.run.dir))
         with user_errors_reported(self.verb):
-            if self.verb == "train":
+            if self.verb in ("train", "evaluate"):
                 task = copy.deepcopy(config)
                 with read_write(task), open_dict(task):
                     del task["hydra"]
-                cfg = validated(task, TrainConfig)
-                check_reuse(run_dir, cfg.overwrite, cfg.resume)
+                if self.verb == "train":
+                    cfg = validated(task, TrainConfig)
+                    check_reuse(run_dir, cfg.overwrite, cfg.resume)
+                else:
+                    check_evaluation_folder(run_dir, validated(task, EvaluateConfig).overwrite)
             make_run_folder(run_dir)

@@ -666,6 +666,23 @@ def test_a_run_folder_is_refused_cleared_or_continued(tmp_path):
     assert listing(run_dir) == ["notes.txt"], "only the previous run's outputs are deleted"
 
 
+def test_evaluating_into_a_run_or_an_evaluation_is_refused_unless_overwrite(tmp_path):
+    run_dir = run_with(tmp_path, "model.ckpt", "metrics.json", ".hydra/config.yaml")
+    with pytest.raises(OutputExistsError, match=r"already holds a run or an evaluation \(model\.ckpt, metrics\.json\)"
+                                                 r".*overwrite=true"):
+        runfolder.check_evaluation_folder(run_dir, overwrite=False)
+    runfolder.check_evaluation_folder(run_dir, overwrite=True)
+    runfolder.check_evaluation_folder(tmp_path / "new", overwrite=False)
+    # Through the command line: refused before Hydra writes into the folder, which is left as it was.
+    before = {p: sha256(p) for p in run_dir.rglob("*") if p.is_file()}
+    process = cli(["evaluate", f"hydra.run.dir={run_dir}"], tmp_path)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert re.fullmatch(r"batchfix evaluate: error: Output folder .* already holds a run or an evaluation "
+                        r"\(model\.ckpt, metrics\.json\).*overwrite=true\.", last_line(stderr)), last_line(stderr)
+    assert {p: sha256(p) for p in run_dir.rglob("*") if p.is_file()} == before
+
+
 def test_an_unused_run_folder_is_removed_but_nothing_else(tmp_path):
     made = tmp_path / "outputs" / "train"
     runfolder.make_run_folder(made / "run")
