@@ -8,6 +8,8 @@ fifth is a batch it never saw.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import os
 import subprocess
@@ -22,9 +24,10 @@ import torch
 from scipy.stats import spearmanr
 
 import batchfix
-from batchfix import counterfactual
+from batchfix import attention, counterfactual
 from batchfix.config import CorrectConfig, CorrectionSettings, TrainConfig, validated
 from batchfix.correction import correct_file
+from batchfix.data import PreparedData
 from batchfix.errors import ConfigError, InputError
 from batchfix.normalize import log_cp10k
 
@@ -197,6 +200,30 @@ def test_the_batch_column_is_needed_only_by_the_counterfactual_output(shifted, m
     assert streamed.uns["batchfix"]["params"]["batch_key"] == "sample"
     np.testing.assert_allclose(streamed.layers["batchfix"].data, via_key.layers["batchfix"].data, rtol=1e-5,
                                atol=1e-5)
+
+
+def test_calibration_with_the_fused_kernel_matches_the_written_out_attention(shifted, model, monkeypatch):
+    """Calibration runs the fused attention (as correction does): the statistics of the guarded softmax."""
+    seen = shifted[shifted.obs["batch"] != UNSEEN]
+    codes = pd.Categorical(seen.obs["batch"].astype(str), categories=model.batch_categories).codes
+    prepared = PreparedData(counts=sp.csr_matrix(seen[:, model.genes].X), batch_index=codes.astype(np.int64),
+                            batch_categories=model.batch_categories, genes=model.genes, coordinates=None,
+                            gene_mean=None, gene_std=None)
+    net = copy.deepcopy(model.net)
+    fused_calls = []
+    kernel = attention.sdpa_attention
+    monkeypatch.setattr(attention, "sdpa_attention", lambda *args: fused_calls.append(1) or kernel(*args))
+    counterfactual.calibrate(net, prepared)
+    assert fused_calls, "calibration did not run the fused kernel"
+    assert all(m.backend == "guarded" for m in net.modules() if hasattr(m, "backend")), "backend not restored"
+    fused = net.residual_location.clone(), net.residual_spread.clone()
+    monkeypatch.setattr(counterfactual, "fused_attention", lambda net: contextlib.nullcontext())
+    fused_calls.clear()
+    counterfactual.calibrate(net, prepared)
+    assert not fused_calls
+    torch.testing.assert_close(fused[0], net.residual_location, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused[1], net.residual_spread, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fused[1], model.net.residual_spread, atol=1e-6, rtol=1e-5)  # as the fit stored them
 
 
 def test_an_uncalibrated_checkpoint_is_refused_for_the_counterfactual_output(shifted, model, tmp_path):
