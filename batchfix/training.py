@@ -9,6 +9,7 @@ import logging
 import math
 import signal
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -203,7 +204,10 @@ def fit(cfg: TrainConfig, prepared: PreparedData, run_dir: Path) -> FitResult:
              prepared.n_cells, len(prepared.batch_categories), max_epochs)
     started = time.perf_counter()
     try:
-        with signals.deferred():
+        with signals.deferred(), warnings.catch_warnings():
+            # Lightning warns that a streamed dataset's length may be wrong with several loader workers; the
+            # loaders run in the training process (no workers), where it is exact.
+            warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
             trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
     except (Interrupted, SIGTERMException) as err:
         signum = err.signum if isinstance(err, Interrupted) else signal.SIGTERM

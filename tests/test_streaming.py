@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import anndata as ad
@@ -140,7 +141,10 @@ def test_streamed_training_run(disk_h5ad, tmp_path):
                  "trainer.enable_progress_bar=false"]
     with initialize_config_module(config_module="batchfix.conf", version_base=None):
         cfg = validated(compose(config_name="train", overrides=overrides), TrainConfig)
-    metrics = tasks.train(cfg, tmp_path / "run")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = tasks.train(cfg, tmp_path / "run")
+    assert not [w for w in caught if "IterableDataset" in str(w.message)]  # exact without loader workers
     assert hashlib.sha256(disk_h5ad.read_bytes()).hexdigest() == before
     assert metrics["streamed"] is True and metrics["n_cells"] == 199 and metrics["epochs"] == 2
     assert metrics["steps"] == 2 * int(np.ceil((199 - 8) / 32))
