@@ -202,15 +202,17 @@ class StreamedCells(IterableDataset):
             yield kept[i % len(kept)]
 
 
-def in_order(prepared: PreparedData, batch_size: int) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
-    """Every prepared cell once, in order, as (values (B, G), batch codes (B,)): from memory, or streamed
-    from disk a chunk at a time."""
+def in_order(prepared: PreparedData, batch_size: int,
+             cells: np.ndarray | None = None) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
+    """Every prepared cell (or those at the sorted positions `cells`) once, in order, as (values (B, G), batch
+    codes (B,)): from memory, or streamed from disk a chunk at a time."""
+    cells = np.arange(prepared.n_cells) if cells is None else cells
     if prepared.disk is None:
-        for start in range(0, prepared.n_cells, batch_size):
-            stop = start + batch_size
-            yield torch.from_numpy(prepared.counts[start:stop].toarray()), prepared.batch_index[start:stop]
+        for start in range(0, len(cells), batch_size):
+            rows = cells[start:start + batch_size]
+            yield torch.from_numpy(prepared.counts[rows].toarray()), prepared.batch_index[rows]
         return
-    streamed = StreamedCells(prepared.disk, np.arange(prepared.n_cells), prepared.batch_index, batch_size,
+    streamed = StreamedCells(prepared.disk, cells, prepared.batch_index, batch_size,
                              prepared.disk.chunk_cells, shuffle=False)
     for values, codes in streamed:
         yield values, codes.numpy()

@@ -226,6 +226,40 @@ def test_calibration_with_the_fused_kernel_matches_the_written_out_attention(shi
     torch.testing.assert_close(fused[1], model.net.residual_spread, atol=1e-6, rtol=1e-5)  # as the fit stored them
 
 
+def test_calibration_cells_keep_small_batches_whole_and_draw_the_rest():
+    batch_index = np.repeat([0, 1, 2], [5, 40, 12])
+    cells = counterfactual.calibration_cells(batch_index, 3, per_batch=12)
+    assert (np.diff(cells) > 0).all()  # sorted, no repeats: read in file order
+    assert np.bincount(batch_index[cells]).tolist() == [5, 12, 12]
+    assert set(cells[batch_index[cells] != 1]) == set(np.flatnonzero(batch_index != 1))  # small batches whole
+    assert (counterfactual.calibration_cells(batch_index, 3, per_batch=12) == cells).all()  # the same draw
+
+
+def test_calibration_on_a_sample_of_each_large_batch_estimates_the_full_statistics(shifted, model, monkeypatch):
+    seen = shifted[shifted.obs["batch"] != UNSEEN]
+    codes = pd.Categorical(seen.obs["batch"].astype(str), categories=model.batch_categories).codes
+    prepared = PreparedData(counts=sp.csr_matrix(seen[:, model.genes].X), batch_index=codes.astype(np.int64),
+                            batch_categories=model.batch_categories, genes=model.genes, coordinates=None,
+                            gene_mean=None, gene_std=None)
+    net = copy.deepcopy(model.net)
+    counterfactual.calibrate(net, prepared)  # every batch below the cap: every cell, as the fit stored them
+    torch.testing.assert_close(net.residual_spread, model.net.residual_spread)
+    per_batch = np.bincount(codes).min() // 2
+    monkeypatch.setattr(counterfactual, "CALIBRATION_CELLS_PER_BATCH", int(per_batch))
+    served = []
+    real = counterfactual.in_order
+    monkeypatch.setattr(counterfactual, "in_order", lambda *args: served.append(args[2]) or real(*args))
+    counterfactual.calibrate(net, prepared)
+    assert len(served[0]) == per_batch * len(model.batch_categories)
+    # A sample's estimates, within their sampling error: a per-gene location drawn from n of N cells is off by
+    # about spread * sqrt(1/n - 1/N) (root-mean-square over genes; the spread is that of the per-gene sd).
+    torch.testing.assert_close(net.residual_spread, model.net.residual_spread, rtol=0.1, atol=0.0)
+    full = model.net.residual_spread.numpy()
+    sampling_error = full * np.sqrt(1.0 / per_batch - 1.0 / np.bincount(codes))
+    off = (net.residual_location - model.net.residual_location).square().mean(dim=1).sqrt().numpy()
+    assert (off < 2.0 * sampling_error).all(), (off, sampling_error)
+
+
 def test_an_uncalibrated_checkpoint_is_refused_for_the_counterfactual_output(shifted, model, tmp_path):
     path = model.save(tmp_path / "model.ckpt")
     state = torch.load(path, weights_only=True)

@@ -63,6 +63,11 @@ def test_streamed_preparation_matches_the_in_memory_route(disk_h5ad):
     np.testing.assert_allclose(disk.gene_std, memory.gene_std, rtol=2e-4, atol=1e-6)
     streamed = np.concatenate([x.numpy() for x, _ in in_order(disk, 64)])
     np.testing.assert_array_equal(streamed, memory.counts.toarray())  # in file order, cell for cell
+    chosen = np.array([0, 3, 4, 5, 50, 51, 120, 198])  # scattered and consecutive cells (calibration's sample)
+    for prepared in (disk, memory):
+        values, codes = zip(*in_order(prepared, 3, chosen))
+        np.testing.assert_array_equal(np.concatenate([v.numpy() for v in values]), memory.counts[chosen].toarray())
+        np.testing.assert_array_equal(np.concatenate(codes), memory.batch_index[chosen])
 
 
 def test_hvgs_of_a_subsample_when_the_file_has_more_cells(disk_h5ad, caplog):
