@@ -202,13 +202,18 @@ def test_the_batch_column_is_needed_only_by_the_counterfactual_output(shifted, m
                                atol=1e-5)
 
 
-def test_calibration_with_the_fused_kernel_matches_the_written_out_attention(shifted, model, monkeypatch):
-    """Calibration runs the fused attention (as correction does): the statistics of the guarded softmax."""
+def training_cells(shifted: ad.AnnData, model: batchfix.BatchfixModel) -> PreparedData:
+    """The model's training cells (the batches it saw) on its genes, as calibration reads them."""
     seen = shifted[shifted.obs["batch"] != UNSEEN]
     codes = pd.Categorical(seen.obs["batch"].astype(str), categories=model.batch_categories).codes
-    prepared = PreparedData(counts=sp.csr_matrix(seen[:, model.genes].X), batch_index=codes.astype(np.int64),
-                            batch_categories=model.batch_categories, genes=model.genes, coordinates=None,
-                            gene_mean=None, gene_std=None)
+    return PreparedData(counts=sp.csr_matrix(seen[:, model.genes].X), batch_index=codes.astype(np.int64),
+                        batch_categories=model.batch_categories, genes=model.genes, coordinates=None,
+                        gene_mean=None, gene_std=None)
+
+
+def test_calibration_with_the_fused_kernel_matches_the_written_out_attention(shifted, model, monkeypatch):
+    """Calibration runs the fused attention (as correction does): the statistics of the guarded softmax."""
+    prepared = training_cells(shifted, model)
     net = copy.deepcopy(model.net)
     fused_calls = []
     kernel = attention.sdpa_attention
@@ -236,15 +241,11 @@ def test_calibration_cells_keep_small_batches_whole_and_draw_the_rest():
 
 
 def test_calibration_on_a_sample_of_each_large_batch_estimates_the_full_statistics(shifted, model, monkeypatch):
-    seen = shifted[shifted.obs["batch"] != UNSEEN]
-    codes = pd.Categorical(seen.obs["batch"].astype(str), categories=model.batch_categories).codes
-    prepared = PreparedData(counts=sp.csr_matrix(seen[:, model.genes].X), batch_index=codes.astype(np.int64),
-                            batch_categories=model.batch_categories, genes=model.genes, coordinates=None,
-                            gene_mean=None, gene_std=None)
+    prepared = training_cells(shifted, model)
     net = copy.deepcopy(model.net)
     counterfactual.calibrate(net, prepared)  # every batch below the cap: every cell, as the fit stored them
     torch.testing.assert_close(net.residual_spread, model.net.residual_spread)
-    per_batch = np.bincount(codes).min() // 2
+    per_batch = np.bincount(prepared.batch_index).min() // 2
     monkeypatch.setattr(counterfactual, "CALIBRATION_CELLS_PER_BATCH", int(per_batch))
     served = []
     real = counterfactual.in_order
@@ -255,7 +256,7 @@ def test_calibration_on_a_sample_of_each_large_batch_estimates_the_full_statisti
     # about spread * sqrt(1/n - 1/N) (root-mean-square over genes; the spread is that of the per-gene sd).
     torch.testing.assert_close(net.residual_spread, model.net.residual_spread, rtol=0.1, atol=0.0)
     full = model.net.residual_spread.numpy()
-    sampling_error = full * np.sqrt(1.0 / per_batch - 1.0 / np.bincount(codes))
+    sampling_error = full * np.sqrt(1.0 / per_batch - 1.0 / np.bincount(prepared.batch_index))
     off = (net.residual_location - model.net.residual_location).square().mean(dim=1).sqrt().numpy()
     assert (off < 2.0 * sampling_error).all(), (off, sampling_error)
 
