@@ -23,10 +23,11 @@ scale for data.scale=log):
 - Values that would go below 0 (the floor of the log1p scale) are set to 0 and counted.
 
 Training batches are calibrated once after the fit (`calibrate`), on the training cells (at most
-CALIBRATION_CELLS_PER_BATCH per batch), and the statistics travel in the checkpoint (BatchfixNet.residual_location / residual_spread). A batch the
-model never saw has no decoder of its own: the average decoder stands in for decoded_b, and its
-location and spread are estimated from its own cells in the input (`ResidualSums`); an unseen
-batch with fewer than `MIN_UNSEEN_CELLS` cells is given the denoised output instead.
+CALIBRATION_CELLS_PER_BATCH per batch), and the statistics travel in the checkpoint
+(BatchfixNet.residual_location / residual_spread). A batch the model never saw has no decoder of its
+own: the average decoder stands in for decoded_b, and its location and spread are estimated from its
+own cells in the input (`ResidualSums`); an unseen batch with fewer than `MIN_UNSEEN_CELLS` cells is
+given the denoised output instead.
 """
 from __future__ import annotations
 

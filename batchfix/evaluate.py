@@ -56,8 +56,8 @@ def evaluate_file(
     batchfix.metrics.EXACT_NEIGHBORS_MAX_CELLS scored cells) neighbour graphs for the scores and the UMAP;
     the result's `neighbors` says which were used. A file of more than `max_cells` cells is scored (every
     score and the UMAP) on a subsample of `max_cells` cells stratified by batch x label (by batch without
-    labels), read from disk without loading the rest; the result's `subsample` says so. JAX and numba compile into a user cache
-    directory (batchfix.caches), so a second evaluation does not compile again.
+    labels), read from disk without loading the rest; the result's `subsample` says so. JAX and numba
+    compile into a user cache directory (batchfix.caches), so a second evaluation does not compile again.
     """
     started = time.perf_counter()
     caches.enable()

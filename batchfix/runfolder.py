@@ -142,14 +142,13 @@ class RunFolderCheck(Callback):
 
         HydraConfig.instance().set_config(config)  # as Hydra does next, so ${hydra:...} resolves
         run_dir = Path(str(config.hydra.run.dir))
+        task = copy.deepcopy(config)  # the verb's own options, without Hydra's
+        with read_write(task), open_dict(task):
+            del task["hydra"]
         with user_errors_reported(self.verb):
-            if self.verb in ("train", "evaluate"):
-                task = copy.deepcopy(config)
-                with read_write(task), open_dict(task):
-                    del task["hydra"]
-                if self.verb == "train":
-                    cfg = validated(task, TrainConfig)
-                    check_reuse(run_dir, cfg.overwrite, cfg.resume)
-                else:
-                    check_evaluation_folder(run_dir, validated(task, EvaluateConfig).overwrite)
+            if self.verb == "train":
+                cfg = validated(task, TrainConfig)
+                check_reuse(run_dir, cfg.overwrite, cfg.resume)
+            elif self.verb == "evaluate":
+                check_evaluation_folder(run_dir, validated(task, EvaluateConfig).overwrite)
             make_run_folder(run_dir)

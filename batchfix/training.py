@@ -75,8 +75,8 @@ def resolve_precision(requested: str | None, accelerator: str = "auto") -> str:
     if not on_gpu and precision in ("16-mixed", "16"):
         log.warning("precision=16-mixed asked on CPU: Lightning runs bf16-mixed instead (fp16 needs a GPU).")
         precision = "bf16-mixed"
-    why = " (the CPU has bf16 matrix units; trainer.precision=32-true trains in float32)" \
-        if requested is None and precision == "bf16-mixed" else ""
+    chosen_for_cpu = requested is None and precision == "bf16-mixed"  # the default, not the user's choice
+    why = " (the CPU has bf16 matrix units; trainer.precision=32-true trains in float32)" if chosen_for_cpu else ""
     log.info("Training precision: %s on %s%s.", precision, "GPU" if on_gpu else "CPU", why)
     return precision
 
