@@ -28,6 +28,10 @@ class OutputExistsError(UserError, FileExistsError):
     """An output that exists already and was not to be replaced."""
 
 
+class FolderInUseError(OutputExistsError):
+    """A run or output folder that another batchfix command, still running, is writing into."""
+
+
 class OutputError(UserError, OSError):
     """An output that cannot be written (read-only or missing folder, disk full, not a file)."""
 

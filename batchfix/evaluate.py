@@ -28,10 +28,15 @@ log = logging.getLogger(__name__)
 def evaluate(cfg: EvaluateConfig, out_dir: str | Path) -> dict:
     """The evaluate verb: score cfg.input (null = the bundled dataset) into out_dir (refused if it holds a run or
     an evaluation, unless cfg.overwrite)."""
-    runfolder.check_evaluation_folder(Path(out_dir), cfg.overwrite)
-    return evaluate_file(input_path(cfg.input), cfg.data.batch_key, cfg.data.label_key, out_dir,
-                         counts_layer=cfg.data.counts_layer, key_added=cfg.key_added,
-                         max_cells=cfg.evaluation.max_cells, neighbors=cfg.evaluation.neighbors)
+    out_dir = Path(out_dir)
+    runfolder.check_evaluation_folder(out_dir, cfg.overwrite)
+    source = input_path(cfg.input)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with runfolder.held(out_dir):  # no other command writes into it meanwhile
+        runfolder.check_evaluation_folder(out_dir, cfg.overwrite)
+        return evaluate_file(source, cfg.data.batch_key, cfg.data.label_key, out_dir,
+                             counts_layer=cfg.data.counts_layer, key_added=cfg.key_added,
+                             max_cells=cfg.evaluation.max_cells, neighbors=cfg.evaluation.neighbors)
 
 
 def evaluate_file(

@@ -5,20 +5,32 @@
   The command line checks this before Hydra writes `.hydra/` into the folder (`RunFolderCheck`).
 - A run that stops on a user error or a signal before it saved anything leaves no folder behind:
   `remove_if_unused` deletes what Hydra and the logger wrote (RUN_FILES), then the folders left empty.
+- A folder is held by one command at a time (`hold`): two commands started in the same second get the
+  same time-stamped default folder; the second then takes `<folder>-2` (the next free one), while a
+  folder named with hydra.run.dir that another command is using is refused.
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
+import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # Windows: folders are not locked
+    fcntl = None
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
 
-from batchfix.errors import ConfigError, OutputError, OutputExistsError
+from batchfix.errors import ConfigError, FolderInUseError, OutputError, OutputExistsError
 from batchfix.io import missing_folders, remove_empty
 
 log = logging.getLogger(__name__)
@@ -32,8 +44,9 @@ CHECKPOINTS = "checkpoints"  # best.ckpt and last.ckpt
 LAST_CKPT = "last"  # checkpoints/last.ckpt: what resume= continues
 LOGS = "logs"  # logs/metrics.csv
 RUN_OUTPUTS = (MODEL_CKPT, CORRECTED_H5AD, METRICS_JSON, METRICS_MD, UMAP_PNG, CHECKPOINTS, LOGS)
-# The files a run writes before it has trained anything: Hydra's, and the logger's.
-RUN_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "train.log", "evaluate.log",
+IN_USE = ".batchfix-in-use"  # locked by the command using the folder (its pid inside); removed when it ends
+# The files a run writes before it has trained anything: Hydra's, the logger's, and the lock.
+RUN_FILES = (IN_USE, ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "train.log", "evaluate.log",
              f"{LOGS}/metrics.csv", f"{LOGS}/hparams.yaml")
 
 
@@ -88,6 +101,96 @@ def claim(run_dir: Path, overwrite: bool, resume: str | None) -> None:
         log.warning("overwrite=true: deleted the previous run's %s from %s.", ", ".join(found), run_dir)
 
 
+_held: dict[Path, int] = {}  # folder -> the open descriptor of its IN_USE file, locked by this process
+
+
+def other_rank() -> bool:
+    """Whether this process is a DDP rank other than the first (Lightning's, torchrun's and SLURM's variables):
+    the first one holds the run folder for all of them."""
+    return any(os.environ.get(name, "0") not in ("", "0") for name in ("LOCAL_RANK", "NODE_RANK", "RANK"))
+
+
+def hold(folder: str | Path) -> bool:
+    """Lock `folder` for this process until `release` or its exit; False if this process holds it already.
+
+    FolderInUseError when another running command holds it. The lock is the kernel's (flock on folder/IN_USE),
+    so it ends with the process however that ends: a killed run never leaves its folder locked. Not locked
+    where the platform has no flock (Windows), nor in DDP ranks other than the first.
+    """
+    folder = Path(folder).expanduser().resolve()
+    if folder in _held or fcntl is None or other_rank():
+        return False
+    path = folder / IN_USE
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(descriptor, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(descriptor)
+            raise FolderInUseError(
+                f"Folder {folder} is in use by another batchfix command (process {holder}), still running. Give "
+                "this one its own folder (hydra.run.dir=...).") from None
+        try:
+            if os.path.samestat(os.fstat(descriptor), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(descriptor)  # its holder removed the file as it ended: lock the one there now
+    os.ftruncate(descriptor, 0)
+    os.write(descriptor, f"{os.getpid()}\n".encode())
+    if not _held:
+        atexit.register(release_all)
+    _held[folder] = descriptor
+    return True
+
+
+def release(folder: str | Path) -> None:
+    """Unlock `folder` and remove its IN_USE file, if this process holds it."""
+    folder = Path(folder).expanduser().resolve()
+    descriptor = _held.pop(folder, None)
+    if descriptor is None:
+        return
+    (folder / IN_USE).unlink(missing_ok=True)  # before the lock goes: a waiting command then locks a new file
+    os.close(descriptor)
+
+
+def release_all() -> None:
+    for folder in list(_held):
+        release(folder)
+
+
+@contextmanager
+def held(folder: str | Path) -> Iterator[None]:
+    """`folder` held for the `with` (and kept held if this process held it before)."""
+    taken = hold(folder)
+    try:
+        yield
+    finally:
+        if taken:
+            release(folder)
+
+
+def free_folder(folder: Path, named: bool, check: Callable[[Path], object]) -> Path:
+    """`folder`, checked (`check` raises OutputExistsError for a folder this run may not use), made and held.
+
+    When the user did not name it (`named` false: the time-stamped default) and it is in use or refused, the
+    first `<folder>-N` that is neither.
+    """
+    candidate, number = folder, 1
+    while True:
+        try:
+            check(candidate)
+            make_run_folder(candidate)
+            hold(candidate)
+            return candidate
+        except OutputExistsError:
+            if named:
+                raise
+        number += 1
+        candidate = folder.with_name(f"{folder.name}-{number}")
+
+
 _made_for: dict[Path, list[Path]] = {}  # run folder -> the folders made for it (deepest first)
 
 
@@ -112,6 +215,7 @@ def remove_if_unused(run_dir: str | Path) -> None:
     Only the files runs write are deleted (RUN_FILES), and a folder only once it is empty: nothing else is touched.
     """
     run_dir = Path(run_dir).expanduser().resolve()
+    release(run_dir)
     if not run_dir.is_dir() or any((run_dir / name).is_file() for name in (MODEL_CKPT, CORRECTED_H5AD, METRICS_JSON)):
         return
     if (run_dir / CHECKPOINTS).is_dir() and any((run_dir / CHECKPOINTS).iterdir()):
@@ -127,9 +231,10 @@ def remove_if_unused(run_dir: str | Path) -> None:
 
 
 class RunFolderCheck(Callback):
-    """Hydra callback: before Hydra writes into the run folder, make it (writable, or a one-line error) and
-    remember the folders made for it (`remove_if_unused`); for `train` and `evaluate`, refuse bad options and a
-    folder that holds a run (or an evaluation), so that Hydra never replaces a previous run's .hydra/ files."""
+    """Hydra callback: before Hydra writes into the run folder, make it (writable, or a one-line error), hold it
+    (`hold`; another command holding the default folder moves this run to the next free one) and remember the
+    folders made for it (`remove_if_unused`); for `train` and `evaluate`, refuse bad options and a folder that
+    holds a run (or an evaluation), so that Hydra never replaces a previous run's .hydra/ files."""
 
     def __init__(self, verb: str = "train"):
         self.verb = verb
@@ -142,13 +247,40 @@ class RunFolderCheck(Callback):
 
         HydraConfig.instance().set_config(config)  # as Hydra does next, so ${hydra:...} resolves
         run_dir = Path(str(config.hydra.run.dir))
+        named = any(str(item).startswith("hydra.run.dir=") for item in config.hydra.overrides.hydra)
         task = copy.deepcopy(config)  # the verb's own options, without Hydra's
         with read_write(task), open_dict(task):
             del task["hydra"]
         with user_errors_reported(self.verb):
             if self.verb == "train":
                 cfg = validated(task, TrainConfig)
-                check_reuse(run_dir, cfg.overwrite, cfg.resume)
+                free = free_folder(run_dir, named, lambda folder: check_reuse(folder, cfg.overwrite, cfg.resume))
             elif self.verb == "evaluate":
-                check_evaluation_folder(run_dir, validated(task, EvaluateConfig).overwrite)
-            make_run_folder(run_dir)
+                overwrite = validated(task, EvaluateConfig).overwrite
+                free = free_folder(run_dir, named, lambda folder: check_evaluation_folder(folder, overwrite))
+            else:
+                free = free_folder(run_dir, named, lambda folder: None)
+        if free != run_dir:
+            moved(run_dir, free)
+            with read_write(config.hydra.run):
+                config.hydra.run.dir = str(free)  # where Hydra writes, and the job's output_dir
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """A sweep folder is held the same way (each job's folder is held by the job)."""
+        from batchfix.cli.common import user_errors_reported
+
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        named = any(str(item).startswith("hydra.sweep.dir=") for item in config.hydra.overrides.hydra)
+        with user_errors_reported(self.verb):
+            free = free_folder(sweep_dir, named, lambda folder: None)
+        if free != sweep_dir:
+            moved(sweep_dir, free)
+            with read_write(config.hydra):
+                config.hydra.sweep.dir = str(free)
+                # Hydra composes each job's configuration anew from these overrides.
+                config.hydra.overrides.hydra.append(f"hydra.sweep.dir={free}")
+
+
+def moved(folder: Path, free: Path) -> None:
+    log.warning("%s is in use by another batchfix command (started in the same second) or holds a run: this one "
+                "writes into %s.", folder, free)

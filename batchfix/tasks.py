@@ -38,8 +38,15 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     except Interrupted as err:
         raise Interrupted(err.signum, " while reading the data, before training: nothing was saved") from None
     reference_index(prepared.batch_categories, cfg.correction.reference)  # refused now, not after training
-    runfolder.claim(run_dir, cfg.overwrite, cfg.resume)
     run_dir.mkdir(parents=True, exist_ok=True)
+    with runfolder.held(run_dir):  # no other command writes into it meanwhile
+        return train_into(cfg, prepared, run_dir, started)
+
+
+def train_into(cfg: TrainConfig, prepared: PreparedData, run_dir: Path, started: float) -> dict:
+    """Fit into the held run_dir (its previous run deleted with cfg.overwrite) and write the outputs (rank 0
+    only: the other ranks return {})."""
+    runfolder.claim(run_dir, cfg.overwrite, cfg.resume)
     result = training.fit(cfg, prepared, run_dir)
     if result.trainer.global_rank != 0:
         return {}

@@ -697,3 +697,98 @@ def test_an_unused_run_folder_is_removed_but_nothing_else(tmp_path):
     trained = run_with(tmp_path / "trained", "checkpoints/last.ckpt", "train.log")
     runfolder.remove_if_unused(trained)
     assert (trained / "train.log").is_file()
+
+
+@pytest.fixture
+def held_elsewhere():
+    """hold(folder) in another process, which keeps it until killed: yields a function starting one."""
+    holders = []
+
+    def start(folder: Path) -> subprocess.Popen:
+        code = "import sys, time; from batchfix import runfolder; runfolder.hold(sys.argv[1]); print('held', flush=True); time.sleep(600)"
+        holder = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True)
+        holders.append(holder)
+        assert holder.stdout.readline().strip() == "held"
+        return holder
+
+    yield start
+    for holder in holders:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_folder_is_held_by_one_process_until_it_ends(tmp_path, held_elsewhere):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    holder = held_elsewhere(folder)
+    with pytest.raises(runfolder.FolderInUseError, match=rf"{folder} is in use by another batchfix command \(process "
+                                                         rf"{holder.pid}\), still running.*hydra\.run\.dir="):
+        runfolder.hold(folder)
+    with pytest.raises(runfolder.FolderInUseError):
+        tasks.train(tiny_train_config(max_epochs=1), folder)
+    holder.kill()
+    holder.wait()  # killed: its lock is gone with it, though its file stays
+    assert (folder / runfolder.IN_USE).is_file()
+    with runfolder.held(folder):
+        assert (folder / runfolder.IN_USE).read_text() == f"{os.getpid()}\n"
+        with runfolder.held(folder):  # held already: kept held after the inner `with`
+            pass
+        assert (folder / runfolder.IN_USE).is_file()
+    assert listing(folder) == [], "released: the file is gone"
+
+
+def test_other_ranks_do_not_hold_the_run_folder(tmp_path, monkeypatch, held_elsewhere):
+    held_elsewhere(tmp_path)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a DDP child of the command holding it
+    assert runfolder.hold(tmp_path) is False
+
+
+def test_a_default_run_folder_in_use_moves_to_the_next_free_one(tmp_path, monkeypatch, held_elsewhere):
+    """Two commands started in the same second: the second takes <folder>-2, or <folder>-3 when -2 holds a run."""
+    from hydra import compose, initialize_config_module
+
+    monkeypatch.chdir(tmp_path)
+    with initialize_config_module(config_module="batchfix.conf", version_base=None):
+        config = compose("train", overrides=TINY, return_hydra_config=True)
+    default = Path(str(config.hydra.run.dir))
+    assert default.parent == Path("outputs/train")
+    default.mkdir(parents=True)
+    held_elsewhere(default)
+    Path(f"{default}-2").mkdir()
+    Path(f"{default}-2", "model.ckpt").write_text("a finished run")
+    check = runfolder.RunFolderCheck()
+    check.on_run_start(config)
+    try:
+        assert str(config.hydra.run.dir) == f"{default}-3"
+        assert (tmp_path / f"{default}-3" / runfolder.IN_USE).read_text() == f"{os.getpid()}\n"
+    finally:
+        runfolder.release(f"{default}-3")
+
+
+def test_a_named_run_folder_in_use_is_refused(tmp_path, subset_h5ad, held_elsewhere):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = held_elsewhere(run_dir)
+    process = cli(["train", f"data.path={subset_h5ad}", f"hydra.run.dir={run_dir}", *TINY], tmp_path)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    assert re.fullmatch(rf"batchfix train: error: Folder {run_dir} is in use by another batchfix command \(process "
+                        rf"{holder.pid}\), still running\. .*", last_line(stderr)), last_line(stderr)
+    assert listing(run_dir) == [runfolder.IN_USE], "nothing written into it"
+
+
+def test_a_default_sweep_folder_in_use_moves_to_the_next_free_one(tmp_path, monkeypatch, held_elsewhere):
+    from hydra import compose, initialize_config_module
+
+    monkeypatch.chdir(tmp_path)
+    with initialize_config_module(config_module="batchfix.conf", version_base=None):
+        config = compose("train", overrides=TINY, return_hydra_config=True)
+    default = Path(str(config.hydra.sweep.dir))
+    default.mkdir(parents=True)
+    held_elsewhere(default)
+    runfolder.RunFolderCheck().on_multirun_start(config)
+    try:
+        assert str(config.hydra.sweep.dir) == f"{default}-2"
+        assert f"hydra.sweep.dir={default}-2" in list(config.hydra.overrides.hydra), "the jobs are composed with it"
+    finally:
+        runfolder.release(f"{default}-2")
