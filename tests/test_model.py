@@ -11,7 +11,7 @@ from batchfix.config import DataConfig, DataKeys, ModelConfig
 from batchfix.data import prepare
 from batchfix.genome import GeneCoordinates, make_windows
 from batchfix.io import load_expression
-from batchfix.model import BatchfixNet, GradientReversal, negative_binomial_log_likelihood
+from batchfix.model import BatchfixNet, GradientReversal, LocusEncoder, negative_binomial_log_likelihood
 from batchfix.normalize import LIBRARY_SIZE, log_cp10k
 
 
@@ -104,9 +104,7 @@ def test_weight_decay_spares_biases_layernorm_and_dispersions():
     assert len(decayed["params"]) + len(spared["params"]) == len(list(module.parameters()))
 
 
-def encoder_for(n_genes: int = 24, **options) -> "LocusEncoder":
-    from batchfix.model import LocusEncoder
-
+def encoder_for(n_genes: int = 24, **options) -> LocusEncoder:
     coords = GeneCoordinates(np.array(["1"] * n_genes, dtype=object), np.arange(n_genes) * 50_000,
                              np.arange(n_genes) * 50_000 + 900)
     model = ModelConfig(**{**dict(genes_per_token=4, d_model=16, n_heads=2, n_layers=2, latent_dim=5), **options})
