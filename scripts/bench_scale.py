@@ -17,9 +17,10 @@ Per file:
   epochs is projected from the measured time per epoch (said so in the output).
 - scVI (scvi-tools, imported only in its own child process): SCVI on the same file's 2,000 highly
   variable genes (batch-aware seurat_v3, as batchfix selects them), trained --scvi-epochs epochs
-  with its default settings; the time of each epoch is measured (the first one, which includes
-  start-up, is left out when there are more) and its default training time projected: scvi-tools'
-  default max_epochs = min(round(20000 / n_cells * 400), 400) times the measured epoch time.
+  (by default enough to see about 20,000 cells after the first, and at least 2: 21 at 1,021 cells,
+  2 from 20,000 cells) with its default settings; the time of each epoch is measured (the first one,
+  which includes start-up, is left out when there are more) and its default training time projected:
+  scvi-tools' default max_epochs = min(round(20000 / n_cells * 400), 400) times the mean epoch time.
 - ratio = (batchfix fit + correct) / scVI's projected default training time; end to end = the whole
   train command's wall time (start-up, fit, correct, attention picture, evaluation) / the same, when
   the fit ran all its planned epochs.
@@ -170,8 +171,15 @@ print("SCVI " + json.dumps({"epoch_times": timer.times, "train_s": time.perf_cou
 """
 
 
-def bench_scvi(path: Path, workdir: Path, args) -> dict:
-    status, wall, peak, output = run_sampled([sys.executable, "-c", SCVI_CHILD, str(path), str(args.scvi_epochs),
+def scvi_epochs_to_time(n_cells: int, asked: int) -> int:
+    """--scvi-epochs, or when 0 enough epochs to see about 20,000 cells after the first (start-up) one, at least 2:
+    a single epoch of a small file lasts a fraction of a second, too short to time alone."""
+    return asked or max(2, 1 + math.ceil(20_000 / n_cells))
+
+
+def bench_scvi(path: Path, n_cells: int, workdir: Path, args) -> dict:
+    epochs = scvi_epochs_to_time(n_cells, args.scvi_epochs)
+    status, wall, peak, output = run_sampled([sys.executable, "-c", SCVI_CHILD, str(path), str(epochs),
                                               str(args.threads)], args.threads, workdir)
     lines = [line for line in output.splitlines() if line.startswith("SCVI ")]
     if status != 0 or not lines:
@@ -195,7 +203,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--fit-epochs", type=int, default=0,
                         help="stop batchfix's fit after this many epochs and project the planned ones (0: all)")
-    parser.add_argument("--scvi-epochs", type=int, default=2, help="scVI epochs to train and time (1-2)")
+    parser.add_argument("--scvi-epochs", type=int, default=0,
+                        help="scVI epochs to train and time (0: enough to see about 20,000 cells after the first, "
+                             "at least 2)")
     parser.add_argument("--skip-scvi", action="store_true")
     parser.add_argument("--stop-after", type=float, default=0,
                         help="send batchfix's train SIGTERM after this many seconds and report its peak RSS so far "
@@ -208,11 +218,11 @@ def main() -> None:
     if args.variant and any("=" in name or not name.strip() for name, *_ in args.variant):
         parser.error("--variant: give a NAME first, then its KEY=VALUE overrides")
     variants = [("", [])] + [(name, extra) for name, *extra in args.variant or []]
-    for option in ("threads", "scvi_epochs"):
-        if getattr(args, option) < 1:
-            parser.error(f"--{option.replace('_', '-')} must be >= 1")
-    if args.fit_epochs < 0 or args.genes < 0 or args.stop_after < 0 or min(args.sizes, default=100) < 100:
-        parser.error("--fit-epochs, --genes and --stop-after must be >= 0, --sizes >= 100")
+    if args.threads < 1:
+        parser.error("--threads must be >= 1")
+    if (args.fit_epochs < 0 or args.genes < 0 or args.stop_after < 0 or args.scvi_epochs < 0
+            or min(args.sizes, default=100) < 100):
+        parser.error("--fit-epochs, --genes, --stop-after and --scvi-epochs must be >= 0, --sizes >= 100")
     if not (args.sizes or args.million or args.bundled):
         parser.error("nothing to measure: give --sizes, --million or --bundled")
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -252,7 +262,7 @@ def main() -> None:
             if args.skip_scvi:
                 continue
             if scvi is None:  # once per file: every variant is compared with the same measurement
-                scvi = bench_scvi(path, workdir, args)
+                scvi = bench_scvi(path, n, workdir, args)
                 print(f"  scVI      {scvi['scvi_epoch_s']:.2f} s per epoch x {scvi['scvi_default_epochs']} default "
                       f"epochs = {scvi['scvi_default_s']:.0f} s projected (peak RSS {scvi['scvi_peak_rss_mb']:,} MB)",
                       flush=True)
