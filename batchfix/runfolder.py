@@ -122,7 +122,11 @@ def hold(folder: str | Path) -> bool:
         return False
     path = folder / IN_USE
     while True:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            log.warning("Cannot lock %s (%s): other commands are not kept out of it.", folder, err.strerror or err)
+            return False
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -131,6 +135,10 @@ def hold(folder: str | Path) -> bool:
             raise FolderInUseError(
                 f"Folder {folder} is in use by another batchfix command (process {holder}), still running. Give "
                 "this one its own folder (hydra.run.dir=...).") from None
+        except OSError as err:  # a file system without locks (some network mounts)
+            os.close(descriptor)
+            log.warning("Cannot lock %s (%s): other commands are not kept out of it.", folder, err.strerror or err)
+            return False
         try:
             if os.path.samestat(os.fstat(descriptor), os.stat(path)):
                 break

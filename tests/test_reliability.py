@@ -792,3 +792,17 @@ def test_a_default_sweep_folder_in_use_moves_to_the_next_free_one(tmp_path, monk
         assert f"hydra.sweep.dir={default}-2" in list(config.hydra.overrides.hydra), "the jobs are composed with it"
     finally:
         runfolder.release(f"{default}-2")
+
+
+def test_a_folder_that_cannot_be_locked_is_used_with_a_warning(tmp_path, monkeypatch, caplog):
+    (tmp_path / runfolder.IN_USE).mkdir()  # not a file: cannot be opened for the lock
+    assert runfolder.hold(tmp_path) is False
+    assert f"Cannot lock {tmp_path}" in caplog.text
+    (tmp_path / runfolder.IN_USE).rmdir()
+
+    def no_locks(descriptor, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(runfolder.fcntl, "flock", no_locks)
+    assert runfolder.hold(tmp_path) is False
+    assert "No locks available" in caplog.text
