@@ -125,8 +125,7 @@ def hold(folder: str | Path) -> bool:
         try:
             descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as err:
-            log.warning("Cannot lock %s (%s): other commands are not kept out of it.", folder, err.strerror or err)
-            return False
+            return not_locked(folder, err)
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -137,8 +136,7 @@ def hold(folder: str | Path) -> bool:
                 "this one its own folder (hydra.run.dir=...).") from None
         except OSError as err:  # a file system without locks (some network mounts)
             os.close(descriptor)
-            log.warning("Cannot lock %s (%s): other commands are not kept out of it.", folder, err.strerror or err)
-            return False
+            return not_locked(folder, err)
         try:
             if os.path.samestat(os.fstat(descriptor), os.stat(path)):
                 break
@@ -151,6 +149,11 @@ def hold(folder: str | Path) -> bool:
         atexit.register(release_all)
     _held[folder] = descriptor
     return True
+
+
+def not_locked(folder: Path, err: OSError) -> bool:
+    log.warning("Cannot lock %s (%s): other commands are not kept out of it.", folder, err.strerror or err)
+    return False
 
 
 def release(folder: str | Path) -> None:
@@ -255,7 +258,7 @@ class RunFolderCheck(Callback):
 
         HydraConfig.instance().set_config(config)  # as Hydra does next, so ${hydra:...} resolves
         run_dir = Path(str(config.hydra.run.dir))
-        named = any(str(item).startswith("hydra.run.dir=") for item in config.hydra.overrides.hydra)
+        named = overridden(config, "hydra.run.dir")
         task = copy.deepcopy(config)  # the verb's own options, without Hydra's
         with read_write(task), open_dict(task):
             del task["hydra"]
@@ -278,7 +281,7 @@ class RunFolderCheck(Callback):
         from batchfix.cli.common import user_errors_reported
 
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        named = any(str(item).startswith("hydra.sweep.dir=") for item in config.hydra.overrides.hydra)
+        named = overridden(config, "hydra.sweep.dir")
         with user_errors_reported(self.verb):
             free = free_folder(sweep_dir, named, lambda folder: None)
         if free != sweep_dir:
@@ -287,6 +290,11 @@ class RunFolderCheck(Callback):
                 config.hydra.sweep.dir = str(free)
                 # Hydra composes each job's configuration anew from these overrides.
                 config.hydra.overrides.hydra.append(f"hydra.sweep.dir={free}")
+
+
+def overridden(config: DictConfig, key: str) -> bool:
+    """Whether the user set Hydra's `key` on the command line (a folder they named, not the default)."""
+    return any(str(item).startswith(f"{key}=") for item in config.hydra.overrides.hydra)
 
 
 def moved(folder: Path, free: Path) -> None:

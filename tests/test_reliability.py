@@ -743,21 +743,25 @@ def test_other_ranks_do_not_hold_the_run_folder(tmp_path, monkeypatch, held_else
     assert runfolder.hold(tmp_path) is False
 
 
-def test_a_default_run_folder_in_use_moves_to_the_next_free_one(tmp_path, monkeypatch, held_elsewhere):
-    """Two commands started in the same second: the second takes <folder>-2, or <folder>-3 when -2 holds a run."""
+def composed_in(folder: Path, monkeypatch):
+    """The train configuration with Hydra's own node, composed as the command line does, in `folder`."""
     from hydra import compose, initialize_config_module
 
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(folder)
     with initialize_config_module(config_module="batchfix.conf", version_base=None):
-        config = compose("train", overrides=TINY, return_hydra_config=True)
+        return compose("train", overrides=TINY, return_hydra_config=True)
+
+
+def test_a_default_run_folder_in_use_moves_to_the_next_free_one(tmp_path, monkeypatch, held_elsewhere):
+    """Two commands started in the same second: the second takes <folder>-2, or <folder>-3 when -2 holds a run."""
+    config = composed_in(tmp_path, monkeypatch)
     default = Path(str(config.hydra.run.dir))
     assert default.parent == Path("outputs/train")
     default.mkdir(parents=True)
     held_elsewhere(default)
     Path(f"{default}-2").mkdir()
     Path(f"{default}-2", "model.ckpt").write_text("a finished run")
-    check = runfolder.RunFolderCheck()
-    check.on_run_start(config)
+    runfolder.RunFolderCheck().on_run_start(config)
     try:
         assert str(config.hydra.run.dir) == f"{default}-3"
         assert (tmp_path / f"{default}-3" / runfolder.IN_USE).read_text() == f"{os.getpid()}\n"
@@ -778,11 +782,7 @@ def test_a_named_run_folder_in_use_is_refused(tmp_path, subset_h5ad, held_elsewh
 
 
 def test_a_default_sweep_folder_in_use_moves_to_the_next_free_one(tmp_path, monkeypatch, held_elsewhere):
-    from hydra import compose, initialize_config_module
-
-    monkeypatch.chdir(tmp_path)
-    with initialize_config_module(config_module="batchfix.conf", version_base=None):
-        config = compose("train", overrides=TINY, return_hydra_config=True)
+    config = composed_in(tmp_path, monkeypatch)
     default = Path(str(config.hydra.sweep.dir))
     default.mkdir(parents=True)
     held_elsewhere(default)
