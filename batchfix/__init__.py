@@ -12,8 +12,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 # The API pulls in torch and Lightning: imported on first use, so `python -m batchfix --help` stays quick.
-_LAZY = {"train": "batchfix.api", "correct": "batchfix.api", "BatchfixModel": "batchfix.module",
-         "bundled_dataset": "batchfix.io"}
+_LAZY = {"train": "batchfix.api", "correct": "batchfix.api", "BatchfixModel": "batchfix.train.module",
+         "bundled_dataset": "batchfix.data.io"}
 
 
 def __getattr__(name: str):

@@ -15,21 +15,21 @@ from pathlib import Path
 
 import anndata as ad
 
-from batchfix import training
+from batchfix.train import fitting
 from batchfix.config import CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
-from batchfix.correction import correct_adata
+from batchfix.correct.correction import correct_adata
 from batchfix.errors import ConfigError
-from batchfix.module import BatchfixModel, load_trained
+from batchfix.train.module import BatchfixModel, load_trained
 
 # Options of the command line that have no meaning for an in-memory AnnData.
 NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a run folder: use the command line",
-                   "evaluate": "score with batchfix.metrics or `python -m batchfix evaluate`",
+                   "evaluate": "score with batchfix.eval.metrics or `python -m batchfix evaluate`",
                    "overwrite": "the Python API writes no run folder",
                    **dict.fromkeys(("stream", "stream_above_gb", "chunk_cells", "hvg_max_cells"),
                                    "an in-memory AnnData is trained from memory; files too large for it stream "
                                    "with the command line (data.stream)"),
                    **dict.fromkeys(("max_cells", "neighbors"),
-                                   "the Python API does not evaluate: score with batchfix.metrics")}
+                                   "the Python API does not evaluate: score with batchfix.eval.metrics")}
 _CORRECTION = CorrectionSettings()
 
 
@@ -60,11 +60,11 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
     seed=1, enable_progress_bar=False` (see batchfix.config). `adata` is not changed.
     """
     cfg = train_config(batch_key=batch_key, label_key=label_key, counts_layer=counts_layer, **options)
-    training.seed_and_threads(cfg.seed, cfg.threads)
-    prepared = training.load_training_data(cfg.data, adata)
+    fitting.seed_and_threads(cfg.seed, cfg.threads)
+    prepared = fitting.load_training_data(cfg.data, adata)
     with tempfile.TemporaryDirectory(prefix="batchfix-train-") as scratch:
-        result = training.fit(cfg, prepared, Path(scratch))
-        model = training.trained_model(result, prepared)
+        result = fitting.fit(cfg, prepared, Path(scratch))
+        model = fitting.trained_model(result, prepared)
     model.path = None  # the checkpoint it came from is gone: model.save(path) keeps it
     return model
 
@@ -89,7 +89,7 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
     output_mode
         "counterfactual": each cell's own expression with only what its batch explains removed
         (for differential expression and marker plots; reads obs[batch_key]); "denoised": every
-        cell decoded from its latent (smooth, for clustering and pictures). See batchfix.counterfactual.
+        cell decoded from its latent (smooth, for clustering and pictures). See batchfix.correct.counterfactual.
     batch_key
         The obs column of each cell's batch (counterfactual only). Batches the model never saw have
         their effect estimated from their own cells (at least 10; fewer get the denoised output).

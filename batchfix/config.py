@@ -28,7 +28,7 @@ LIKELIHOODS = ("nb", "gaussian")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
 STREAM_CHOICES = ("auto", "true", "false")
 OUTPUT_MODES = ("counterfactual", "denoised")
-NEIGHBOR_METHODS = ("auto", "exact", "approximate")  # how batchfix.metrics finds the scores' neighbour graphs
+NEIGHBOR_METHODS = ("auto", "exact", "approximate")  # how batchfix.eval.metrics finds the scores' neighbour graphs
 
 
 def one_of(option: str, value, choices) -> None:

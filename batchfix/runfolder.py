@@ -31,7 +31,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
 
 from batchfix.errors import ConfigError, FolderInUseError, OutputError, OutputExistsError
-from batchfix.io import missing_folders, remove_empty
+from batchfix.data.io import missing_folders, remove_empty
 
 log = logging.getLogger(__name__)
 

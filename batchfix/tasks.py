@@ -1,5 +1,5 @@
 """The verbs as plain functions of validated options: train, correct, attention (the CLI and tests call these;
-evaluate's is batchfix.evaluate.evaluate, which needs neither torch nor Lightning)."""
+evaluate's is batchfix.eval.evaluate.evaluate, which needs neither torch nor Lightning)."""
 from __future__ import annotations
 
 import json
@@ -10,13 +10,14 @@ from pathlib import Path
 
 import torch
 
-from batchfix import runfolder, signals, training
+from batchfix import runfolder, signals
+from batchfix.train import fitting
 from batchfix.config import AttentionConfig, CorrectConfig, CorrectionSettings, TrainConfig
-from batchfix.correction import correct_file, reference_index
-from batchfix.data import PreparedData
+from batchfix.correct.correction import correct_file, reference_index
+from batchfix.data.prepare import PreparedData
 from batchfix.errors import Interrupted
-from batchfix.io import atomic_output, input_path
-from batchfix.module import ENTROPY_PREFIX, BatchfixModel, load_trained
+from batchfix.data.io import atomic_output, input_path
+from batchfix.train.module import ENTROPY_PREFIX, BatchfixModel, load_trained
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +32,9 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     runfolder.check_reuse(run_dir, cfg.overwrite, cfg.resume)
     started = time.perf_counter()
-    training.seed_and_threads(cfg.seed, cfg.threads)
+    fitting.seed_and_threads(cfg.seed, cfg.threads)
     try:
-        prepared = training.load_training_data(cfg.data)
+        prepared = fitting.load_training_data(cfg.data)
         signals.raise_pending()
     except Interrupted as err:
         raise Interrupted(err.signum, " while reading the data, before training: nothing was saved") from None
@@ -47,7 +48,7 @@ def train_into(cfg: TrainConfig, prepared: PreparedData, run_dir: Path, started:
     """Fit into the held run_dir (its previous run deleted with cfg.overwrite) and write the outputs (rank 0
     only: the other ranks return {})."""
     runfolder.claim(run_dir, cfg.overwrite, cfg.resume)
-    result = training.fit(cfg, prepared, run_dir)
+    result = fitting.fit(cfg, prepared, run_dir)
     if result.trainer.global_rank != 0:
         return {}
     try:
@@ -62,10 +63,10 @@ def train_into(cfg: TrainConfig, prepared: PreparedData, run_dir: Path, started:
     return metrics
 
 
-def write_outputs(cfg: TrainConfig, result: training.FitResult, prepared: PreparedData, run_dir: Path) -> dict:
+def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: PreparedData, run_dir: Path) -> dict:
     """model.ckpt (the best checkpoint, calibrated), corrected.h5ad and the evaluation of a finished fit;
     returns the metrics so far."""
-    model = training.trained_model(result, prepared)
+    model = fitting.trained_model(result, prepared)
     model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
     metrics = fit_metrics(result, prepared)
     correct_started = time.perf_counter()
@@ -75,7 +76,7 @@ def write_outputs(cfg: TrainConfig, result: training.FitResult, prepared: Prepar
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
     attention_picture(cfg, model, run_dir)
     if cfg.evaluate and cfg.data.label_key:
-        from batchfix.evaluate import evaluate_file
+        from batchfix.eval.evaluate import evaluate_file
 
         metrics["evaluation"] = evaluate_file(corrected_path, cfg.data.batch_key, cfg.data.label_key, run_dir,
                                               counts_layer=cfg.data.counts_layer, key_added=cfg.correction.key_added,
@@ -84,7 +85,7 @@ def write_outputs(cfg: TrainConfig, result: training.FitResult, prepared: Prepar
     return metrics
 
 
-def fit_metrics(result: training.FitResult, prepared: PreparedData) -> dict:
+def fit_metrics(result: fitting.FitResult, prepared: PreparedData) -> dict:
     """What the fit did: sizes, epochs, steps, precision, time and the last logged losses."""
     trainer = result.trainer
     return {
@@ -124,7 +125,7 @@ def correct(cfg: CorrectConfig) -> Path:
 
 def attention_picture(cfg: TrainConfig, model: BatchfixModel, run_dir: Path) -> Path:
     """run_dir/attention.png: the trained model's attention along the genome, per label (else per batch)."""
-    from batchfix.attention_maps import attention_maps, write_attention
+    from batchfix.eval.attention_maps import attention_maps, write_attention
 
     options = AttentionConfig(checkpoint=str(model.path), group_by=cfg.data.label_key or cfg.data.batch_key)
     maps = attention_maps(model, input_path(cfg.data.path), options.group_by,
@@ -134,7 +135,7 @@ def attention_picture(cfg: TrainConfig, model: BatchfixModel, run_dir: Path) -> 
 
 def attention(cfg: AttentionConfig) -> list[Path]:
     """Mean attention between loci per group of cfg.input's cells: attention.png and attention.npz in cfg.output."""
-    from batchfix.attention_maps import attention_maps, write_attention
+    from batchfix.eval.attention_maps import attention_maps, write_attention
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

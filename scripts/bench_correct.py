@@ -54,9 +54,9 @@ def child(args) -> None:
     """Run the correction as the CLI does, printing progress lines for the parent."""
     import torch
 
-    from batchfix import correction
+    from batchfix.correct import correction
     from batchfix.config import CorrectionSettings
-    from batchfix.module import load_trained
+    from batchfix.train.module import load_trained
 
     torch.set_num_threads(args.threads)
     print(f"IMPORTS {time.time() - args.launched:.3f}", flush=True)
@@ -197,7 +197,7 @@ def main() -> None:
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     checkpoint = args.checkpoint or train_checkpoint(args.workdir, args.threads)
-    from batchfix.module import load_trained
+    from batchfix.train.module import load_trained
 
     genes = load_trained(checkpoint).genes
     rows = []

@@ -85,7 +85,7 @@ def run_sampled(command: list[str], threads: int, cwd: Path, stop_after: float =
 def default_planned_epochs(n_cells: int) -> int:
     """The epochs `train` plans by default for n_cells (no empty cells)."""
     from batchfix.config import FitConfig, TrainerConfig
-    from batchfix.training import planned_epochs
+    from batchfix.train.fitting import planned_epochs
 
     fit = FitConfig()
     n_validation = min(int(round(fit.validation_fraction * n_cells)) if n_cells >= 50 else 0,
@@ -140,7 +140,7 @@ torch.set_num_threads(threads)
 import anndata as ad
 import scvi
 from pytorch_lightning.callbacks import Callback
-from batchfix.select import highly_variable_genes
+from batchfix.data.select import highly_variable_genes
 scvi.settings.num_threads = threads
 adata = ad.read_h5ad(path)
 import scipy.sparse as sp
@@ -230,7 +230,7 @@ def main() -> None:
     sizes = sorted(set(args.sizes + ([1_000_000] if args.million else [])))
     files: list[tuple[int, Path]] = []
     if args.bundled:
-        from batchfix.io import bundled_dataset
+        from batchfix.data.io import bundled_dataset
 
         files.append((1021, Path(bundled_dataset())))
     for n in sizes:

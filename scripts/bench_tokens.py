@@ -87,14 +87,14 @@ def child(name: str, phase: str, args: argparse.Namespace) -> dict:
     """One configuration and phase, in this process: the json line the parent reads."""
     import torch
 
-    from batchfix import training
+    from batchfix.train import fitting
     from batchfix.api import train_config
 
     genes, options = CONFIGS[name]
     cfg = train_config(n_top_genes=genes, threads=args.threads, seed=0, **options)
-    training.seed_and_threads(cfg.seed, cfg.threads)
-    prepared = training.load_training_data(cfg.data)
-    module = training.build_module(cfg, prepared, planned_steps=100)
+    fitting.seed_and_threads(cfg.seed, cfg.threads)
+    prepared = fitting.load_training_data(cfg.data)
+    module = fitting.build_module(cfg, prepared, planned_steps=100)
     x = torch.from_numpy(prepared.counts.toarray())
     batch_index = torch.from_numpy(prepared.batch_index)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: the phase's own peak from here

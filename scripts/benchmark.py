@@ -1,4 +1,4 @@
-"""Benchmark batchfix against other batch-correction methods, scored with batchfix.metrics.
+"""Benchmark batchfix against other batch-correction methods, scored with batchfix.eval.metrics.
 
 Every method sees the same cells and genes: the `--n-top-genes` batch-aware seurat_v3 highly
 variable genes of the raw counts. Log-normalized expression is normalize_total(1e4) + log1p on
@@ -22,7 +22,7 @@ model variant whose overrides are added to `--batchfix-override`, and each varia
 batchfix runs (its own ablation with `--ablation`). The report then ends with the ablation table:
 per variant and encoding, the mean and sd over seeds of each score of the corrected expression.
 
-Gene-level scores (batchfix.fidelity: DE-rank agreement, marker recall, within-type 10-NN kept,
+Gene-level scores (batchfix.eval.fidelity: DE-rank agreement, marker recall, within-type 10-NN kept,
 HVG conservation) judge each method's corrected *matrix* against the within-batch reference
 log1p(counts per 10k) of the same raw counts on the same genes. They are given on the row of the
 embedding made from that matrix: "Unintegrated PCA" (the uncorrected log matrix itself, which is
@@ -62,8 +62,8 @@ import pandas as pd
 import psutil
 import scanpy as sc
 
-from batchfix import fidelity, metrics
-from batchfix.normalize import LIBRARY_SIZE, log_cp10k
+from batchfix.eval import fidelity, metrics
+from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
 
 BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi"]
 ALL_METHODS = ["batchfix", *BASELINES]
@@ -107,8 +107,8 @@ def run_batchfix(
 
     from batchfix import tasks
     from batchfix.config import OUTPUT_MODES, CorrectionSettings, TrainConfig, validated
-    from batchfix.correction import correct_file
-    from batchfix.module import load_trained
+    from batchfix.correct.correction import correct_file
+    from batchfix.train.module import load_trained
 
     with tempfile.TemporaryDirectory(prefix="batchfix-bench-") as tmp:
         source, run_dir = Path(tmp) / "input.h5ad", Path(tmp) / "run"
@@ -395,7 +395,7 @@ def gene_scores(
     counts: ad.AnnData, results: dict[str, tuple[str, MethodResult]], batch_key: str,
     label_key: str | None,
 ) -> dict[str, dict[str, float]]:
-    """Gene-level fidelity (batchfix.fidelity) of every corrected matrix, by embedding name,
+    """Gene-level fidelity (batchfix.eval.fidelity) of every corrected matrix, by embedding name,
     against the within-batch log1p(counts per 10k) of the same raw counts; NaN where not computed."""
     matrices = {k: m for _, r in results.values() for k, m in r.matrices.items()}
     batch = counts.obs[batch_key].to_numpy()
@@ -460,7 +460,7 @@ def markdown(rows: pd.DataFrame, table: pd.DataFrame, args: argparse.Namespace) 
 
 
 GENE_SCORES_NOTE = (
-    "Gene-level scores (batchfix.fidelity) compare a method's corrected expression matrix with "
+    "Gene-level scores (batchfix.eval.fidelity) compare a method's corrected expression matrix with "
     "log1p(counts per 10k) of the uncorrected counts on the same genes, within each batch: "
     f"{fidelity.DE_RANK} = Spearman correlation of per-gene label-vs-rest mean differences "
     f"(within batches with >= {fidelity.MIN_CELLS_DE} cells of the label and of the rest, averaged "

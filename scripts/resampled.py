@@ -34,7 +34,7 @@ def bundled_cells(genes: list[str] | None = None, n_genes: int | None = None):
     """The bundled AnnData on `genes` (by name), or on its `n_genes` most detected genes, or on all."""
     import anndata as ad
 
-    from batchfix.io import bundled_dataset
+    from batchfix.data.io import bundled_dataset
 
     source = ad.read_h5ad(bundled_dataset())
     if genes is not None:

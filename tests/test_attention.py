@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchfix.attention import (
+from batchfix.nn.attention import (
     EntropyMeter,
     GenomicCoordinateEncoding,
     GenomicDistanceBias,
@@ -21,7 +21,7 @@ from batchfix.attention import (
     sdpa_attention,
     sinusoidal_genomic_encoding,
 )
-from batchfix.genome import CHROMOSOME_CODE, UNPLACED
+from batchfix.data.genome import CHROMOSOME_CODE, UNPLACED
 
 BACKENDS = {"guarded": guarded_attention, "sdpa": sdpa_attention}
 FP16_MAX = torch.finfo(torch.float16).max
@@ -424,8 +424,8 @@ def test_distance_buckets_follow_base_pair_distance_and_chromosomes():
 
 def test_distance_bias_is_a_trainable_prior_in_the_encoder():
     from batchfix.config import ModelConfig
-    from batchfix.genome import GeneCoordinates, make_windows
-    from batchfix.model import LocusEncoder
+    from batchfix.data.genome import GeneCoordinates, make_windows
+    from batchfix.nn.network import LocusEncoder
 
     n = 30
     coords = GeneCoordinates(np.array(["1"] * 12 + ["2"] * 12 + [None] * 6, dtype=object),

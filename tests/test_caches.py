@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from batchfix import caches
+from batchfix.eval import caches
 
 
 def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
@@ -23,7 +23,7 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
 
 SCRIPT = """
 import numpy as np
-from batchfix import caches
+from batchfix.eval import caches
 root = caches.enable()
 import jax, jax.numpy as jnp
 jax.jit(lambda x: jnp.sin(x) * 2)(jnp.ones(3)).block_until_ready()

@@ -11,11 +11,12 @@ import pytorch_lightning as pl
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from batchfix import config, training
+from batchfix import config
+from batchfix.train import fitting
 from batchfix.config import AttentionConfig, CorrectConfig, EvaluateConfig, ModelConfig, TrainConfig, validated
 from batchfix.errors import ConfigError
-from batchfix.genome import GeneCoordinates, make_windows
-from batchfix.model import BatchfixNet
+from batchfix.data.genome import GeneCoordinates, make_windows
+from batchfix.nn.network import BatchfixNet
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PRESETS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
@@ -65,7 +66,7 @@ def test_every_preset_composes_and_builds_what_it_describes(group, preset, tmp_p
     if group == "model":
         assert tiny_net(cfg.model).n_genes == 40
     elif group == "trainer":
-        assert isinstance(training.build_trainer(cfg, tmp_path, has_validation=True), pl.Trainer)
+        assert isinstance(fitting.build_trainer(cfg, tmp_path, has_validation=True), pl.Trainer)
     elif group == "data":
         assert cfg.data.batch_key and cfg.data.genome in config.GENOMES
 

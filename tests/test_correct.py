@@ -25,11 +25,12 @@ import scipy.sparse as sp
 import torch
 
 import batchfix
-from batchfix import correction, ondisk
+from batchfix.correct import correction
+from batchfix.data import ondisk
 from batchfix.config import CorrectConfig, CorrectionSettings, validated
-from batchfix.correction import correct_file
+from batchfix.correct.correction import correct_file
 from batchfix.errors import CheckpointError, InputError
-from batchfix.module import load_trained
+from batchfix.train.module import load_trained
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING_BATCHES = 3
@@ -468,8 +469,8 @@ def test_cli_writes_the_output_and_reports_errors(trained_run, rich_input, tmp_p
 def test_fused_attention_of_the_correction_changes_values_by_float_noise_only(trained_run, subset, output_mode):
     """Correction runs the attention through torch's fused kernel: the written-out guarded softmax gives the
     same values up to float rounding, and the model's own backend is left as it was."""
-    from batchfix import correction
-    from batchfix.attention import MultiHeadSelfAttention
+    from batchfix.correct import correction
+    from batchfix.nn.attention import MultiHeadSelfAttention
 
     model = load_trained(trained_run["checkpoint"])
     attention = [m for m in model.net.modules() if isinstance(m, MultiHeadSelfAttention)]

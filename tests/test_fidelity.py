@@ -1,4 +1,4 @@
-"""Gene-level fidelity scores (batchfix.fidelity) on constructed cases with known answers and
+"""Gene-level fidelity scores (batchfix.eval.fidelity) on constructed cases with known answers and
 on the bundled CellBench data."""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import scipy.sparse as sp
 import torch
 from scipy.stats import spearmanr
 
-from batchfix import fidelity
-from batchfix.normalize import log_cp10k
-from batchfix.fidelity import DE_RANK, GENE_METRICS, HVG_CONSERVATION, MARKER_RECALL, WITHIN_TYPE
+from batchfix.eval import fidelity
+from batchfix.data.normalize import log_cp10k
+from batchfix.eval.fidelity import DE_RANK, GENE_METRICS, HVG_CONSERVATION, MARKER_RECALL, WITHIN_TYPE
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "cellbench5.h5ad"
 BATCHES, LABELS = ["b0", "b1", "b2"], ["A", "B", "C"]

@@ -1,4 +1,4 @@
-"""batchfix.genome: placing genes, genomic order, and locus windows."""
+"""batchfix.data.genome: placing genes, genomic order, and locus windows."""
 from __future__ import annotations
 
 import gzip
@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from batchfix import genome
+from batchfix.data import genome
 from batchfix.errors import InputError
-from batchfix.genome import (
+from batchfix.data.genome import (
     CHROMOSOME_CODE,
     UNPLACED,
     GeneCoordinates,
@@ -66,7 +66,7 @@ def test_real_var_coordinates_used(real_var, real_coords, caplog):
     unplaced = ~real_coords.placed
     assert (real_coords.start[unplaced] == 0).all() and (real_coords.end[unplaced] == 0).all()
     assert real_coords.start.dtype == np.int64 and real_coords.end.dtype == np.int64
-    with caplog.at_level(logging.INFO, logger="batchfix.genome"):
+    with caplog.at_level(logging.INFO, logger="batchfix.data.genome"):
         place_genes(real_var)
     assert f"Placed {int(real_coords.placed.sum())} of {n} genes" in caplog.text
 

@@ -1,4 +1,4 @@
-"""Input side of batchfix.io: clear errors on bad files, validation, and atomic writing."""
+"""Input side of batchfix.data.io: clear errors on bad files, validation, and atomic writing."""
 from __future__ import annotations
 
 import hashlib
@@ -14,10 +14,10 @@ import pandas as pd
 import pytest
 import scipy.sparse as sp
 
-from batchfix import io
+from batchfix.data import io
 from batchfix.config import DataConfig, DataKeys
 from batchfix.errors import ConfigError, InputError
-from batchfix.io import read_h5ad, write_h5ad_atomic
+from batchfix.data.io import read_h5ad, write_h5ad_atomic
 
 
 def load_expression(path, scale: str = "counts", **keys) -> io.ExpressionInput:
@@ -320,7 +320,7 @@ def test_empty_cells_and_genes_dropped_with_log(small_adata, write_h5ad, caplog)
     assert set(np.flatnonzero(X.sum(axis=1) == 0)) == set(empty_cells)
     assert set(np.flatnonzero(X.sum(axis=0) == 0)) == set(empty_genes)
     path = write_h5ad(small_adata)
-    with caplog.at_level(logging.INFO, logger="batchfix.io"):
+    with caplog.at_level(logging.INFO, logger="batchfix.data.io"):
         inp = load_expression(path, label_key="cell_type")
     text = caplog.text
     assert f"Dropped 7 empty cells (no non-zero values) of {N_SUBSET_CELLS}" in text
@@ -339,7 +339,7 @@ def test_empty_cells_and_genes_dropped_with_log(small_adata, write_h5ad, caplog)
 
 
 def test_no_drop_log_when_nothing_is_empty(small_h5ad, caplog):
-    with caplog.at_level(logging.INFO, logger="batchfix.io"):
+    with caplog.at_level(logging.INFO, logger="batchfix.data.io"):
         inp = load_expression(small_h5ad)
     assert "Dropped" not in caplog.text
     assert inp.counts.shape == (N_SUBSET_CELLS, N_SUBSET_GENES)
@@ -351,7 +351,7 @@ def test_explicit_zeros_in_sparse_input_count_as_empty(small_adata, write_h5ad, 
     X.data[row[0]:row[1]] = 0  # stored zeros: cell 4 is empty
     small_adata.X = X
     path = write_h5ad(small_adata)
-    with caplog.at_level(logging.INFO, logger="batchfix.io"):
+    with caplog.at_level(logging.INFO, logger="batchfix.data.io"):
         inp = load_expression(path)
     assert "Dropped 1 empty cells" in caplog.text
     assert small_adata.obs_names[4] not in set(inp.obs_names)

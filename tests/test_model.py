@@ -8,11 +8,11 @@ import torch
 from torch.distributions import NegativeBinomial
 
 from batchfix.config import DataConfig, DataKeys, ModelConfig
-from batchfix.data import prepare
-from batchfix.genome import GeneCoordinates, make_windows
-from batchfix.io import load_expression
-from batchfix.model import BatchfixNet, GradientReversal, LocusEncoder, negative_binomial_log_likelihood
-from batchfix.normalize import LIBRARY_SIZE, log_cp10k
+from batchfix.data.prepare import prepare
+from batchfix.data.genome import GeneCoordinates, make_windows
+from batchfix.data.io import load_expression
+from batchfix.nn.network import BatchfixNet, GradientReversal, LocusEncoder, negative_binomial_log_likelihood
+from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
 
 
 def test_negative_binomial_log_likelihood_matches_torch_distributions():
@@ -87,7 +87,7 @@ def test_the_loss_adds_the_weighted_adversary_to_the_negative_elbo(weight):
 
 
 def test_weight_decay_spares_biases_layernorm_and_dispersions():
-    from batchfix.module import BatchfixModule
+    from batchfix.train.module import BatchfixModule
 
     module = BatchfixModule(model=ModelConfig(genes_per_token=4, d_model=16, n_heads=2).to_dict(),
                             genes=[f"g{i}" for i in range(12)], chromosome=["1"] * 12, start=list(range(12)),

@@ -24,12 +24,13 @@ import torch
 from scipy.stats import spearmanr
 
 import batchfix
-from batchfix import attention, counterfactual
+from batchfix.nn import attention
+from batchfix.correct import counterfactual
 from batchfix.config import CorrectConfig, CorrectionSettings, TrainConfig, validated
-from batchfix.correction import correct_file
-from batchfix.data import PreparedData
+from batchfix.correct.correction import correct_file
+from batchfix.data.prepare import PreparedData
 from batchfix.errors import ConfigError, InputError
-from batchfix.normalize import log_cp10k
+from batchfix.data.normalize import log_cp10k
 
 N_TOP_GENES = 200
 UNSEEN = "sc_dropseq"

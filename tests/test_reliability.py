@@ -35,14 +35,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import batchfix
-from batchfix import io, ondisk, runfolder, signals, tasks, training
+from batchfix.data import io, ondisk
+from batchfix import runfolder, signals, tasks
+from batchfix.train import fitting
 from batchfix.api import train_config
 from batchfix.config import CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
-from batchfix.correction import correct_file
-from batchfix.data import CellDataModule
+from batchfix.correct.correction import correct_file
+from batchfix.data.prepare import CellDataModule
 from batchfix.errors import (CheckpointError, ConfigError, InputError, Interrupted, OutputError,
                              OutputExistsError, TrainingError)
-from batchfix.module import load_trained
+from batchfix.train.module import load_trained
 
 TINY = ["data.n_top_genes=200", "model.genes_per_token=16", "model.d_model=16", "model.n_heads=2", "model.n_layers=1",
         "model.latent_dim=8", "model.decoder_hidden=32", "fit.batch_size=64", "evaluate=false", "threads=1",
@@ -394,7 +396,7 @@ def test_api_train_refuses_a_bad_option_before_training(subset):
 @pytest.mark.parametrize("options", [{"accelerator": "tpu"}, {"strategy": "no-such-strategy"}])
 def test_trainer_options_lightning_refuses_are_config_errors(options, tmp_path):
     with pytest.raises(ConfigError, match=r"Lightning refused the trainer\.\* options"):
-        training.build_trainer(tiny_train_config(**options), tmp_path, has_validation=True)
+        fitting.build_trainer(tiny_train_config(**options), tmp_path, has_validation=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,7 +404,7 @@ def test_trainer_options_lightning_refuses_are_config_errors(options, tmp_path):
 
 
 def prepared(adata: ad.AnnData, **data):
-    return training.load_training_data(DataConfig(**{"n_top_genes": 200, **data}), adata)
+    return fitting.load_training_data(DataConfig(**{"n_top_genes": 200, **data}), adata)
 
 
 def with_values(subset: ad.AnnData, change) -> ad.AnnData:
@@ -556,8 +558,8 @@ def test_validation_fraction_leaving_no_training_cells_is_refused(subset):
 
 def test_genes_per_token_above_a_chromosome_gives_the_same_windows(subset):
     data = prepared(subset)
-    huge = training.build_module(tiny_train_config(genes_per_token=10**9), data, planned_steps=10)
-    widest = training.build_module(tiny_train_config(genes_per_token=len(data.genes)), data, planned_steps=10)
+    huge = fitting.build_module(tiny_train_config(genes_per_token=10**9), data, planned_steps=10)
+    widest = fitting.build_module(tiny_train_config(genes_per_token=len(data.genes)), data, planned_steps=10)
     assert huge.windows.gene_index.shape == widest.windows.gene_index.shape
     assert huge.windows.gene_index.shape[1] < len(data.genes)
 
@@ -590,7 +592,7 @@ def test_a_file_without_encoding_attributes_trains_but_is_not_streamed(files, tm
     with h5py.File(old, "r+") as f:
         for key in list(f.attrs):
             del f.attrs[key]
-    assert training.load_training_data(DataConfig(path=str(old), n_top_genes=200)).counts.shape == (200, 200)
+    assert fitting.load_training_data(DataConfig(path=str(old), n_top_genes=200)).counts.shape == (200, 200)
     with pytest.raises(InputError, match=r"written by an old anndata version .*write_h5ad"):
         correct_file(old, tmp_path / "out.h5ad", load_trained(files["ckpt"]), CorrectionSettings())
     assert listing(tmp_path) == ["old.h5ad"]

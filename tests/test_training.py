@@ -19,10 +19,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from batchfix import counterfactual, tasks, training
+from batchfix.correct import counterfactual
+from batchfix import tasks
+from batchfix.train import fitting
 from batchfix.config import TrainConfig, validated
 from batchfix.errors import InputError
-from batchfix.module import BatchfixModule, load_trained
+from batchfix.train.module import BatchfixModule, load_trained
 
 N_TOP_GENES = 200
 BATCH_SIZE = 64
@@ -32,7 +34,7 @@ LEARNING_RATE = 2e-3
 CLI_EPOCHS = 6
 
 
-CPU_DEFAULT_PRECISION = "bf16-mixed" if training.cpu_multiplies_bf16() else "32-true"  # this machine's default
+CPU_DEFAULT_PRECISION = "bf16-mixed" if fitting.cpu_multiplies_bf16() else "32-true"  # this machine's default
 
 
 def tiny_overrides(h5ad: Path) -> list[str]:
@@ -252,27 +254,27 @@ def test_default_precision_follows_the_hardware(monkeypatch, bf16_units):
     monkeypatch.setattr(training, "cpu_multiplies_bf16", lambda: bf16_units)
     cpu_default = "bf16-mixed" if bf16_units else "32-true"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert training.resolve_precision(None) == cpu_default
-    assert training.resolve_precision("bf16-mixed") == "bf16-mixed"
-    assert training.resolve_precision("32-true") == "32-true"  # asked for: kept, bf16 units or not
+    assert fitting.resolve_precision(None) == cpu_default
+    assert fitting.resolve_precision("bf16-mixed") == "bf16-mixed"
+    assert fitting.resolve_precision("32-true") == "32-true"  # asked for: kept, bf16 units or not
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert training.resolve_precision(None, "auto") == "16-mixed"
-    assert training.resolve_precision(None, "gpu") == "16-mixed"
+    assert fitting.resolve_precision(None, "auto") == "16-mixed"
+    assert fitting.resolve_precision(None, "gpu") == "16-mixed"
     # A GPU host told to train on its CPU: the CPU's default, and 16-mixed said to become bf16-mixed.
-    assert training.resolve_precision(None, "cpu") == cpu_default
-    assert training.resolve_precision("16-mixed", "cpu") == "bf16-mixed"
+    assert fitting.resolve_precision(None, "cpu") == cpu_default
+    assert fitting.resolve_precision("16-mixed", "cpu") == "bf16-mixed"
 
 
 def test_bf16_probe_answers_no_when_torch_cannot_tell(monkeypatch):
-    assert isinstance(training.cpu_multiplies_bf16(), bool)
+    assert isinstance(fitting.cpu_multiplies_bf16(), bool)
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
-    assert training.cpu_multiplies_bf16() is False
+    assert fitting.cpu_multiplies_bf16() is False
 
     def failing_probe():
         raise RuntimeError("cpuinfo unavailable")
 
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", failing_probe, raising=False)
-    assert training.cpu_multiplies_bf16() is False
+    assert fitting.cpu_multiplies_bf16() is False
 
 
 # ---------------------------------------------------------------- DDP: two CPU processes (gloo)
@@ -344,7 +346,7 @@ def test_an_interrupted_fit_keeps_the_losses_logged_so_far(tmp_path):
     from pytorch_lightning.loggers import CSVLogger
 
     from batchfix.errors import Interrupted
-    from batchfix.training import StopOnSignal
+    from batchfix.train.fitting import StopOnSignal
 
     logger = CSVLogger(str(tmp_path), name="logs", version="")
     logger.log_metrics({"train_loss": 1.5}, step=4)
@@ -360,7 +362,7 @@ def test_the_epoch_plan_follows_the_data():
     """About fit.target_steps gradient steps, but never less than one pass over the cells nor more than
     fit.max_auto_epochs; trainer.max_epochs overrides the plan."""
     from batchfix.config import FitConfig, TrainerConfig
-    from batchfix.training import planned_epochs
+    from batchfix.train.fitting import planned_epochs
 
     fit, trainer = FitConfig(), TrainerConfig()
     assert planned_epochs(trainer, fit, 8) == 63  # the bundled 1,021 cells: 504 steps

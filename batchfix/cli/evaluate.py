@@ -12,11 +12,11 @@ from batchfix.runfolder import remove_if_unused
 
 @hydra.main(version_base=None, config_path="pkg://batchfix.conf", config_name="evaluate")
 def main(cfg: DictConfig) -> float | None:
-    """Evaluate (batchfix.evaluate.evaluate) into the run folder; return the corrected-expression Total."""
+    """Evaluate (batchfix.eval.evaluate.evaluate) into the run folder; return the corrected-expression Total."""
     out_dir = HydraConfig.get().runtime.output_dir
     with user_errors_reported("evaluate", on_error=lambda: remove_if_unused(out_dir)):
         options = validated(cfg, EvaluateConfig)  # before the heavy imports: a bad option is reported at once
-        from batchfix import evaluate, metrics  # scoring needs neither torch nor Lightning
+        from batchfix.eval import evaluate, metrics  # scoring needs neither torch nor Lightning
 
         return metrics.headline({"evaluation": evaluate.evaluate(options, out_dir)})
 

@@ -18,7 +18,7 @@ def main(cfg: DictConfig) -> float | None:
     with user_errors_reported("train", on_error=lambda: remove_if_unused(run_dir)):
         options = validated(cfg, TrainConfig)  # before the heavy imports: a bad option is reported at once
         from batchfix import tasks
-        from batchfix.metrics import headline
+        from batchfix.eval.metrics import headline
 
         return headline(tasks.train(options, run_dir))
 

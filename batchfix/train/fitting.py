@@ -22,13 +22,13 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException, SI
 
 from batchfix import runfolder, signals
 from batchfix.config import DataConfig, FitConfig, TrainConfig, TrainerConfig
-from batchfix.counterfactual import calibrate
-from batchfix.data import CellDataModule, PreparedData, prepare
+from batchfix.correct.counterfactual import calibrate
+from batchfix.data.prepare import CellDataModule, PreparedData, prepare
 from batchfix.errors import ConfigError, InputError, Interrupted
-from batchfix.genome import chromosome_runs
-from batchfix.io import expression_input, input_path, load_expression
-from batchfix.module import BatchfixModel, BatchfixModule, load_trained
-from batchfix.streaming import prepare_streamed, use_streaming
+from batchfix.data.genome import chromosome_runs
+from batchfix.data.io import expression_input, input_path, load_expression
+from batchfix.train.module import BatchfixModel, BatchfixModule, load_trained
+from batchfix.data.streaming import prepare_streamed, use_streaming
 
 log = logging.getLogger(__name__)
 

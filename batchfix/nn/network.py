@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from batchfix.attention import GenomicCoordinateEncoding, GenomicDistanceBias, TransformerBlock
+from batchfix.nn.attention import GenomicCoordinateEncoding, GenomicDistanceBias, TransformerBlock
 from batchfix.config import ModelConfig
-from batchfix.genome import LocusWindows
-from batchfix.normalize import LIBRARY_SIZE, log_cp10k
+from batchfix.data.genome import LocusWindows
+from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
 
 
 class GradientReversal(torch.autograd.Function):
@@ -140,7 +140,7 @@ class BatchfixNet(nn.Module):
         self.encoder = LocusEncoder(cfg, windows, n_genes)
         self.decoder = ExpressionDecoder(cfg, n_genes, n_batches)
         self.adversary = nn.Sequential(nn.Linear(cfg.latent_dim, 64), nn.ReLU(), nn.Linear(64, n_batches))
-        # Residual statistics of each training batch (batchfix.counterfactual.calibrate, after the fit): the
+        # Residual statistics of each training batch (batchfix.correct.counterfactual.calibrate, after the fit): the
         # counterfactual output's per-gene location and per-batch spread. A spread of 0 means not calibrated.
         self.register_buffer("residual_location", torch.zeros(n_batches, n_genes))
         self.register_buffer("residual_spread", torch.zeros(n_batches))

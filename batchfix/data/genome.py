@@ -66,7 +66,7 @@ def bundled_gene_table(genome: str) -> pd.DataFrame:
     """The bundled coordinate table: columns symbol, gene_id, chromosome, start, end."""
     if genome not in GENOMES:
         raise ValueError(f"Unknown data.genome '{genome}'. Bundled genomes: {list(GENOMES)}; or pass data.gtf=<file>.")
-    with resources.files("batchfix.genes").joinpath(f"{genome}.genes.tsv.gz").open("rb") as fh:
+    with resources.files("batchfix.data.genes").joinpath(f"{genome}.genes.tsv.gz").open("rb") as fh:
         table = pd.read_csv(fh, sep="\t", compression="gzip", dtype={"chr": str})
     return table.rename(columns={"GeneName": "symbol", "GeneID": "gene_id", "chr": "chromosome", "stop": "end"})
 

@@ -1,11 +1,11 @@
 """Training data that stays on disk: an .h5ad scanned in row chunks instead of read whole.
 
-`prepare_streamed` gives the same `PreparedData` as `batchfix.data.prepare` on a file read into
+`prepare_streamed` gives the same `PreparedData` as `batchfix.data.prepare.prepare` on a file read into
 memory, without the matrix (its `disk` says where the cells are), in two passes over the file:
 
-1. every gene: the values checked (as `batchfix.io` does), empty cells and genes counted, and a
+1. every gene: the values checked (as `batchfix.data.io` does), empty cells and genes counted, and a
    subsample of at most `data.hvg_max_cells` cells, stratified by batch, kept in memory;
-2. HVGs ranked on that subsample with the in-memory code (`batchfix.select`: scanpy's seurat_v3),
+2. HVGs ranked on that subsample with the in-memory code (`batchfix.data.select`: scanpy's seurat_v3),
    genes placed and put in genomic order;
 3. the modelled genes only: the encoder's standardisation statistics over every cell (exact).
 
@@ -30,15 +30,16 @@ try:  # anndata >= 0.11
 except ImportError:  # pragma: no cover - older anndata
     from anndata.experimental import read_elem
 
-from batchfix import ondisk, signals
+from batchfix.data import ondisk
+from batchfix import signals
 from batchfix.config import DataConfig
-from batchfix.data import DiskCells, PreparedData, model_genes, standardization
+from batchfix.data.prepare import DiskCells, PreparedData, model_genes, standardization
 from batchfix.errors import InputError
-from batchfix.io import (check_batches, check_h5ad_path, check_values, duplicate_genes_error, missing_obs_column,
+from batchfix.data.io import (check_batches, check_h5ad_path, check_values, duplicate_genes_error, missing_obs_column,
                          obs_strings, repeated)
-from batchfix.normalize import log_cp10k
-from batchfix.select import highly_variable_genes
-from batchfix.subsample import stratified_rows
+from batchfix.data.normalize import log_cp10k
+from batchfix.data.select import highly_variable_genes
+from batchfix.data.subsample import stratified_rows
 
 log = logging.getLogger(__name__)
 

@@ -19,13 +19,13 @@ import pandas as pd
 import torch
 from PIL import Image
 
-from batchfix import ondisk
+from batchfix.data import ondisk
 from batchfix.config import CorrectionSettings
-from batchfix.correction import Corrector
+from batchfix.correct.correction import Corrector
 from batchfix.errors import InputError
-from batchfix.genome import CHROMOSOMES
-from batchfix.io import atomic_output, check_h5ad_path, output_exists
-from batchfix.module import BatchfixModel
+from batchfix.data.genome import CHROMOSOMES
+from batchfix.data.io import atomic_output, check_h5ad_path, output_exists
+from batchfix.train.module import BatchfixModel
 
 log = logging.getLogger(__name__)
 

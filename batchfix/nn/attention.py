@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from batchfix.genome import CHROMOSOMES, UNPLACED
+from batchfix.data.genome import CHROMOSOMES, UNPLACED
 
 BACKENDS = ("guarded", "sdpa")
 

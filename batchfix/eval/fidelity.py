@@ -1,9 +1,9 @@
 """Gene-level fidelity of a corrected expression matrix, judged as a matrix.
 
 Users run differential expression and marker plots on corrected expression, so beside the scIB
-embedding scores (`batchfix.metrics`) the corrected matrix is compared gene by gene with a
+embedding scores (`batchfix.eval.metrics`) the corrected matrix is compared gene by gene with a
 reference that holds no batch effect: log1p(counts per 10k) of the *uncorrected* counts
-(`batchfix.normalize.log_cp10k`; a cell's library size is its sum over the genes given), with
+(`batchfix.data.normalize.log_cp10k`; a cell's library size is its sum over the genes given), with
 every comparison made **within one batch**. All four scores are 1.0 for the reference itself.
 
 - **DE-rank agreement**: for each label and each batch holding >= `MIN_CELLS_DE` cells of the
@@ -43,8 +43,8 @@ from scipy.stats import rankdata
 from sklearn.decomposition import PCA
 from sklearn.neighbors import NearestNeighbors
 
-from batchfix.io import count_bad_values
-from batchfix.normalize import log_cp10k
+from batchfix.data.io import count_bad_values
+from batchfix.data.normalize import log_cp10k
 
 MIN_CELLS_DE = 10  # cells of the label, and other cells, a batch needs for a DE comparison
 MIN_CELLS_GROUP = 30  # cells a (batch, label) group needs for the neighbour comparison

@@ -1,6 +1,6 @@
 """On-disk AnnData (.h5ad) pieces for streaming: read cells in row chunks, write a new file chunk by chunk.
 
-Used by `batchfix.correction.correct_file`, so that correcting a file needs memory for one chunk of
+Used by `batchfix.correct.correction.correct_file`, so that correcting a file needs memory for one chunk of
 cells, never for the whole matrix:
 
 - `open_rows` gives a row-chunk reader over X or a layer stored dense ('array') or as CSR
@@ -9,7 +9,7 @@ cells, never for the whole matrix:
   as compression kept, values byte for byte), leaving out the entries the correction replaces.
 - `create_csr` / `create_array` make the new entries with anndata's on-disk encoding
   (encoding-type / encoding-version attributes), to be filled slice by slice.
-- Outputs go through `batchfix.io.atomic_output`: a temporary path beside the target, moved into
+- Outputs go through `batchfix.data.io.atomic_output`: a temporary path beside the target, moved into
   place only when the writing finished, so a failed run leaves neither a partial output nor a
   temporary file.
 """
@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - older anndata
     from anndata.experimental import read_elem, write_elem
 
 from batchfix.errors import InputError
-from batchfix.io import missing_matrix
+from batchfix.data.io import missing_matrix
 
 log = logging.getLogger(__name__)
 

@@ -15,20 +15,20 @@ import scipy.sparse as sp
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 
-from batchfix import ondisk
+from batchfix.data import ondisk
 from batchfix.config import DataConfig
 from batchfix.errors import ConfigError
-from batchfix.genome import GeneCoordinates, place_genes
-from batchfix.io import ExpressionInput
-from batchfix.normalize import log_cp10k
-from batchfix.select import highly_variable_genes
+from batchfix.data.genome import GeneCoordinates, place_genes
+from batchfix.data.io import ExpressionInput
+from batchfix.data.normalize import log_cp10k
+from batchfix.data.select import highly_variable_genes
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class DiskCells:
-    """Where streamed training reads its cells from: an .h5ad matrix on disk (batchfix.streaming)."""
+    """Where streamed training reads its cells from: an .h5ad matrix on disk (batchfix.data.streaming)."""
 
     path: str
     element: str  # "X" or "layers/<name>"

@@ -25,11 +25,11 @@ import scipy.sparse as sp
 from matplotlib.figure import Figure
 from scib_metrics.benchmark import BatchCorrection, Benchmarker, BioConservation
 
-from batchfix import fidelity
+from batchfix.eval import fidelity
 from batchfix.config import NEIGHBOR_METHODS
 from batchfix.errors import InputError
-from batchfix.io import OutputKeys
-from batchfix.normalize import log_cp10k
+from batchfix.data.io import OutputKeys
+from batchfix.data.normalize import log_cp10k
 
 BATCH_SCORE = "Batch correction"
 BIO_SCORE = "Bio conservation"
@@ -232,7 +232,7 @@ def gene_level_scores(
     label_key: str | None,
     counts_layer: str | None = None,
 ) -> dict:
-    """Gene-level fidelity (batchfix.fidelity) of layers[keys.layer] on the modelled genes, against the
+    """Gene-level fidelity (batchfix.eval.fidelity) of layers[keys.layer] on the modelled genes, against the
     within-batch log1p(counts per 10k) of the raw counts (X or `counts_layer`) of the same genes.
 
     Without labels only HVG conservation is computed (the result's `note` says so). Counts that

@@ -30,7 +30,7 @@ SUMMARY_MD = "sweep_summary.md"
 JOB_COLUMN = "job"
 FOUND_COLUMN = "metrics_found"
 SECONDS = "seconds"
-# scib-metrics aggregate score names (batchfix.metrics), matched as the last dotted key part;
+# scib-metrics aggregate score names (batchfix.eval.metrics), matched as the last dotted key part;
 # any key whose last part contains "seconds" is plotted in the SECONDS group.
 KEY_METRICS = ["Total", "Batch correction", "Bio conservation", SECONDS]
 

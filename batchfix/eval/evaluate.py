@@ -15,12 +15,14 @@ try:  # anndata >= 0.11
 except ImportError:  # pragma: no cover - older anndata
     from anndata.experimental import read_elem
 
-from batchfix import caches, metrics, ondisk, runfolder
+from batchfix.eval import caches, metrics
+from batchfix.data import ondisk
+from batchfix import runfolder
 from batchfix.config import CorrectionOptions, EvaluateConfig, EvaluationOptions
 from batchfix.errors import InputError
-from batchfix.io import OutputKeys, atomic_output, check_h5ad_path, input_path, obs_strings, read_h5ad
+from batchfix.data.io import OutputKeys, atomic_output, check_h5ad_path, input_path, obs_strings, read_h5ad
 from batchfix.runfolder import METRICS_JSON, METRICS_MD, UMAP_PNG
-from batchfix.subsample import SEED, stratified_rows
+from batchfix.data.subsample import SEED, stratified_rows
 
 log = logging.getLogger(__name__)
 
@@ -52,17 +54,17 @@ def evaluate_file(
     """Score a corrected file (never modified) and write metrics.json, metrics.md, umap.png.
 
     Scored with scib-metrics: the latent `obsm['X_<key_added>']`, the PCA of `layers[key_added]` and
-    the uncorrected PCA, all on the modelled genes (see `batchfix.metrics.evaluation_embeddings`).
+    the uncorrected PCA, all on the modelled genes (see `batchfix.eval.metrics.evaluation_embeddings`).
     Scored gene by gene (`gene_fidelity` in the result): `layers[key_added]` against the raw counts
-    on the same genes, within each batch (`batchfix.metrics.gene_level_scores`). Returns the
+    on the same genes, within each batch (`batchfix.eval.metrics.gene_level_scores`). Returns the
     metrics dict written to metrics.json.
 
     `neighbors`: "exact", "approximate" (pynndescent, scib-metrics' default) or "auto" (exact up to
-    batchfix.metrics.EXACT_NEIGHBORS_MAX_CELLS scored cells) neighbour graphs for the scores and the UMAP;
+    batchfix.eval.metrics.EXACT_NEIGHBORS_MAX_CELLS scored cells) neighbour graphs for the scores and the UMAP;
     the result's `neighbors` says which were used. A file of more than `max_cells` cells is scored (every
     score and the UMAP) on a subsample of `max_cells` cells stratified by batch x label (by batch without
     labels), read from disk without loading the rest; the result's `subsample` says so. JAX and numba
-    compile into a user cache directory (batchfix.caches), so a second evaluation does not compile again.
+    compile into a user cache directory (batchfix.eval.caches), so a second evaluation does not compile again.
     """
     started = time.perf_counter()
     caches.enable()
@@ -176,7 +178,7 @@ def _markdown_report(table, result: dict) -> str:
     return "\n".join(lines) + "\n" + metrics.markdown_table(table) + "\n" + "\n".join([
         f"## Gene-level fidelity of layers['{result['corrected_layer']}']",
         "",
-        f"Against {genes['reference']} (batchfix.fidelity; 1.0 = the uncorrected values' own structure).",
+        f"Against {genes['reference']} (batchfix.eval.fidelity; 1.0 = the uncorrected values' own structure).",
         "",
         metrics.gene_markdown(genes),
     ])

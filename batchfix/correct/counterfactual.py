@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchfix.attention import fused_attention
-from batchfix.data import PreparedData, in_order
+from batchfix.nn.attention import fused_attention
+from batchfix.data.prepare import PreparedData, in_order
 from batchfix.errors import CheckpointError
-from batchfix.model import BatchfixNet
+from batchfix.nn.network import BatchfixNet
 
 log = logging.getLogger(__name__)
 

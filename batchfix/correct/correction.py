@@ -21,7 +21,7 @@ What is added (key = key_added, default 'batchfix'):
   11,533 for the bundled data), and for an uncorrected value in an uncorrected gene there is no
   honest corrected number to store. What the values are depends on `output_mode`:
   counterfactual (each cell's own expression with only what its batch explains removed; see
-  batchfix.counterfactual) or denoised (every cell decoded from its latent as the reference).
+  batchfix.correct.counterfactual) or denoised (every cell decoded from its latent as the reference).
 - obsm[f'X_{key}']: the latent (posterior mean), float32 (n_obs, latent_dim).
 - uns[key]: provenance (package version, checkpoint path and sha256, output mode, reference batch,
   training batches, unseen batches and how they were treated, modelled and missing genes, values
@@ -54,13 +54,15 @@ import torch
 from tqdm.auto import tqdm
 
 import batchfix
-from batchfix.attention import fused_attention
-from batchfix import counterfactual, ondisk, signals
+from batchfix.nn.attention import fused_attention
+from batchfix.correct import counterfactual
+from batchfix.data import ondisk
+from batchfix import signals
 from batchfix.config import CorrectionSettings
 from batchfix.errors import InputError
-from batchfix.io import (OutputKeys, atomic_output, check_h5ad_path, check_values, duplicate_genes_error,
+from batchfix.data.io import (OutputKeys, atomic_output, check_h5ad_path, check_values, duplicate_genes_error,
                          output_exists, repeated, select_matrix)
-from batchfix.module import BatchfixModel
+from batchfix.train.module import BatchfixModel
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +250,7 @@ def corrected_chunks(corrector: Corrector, rows, n_obs: int, chunk_size: int,
 
 LAYER_MEANING = {
     "counterfactual": "each cell's own log1p(expression per 10k counts) with only what its batch explains removed "
-                      "(batchfix.counterfactual)",
+                      "(batchfix.correct.counterfactual)",
     "denoised": "every cell decoded from its latent as the reference batch, log1p(expression per 10k counts)",
 }
 
