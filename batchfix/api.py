@@ -1,7 +1,7 @@
 """The Python API, for notebooks: train and correct in-memory AnnData, no YAML and no run folder.
 
     model = batchfix.train(adata, batch_key="sample", n_heads=8, max_epochs=40)
-    batchfix.correct(adata, model)              # or model.correct(adata); in place, scanpy style
+    batchfix.correct(adata, model)              # in place, scanpy style
     model.save("model.ckpt"); model = batchfix.BatchfixModel.load("model.ckpt")
 
 Options are the command line's, by their last name (`n_heads` is `model.n_heads`), with the same

@@ -2,7 +2,8 @@
 
 - A folder that holds a run (any of RUN_OUTPUTS) is refused, unless `resume=` names that same folder
   (the run continues in place) or `overwrite=true` (its outputs and checkpoints are deleted first).
-  The command line checks this before Hydra writes `.hydra/` into the folder (`RunFolderCheck`).
+  The command line checks this before Hydra writes `.hydra/` into the folder
+  (`batchfix.cli.folder_check.RunFolderCheck`).
 - A run that stops on a user error or a signal before it saved anything leaves no folder behind:
   `remove_if_unused` deletes what Hydra and the logger wrote (RUN_FILES), then the folders left empty.
 - A folder is held by one command at a time (`hold`): two commands started in the same second get the
@@ -12,7 +13,6 @@
 from __future__ import annotations
 
 import atexit
-import copy
 import logging
 import os
 import shutil
@@ -20,15 +20,11 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 try:
     import fcntl
 except ImportError:  # Windows: folders are not locked
     fcntl = None
-
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, open_dict, read_write
 
 from batchfix.errors import ConfigError, FolderInUseError, OutputError, OutputExistsError
 from batchfix.data.io import missing_folders, remove_empty
@@ -239,64 +235,3 @@ def remove_if_unused(run_dir: str | Path) -> None:
         except OSError:  # missing, or holds something else
             pass
     remove_empty(_made_for.get(run_dir, [run_dir]))  # not noted (a sweep job): the run folder alone
-
-
-class RunFolderCheck(Callback):
-    """Hydra callback: before Hydra writes into the run folder, make it (writable, or a one-line error), hold it
-    (`hold`; another command holding the default folder moves this run to the next free one) and remember the
-    folders made for it (`remove_if_unused`); for `train` and `evaluate`, refuse bad options and a folder that
-    holds a run (or an evaluation), so that Hydra never replaces a previous run's .hydra/ files."""
-
-    def __init__(self, verb: str = "train"):
-        self.verb = verb
-
-    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from hydra.core.hydra_config import HydraConfig
-
-        from batchfix.cli.common import user_errors_reported
-        from batchfix.config import EvaluateConfig, TrainConfig, validated
-
-        HydraConfig.instance().set_config(config)  # as Hydra does next, so ${hydra:...} resolves
-        run_dir = Path(str(config.hydra.run.dir))
-        named = overridden(config, "hydra.run.dir")
-        task = copy.deepcopy(config)  # the verb's own options, without Hydra's
-        with read_write(task), open_dict(task):
-            del task["hydra"]
-        with user_errors_reported(self.verb):
-            if self.verb == "train":
-                cfg = validated(task, TrainConfig)
-                free = free_folder(run_dir, named, lambda folder: check_reuse(folder, cfg.overwrite, cfg.resume))
-            elif self.verb == "evaluate":
-                overwrite = validated(task, EvaluateConfig).overwrite
-                free = free_folder(run_dir, named, lambda folder: check_evaluation_folder(folder, overwrite))
-            else:
-                free = free_folder(run_dir, named, lambda folder: None)
-        if free != run_dir:
-            moved(run_dir, free)
-            with read_write(config.hydra.run):
-                config.hydra.run.dir = str(free)  # where Hydra writes, and the job's output_dir
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        """A sweep folder is held the same way (each job's folder is held by the job)."""
-        from batchfix.cli.common import user_errors_reported
-
-        sweep_dir = Path(str(config.hydra.sweep.dir))
-        named = overridden(config, "hydra.sweep.dir")
-        with user_errors_reported(self.verb):
-            free = free_folder(sweep_dir, named, lambda folder: None)
-        if free != sweep_dir:
-            moved(sweep_dir, free)
-            with read_write(config.hydra):
-                config.hydra.sweep.dir = str(free)
-                # Hydra composes each job's configuration anew from these overrides.
-                config.hydra.overrides.hydra.append(f"hydra.sweep.dir={free}")
-
-
-def overridden(config: DictConfig, key: str) -> bool:
-    """Whether the user set Hydra's `key` on the command line (a folder they named, not the default)."""
-    return any(str(item).startswith(f"{key}=") for item in config.hydra.overrides.hydra)
-
-
-def moved(folder: Path, free: Path) -> None:
-    log.warning("%s is in use by another batchfix command (started in the same second) or holds a run: this one "
-                "writes into %s.", folder, free)

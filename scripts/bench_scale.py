@@ -85,11 +85,11 @@ def run_sampled(command: list[str], threads: int, cwd: Path, stop_after: float =
 def default_planned_epochs(n_cells: int) -> int:
     """The epochs `train` plans by default for n_cells (no empty cells)."""
     from batchfix.config import FitConfig, TrainerConfig
+    from batchfix.data.prepare import validation_size
     from batchfix.train.fitting import planned_epochs
 
     fit = FitConfig()
-    n_validation = min(int(round(fit.validation_fraction * n_cells)) if n_cells >= 50 else 0,
-                       fit.max_validation_cells)
+    n_validation = validation_size(n_cells, fit.validation_fraction, fit.max_validation_cells)
     return planned_epochs(TrainerConfig(), fit, math.ceil((n_cells - n_validation) / fit.batch_size))
 
 

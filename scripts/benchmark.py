@@ -61,6 +61,7 @@ import numpy as np
 import pandas as pd
 import psutil
 import scanpy as sc
+import scipy.sparse as sp
 
 from batchfix.eval import fidelity, metrics
 from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
@@ -300,11 +301,12 @@ def load(path, batch_key: str, label_key: str | None, subset: int | None,
 
 
 def select_genes(adata: ad.AnnData, batch_key: str, n_top_genes: int) -> ad.AnnData:
-    """Counts on the batch-aware seurat_v3 highly variable genes (computed on raw counts)."""
-    hvg = sc.pp.highly_variable_genes(
-        adata, flavor="seurat_v3", n_top_genes=n_top_genes, batch_key=batch_key, inplace=False
-    )
-    return adata[:, hvg["highly_variable"].to_numpy()].copy()
+    """Counts on the batch-aware seurat_v3 highly variable genes (computed on raw counts), as batchfix
+    selects them (batchfix.data.select)."""
+    from batchfix.data.select import highly_variable_genes
+
+    batch = adata.obs[batch_key].astype(str).to_numpy()
+    return adata[:, highly_variable_genes(sp.csr_matrix(adata.X), batch, n_top_genes)].copy()
 
 
 def prepare(counts: ad.AnnData, batch_key: str, seed: int) -> Prepared:
@@ -338,8 +340,8 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
 
         embeddings = {k: e for _, r in results.values() for k, e in r.embeddings.items()}
         start = time.perf_counter()
-        table = metrics.score_embeddings(
-            counts.obs, embeddings, data.unintegrated, args.batch_key, labels
+        table = metrics.score_embeddings(  # approximate: scib-metrics' default, as the reference scores
+            counts.obs, embeddings, data.unintegrated, args.batch_key, labels, neighbors="approximate"
         )
         scoring = time.perf_counter() - start
         print(f"seed {seed}: scored {len(embeddings)} embeddings in {scoring:.1f} s "

@@ -178,9 +178,9 @@ def test_evaluate_file_honours_key_added(corrected_file, tmp_path):
     assert result["corrected_layer"] == "other" and result["latent_key"] == "X_other"
 
 
-def test_evaluate_corrected_without_labels_scores_batch_mixing_only(corrected_file, tmp_path):
+def test_evaluation_without_labels_scores_batch_mixing_only(corrected_file, tmp_path):
     adata = ad.read_h5ad(corrected_file)
-    result = metrics.evaluate_corrected(adata, "batch", None, OutputKeys("batchfix"))
+    result = evaluate_file(corrected_file, "batch", None, tmp_path / "eval")
     assert result["bio_conservation_scored"] is False and "not scored" in result["note"]
     json.dumps(result, allow_nan=False)
     for scores in result["scores"].values():
@@ -245,7 +245,8 @@ def test_exact_neighbours_agree_with_approximate_ones_on_real_cells(small, embed
     (by 0.14 here, 0.024 on the bundled data; the README says so)."""
     subset = {name: embeddings[name] for name in ("Unintegrated", "ComBat")}
     exact = metrics.score_embeddings(small.obs, subset, subset["Unintegrated"], "batch", "cell_type", "exact")
-    approximate = metrics.score_embeddings(small.obs, subset, subset["Unintegrated"], "batch", "cell_type")
+    approximate = metrics.score_embeddings(small.obs, subset, subset["Unintegrated"], "batch", "cell_type",
+                                           "approximate")
     difference = (exact - approximate).abs().max()
     aggregates = ["KBET", "Batch correction", "Total"]
     assert difference.drop(aggregates).max() < 1e-3, difference

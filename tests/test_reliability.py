@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 import batchfix
 from batchfix.data import io, ondisk
 from batchfix import runfolder, signals, tasks
+from batchfix.cli import folder_check
 from batchfix.train import fitting
 from batchfix.api import train_config
 from batchfix.config import CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
@@ -763,7 +764,7 @@ def test_a_default_run_folder_in_use_moves_to_the_next_free_one(tmp_path, monkey
     held_elsewhere(default)
     Path(f"{default}-2").mkdir()
     Path(f"{default}-2", "model.ckpt").write_text("a finished run")
-    runfolder.RunFolderCheck().on_run_start(config)
+    folder_check.RunFolderCheck().on_run_start(config)
     try:
         assert str(config.hydra.run.dir) == f"{default}-3"
         assert (tmp_path / f"{default}-3" / runfolder.IN_USE).read_text() == f"{os.getpid()}\n"
@@ -788,7 +789,7 @@ def test_a_default_sweep_folder_in_use_moves_to_the_next_free_one(tmp_path, monk
     default = Path(str(config.hydra.sweep.dir))
     default.mkdir(parents=True)
     held_elsewhere(default)
-    runfolder.RunFolderCheck().on_multirun_start(config)
+    folder_check.RunFolderCheck().on_multirun_start(config)
     try:
         assert str(config.hydra.sweep.dir) == f"{default}-2"
         assert f"hydra.sweep.dir={default}-2" in list(config.hydra.overrides.hydra), "the jobs are composed with it"

@@ -163,7 +163,7 @@ def capture_module(monkeypatch):
             super().__init__(*args, **kwargs)
             built.append(self)
 
-    monkeypatch.setattr(training, "BatchfixModule", Recorded)
+    monkeypatch.setattr(fitting, "BatchfixModule", Recorded)
     return built
 
 
@@ -251,7 +251,7 @@ def test_precision_16_mixed_runs_as_bf16_on_cpu(subset_h5ad, tmp_path, caplog):
 
 @pytest.mark.parametrize("bf16_units", [False, True], ids=["float32_cpu", "amx_cpu"])
 def test_default_precision_follows_the_hardware(monkeypatch, bf16_units):
-    monkeypatch.setattr(training, "cpu_multiplies_bf16", lambda: bf16_units)
+    monkeypatch.setattr(fitting, "cpu_multiplies_bf16", lambda: bf16_units)
     cpu_default = "bf16-mixed" if bf16_units else "32-true"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert fitting.resolve_precision(None) == cpu_default

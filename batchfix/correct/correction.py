@@ -58,7 +58,7 @@ from batchfix.nn.attention import fused_attention
 from batchfix.correct import counterfactual
 from batchfix.data import ondisk
 from batchfix import signals
-from batchfix.config import CorrectionSettings
+from batchfix.config import CorrectionSettings, DataKeys
 from batchfix.errors import InputError
 from batchfix.data.io import (OutputKeys, atomic_output, check_h5ad_path, check_values, duplicate_genes_error,
                          output_exists, repeated, select_matrix)
@@ -317,7 +317,7 @@ def cell_batches(values: pd.Series | None, batch_key: str, columns: list[str]) -
 
 
 def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
-                  counts_layer: str | None = None, batch_key: str = "batch", copy: bool = False,
+                  counts_layer: str | None = None, batch_key: str = DataKeys.batch_key, copy: bool = False,
                   progress: bool = False) -> ad.AnnData | None:
     """Add corrected expression to an in-memory AnnData, scanpy style.
 
@@ -369,7 +369,7 @@ def open_input(input_path: str | Path, output_path: str | Path, overwrite: bool)
 
 
 def correct_file(input_path: str | Path, output_path: str | Path, trained: BatchfixModel,
-                 settings: CorrectionSettings, counts_layer: str | None = None, batch_key: str = "batch",
+                 settings: CorrectionSettings, counts_layer: str | None = None, batch_key: str = DataKeys.batch_key,
                  overwrite: bool = False, progress: bool = True) -> Path:
     """Correct an .h5ad into a new .h5ad, streaming chunks of cells (memory bounded by chunk_size).
 

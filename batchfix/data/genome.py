@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from batchfix.config import GENOMES, DataConfig
 from batchfix.errors import InputError
 
 log = logging.getLogger(__name__)
 
-GENOMES = ("GRCh38", "mm10")
 # Fixed vocabulary so a checkpoint's chromosome codes mean the same thing on any file.
 CHROMOSOMES = [str(i) for i in range(1, 23)] + ["X", "Y", "MT", "other", "unplaced"]
 CHROMOSOME_CODE = {name: code for code, name in enumerate(CHROMOSOMES)}
@@ -155,7 +155,7 @@ class GeneCoordinates:
         return GeneCoordinates(self.chromosome[index], self.start[index], self.end[index])
 
 
-def place_genes(var: pd.DataFrame, genome: str = "GRCh38", gtf: str | None = None) -> GeneCoordinates:
+def place_genes(var: pd.DataFrame, genome: str = DataConfig.genome, gtf: str | None = None) -> GeneCoordinates:
     """Coordinates for every gene of `var`: from var itself, then a GTF or the bundled table."""
     # Positional (RangeIndex) throughout: var_names need not be unique.
     found = pd.DataFrame(index=pd.RangeIndex(len(var)), columns=["chromosome", "start", "end"], dtype=object)

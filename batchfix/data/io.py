@@ -82,7 +82,6 @@ class ExpressionInput:
 
     counts: sp.csr_matrix
     batch: np.ndarray  # (cells,) str
-    labels: np.ndarray | None  # (cells,) str
     obs_names: pd.Index
     var: pd.DataFrame  # index = gene names (var_names)
     scale: str  # "counts" or "log"
@@ -259,8 +258,9 @@ def expression_input(adata: ad.AnnData, keys: DataKeys, scale: str = "counts",
     """Validate an AnnData for training and take what training needs from it (`adata` is not changed)."""
     check_names(adata)
     batch = require_obs_column(adata, keys.batch_key, "Batch", "data.batch_key")
-    labels = require_obs_column(adata, keys.label_key, "Label", "data.label_key",
-                                "; data.label_key=null trains without labels") if keys.label_key else None
+    if keys.label_key:  # the evaluation after training reads the labels: a wrong column stops before the fit
+        require_obs_column(adata, keys.label_key, "Label", "data.label_key",
+                           "; data.label_key=null trains without labels")
     counts = as_float32_csr(select_matrix(adata, keys.counts_layer))
     check_values(counts.data, scale)
     var = adata.var.copy()
@@ -272,7 +272,6 @@ def expression_input(adata: ad.AnnData, keys: DataKeys, scale: str = "counts",
     return ExpressionInput(
         counts=counts,
         batch=batch[cell_ok],
-        labels=None if labels is None else labels[cell_ok],
         obs_names=adata.obs_names[cell_ok],
         var=var,
         scale=scale,
@@ -407,13 +406,3 @@ def _move_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
 
 def output_exists(target: Path) -> OutputExistsError:
     return OutputExistsError(f"Output {target} exists; pass overwrite=true to replace it.")
-
-
-def write_h5ad_atomic(adata: ad.AnnData, path: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Write a whole AnnData to a temporary file beside `path`, then move it into place."""
-    target = Path(path).expanduser()
-    if target.exists() and not overwrite:
-        raise output_exists(target)
-    with atomic_output(target, overwrite) as tmp:
-        adata.write_h5ad(tmp)
-    return target

@@ -34,7 +34,7 @@ class DiskCells:
     element: str  # "X" or "layers/<name>"
     rows: np.ndarray  # (cells,) the file rows of the cells trained on (non-empty ones), ascending
     columns: np.ndarray  # (modelled genes,) the file columns of the modelled genes, in genomic order
-    chunk_cells: int = 16384  # cells held at a time (data.chunk_cells)
+    chunk_cells: int = DataConfig.chunk_cells  # cells held at a time
 
 
 @dataclass
@@ -222,6 +222,19 @@ def dense_batch(counts: sp.csr_matrix, codes: np.ndarray) -> tuple[torch.Tensor,
     return torch.from_numpy(counts.toarray()), torch.from_numpy(codes)  # (B, G), (B,)
 
 
+def validation_size(n_cells: int, validation_fraction: float, max_validation_cells: int | None = None) -> int:
+    """Cells held out for validation: the fraction of n_cells (none below 50 cells), at most max_validation_cells."""
+    n_validation = int(round(validation_fraction * n_cells)) if n_cells >= 50 else 0
+    if n_validation >= n_cells:
+        raise ConfigError(f"fit.validation_fraction={validation_fraction:g} holds out all {n_cells} cells: "
+                          "none are left to train on.")
+    if max_validation_cells is not None and n_validation > max_validation_cells:
+        log.info("Validating on %d of the %d held-out cells (fit.max_validation_cells); the rest "
+                 "are trained on.", max_validation_cells, n_validation)
+        n_validation = max_validation_cells
+    return n_validation
+
+
 class CellDataModule(pl.LightningDataModule):
     """Train/validation split of the prepared cells (validation drives early stopping).
 
@@ -235,14 +248,7 @@ class CellDataModule(pl.LightningDataModule):
         self.prepared, self.batch_size, self.seed, self.chunk_cells = prepared, batch_size, seed, chunk_cells
         n_cells = prepared.n_cells
         permutation = np.random.default_rng(seed).permutation(n_cells)
-        n_validation = int(round(validation_fraction * n_cells)) if n_cells >= 50 else 0
-        if n_validation >= n_cells:
-            raise ConfigError(f"fit.validation_fraction={validation_fraction:g} holds out all {n_cells} cells: "
-                              "none are left to train on.")
-        if max_validation_cells is not None and n_validation > max_validation_cells:
-            log.info("Validating on %d of the %d held-out cells (fit.max_validation_cells); the rest "
-                     "are trained on.", max_validation_cells, n_validation)
-            n_validation = max_validation_cells
+        n_validation = validation_size(n_cells, validation_fraction, max_validation_cells)
         self.validation_rows = np.sort(permutation[:n_validation])
         self.train_rows = np.sort(permutation[n_validation:])
 

@@ -26,7 +26,7 @@ from matplotlib.figure import Figure
 from scib_metrics.benchmark import BatchCorrection, Benchmarker, BioConservation
 
 from batchfix.eval import fidelity
-from batchfix.config import NEIGHBOR_METHODS
+from batchfix.config import NEIGHBOR_METHODS, EvaluationOptions
 from batchfix.errors import InputError
 from batchfix.data.io import OutputKeys
 from batchfix.data.normalize import log_cp10k
@@ -69,7 +69,7 @@ def score_embeddings(
     unintegrated: np.ndarray,
     batch_key: str,
     label_key: str | None,
-    neighbors: str = "approximate",
+    neighbors: str = EvaluationOptions.neighbors,
 ) -> pd.DataFrame:
     """Score each embedding against the unintegrated embedding with scib-metrics (neighbour graphs:
     `neighbors`, one of NEIGHBOR_METHODS; see `resolve_neighbors`).
@@ -262,29 +262,13 @@ def gene_markdown(scores: Mapping) -> str:
     return "\n".join(lines)
 
 
-def evaluate_corrected(
-    adata: ad.AnnData,
-    batch_key: str,
-    label_key: str | None,
-    keys: OutputKeys,
-    counts_layer: str | None = None,
-) -> dict:
-    """Score the latent, the PCA of the corrected layer and the uncorrected PCA of `adata` (scib-metrics),
-    and the corrected layer gene by gene (`gene_fidelity`, see `gene_level_scores`)."""
-    check_obs_keys(adata.obs, batch_key, label_key)
-    embeddings, info = evaluation_embeddings(adata, keys, counts_layer)
-    result = score_evaluation(adata.obs, embeddings, info, batch_key, label_key)[1]
-    result["gene_fidelity"] = gene_level_scores(adata, keys, batch_key, label_key, counts_layer)
-    return result
-
-
 def score_evaluation(
     obs: pd.DataFrame,
     embeddings: Mapping[str, np.ndarray],
     info: Mapping,
     batch_key: str,
     label_key: str | None,
-    neighbors: str = "approximate",
+    neighbors: str = EvaluationOptions.neighbors,
 ) -> tuple[pd.DataFrame, dict]:
     """Score `evaluation_embeddings` output; returns (scores table, JSON-able results dict)."""
     start = time.perf_counter()
@@ -345,7 +329,7 @@ def plot_umaps(
     out_png,
     seed: int = 0,
     image_format: str | None = None,
-    neighbors: str = "approximate",
+    neighbors: str = EvaluationOptions.neighbors,
 ) -> None:
     """One PNG: a row per embedding (UMAP of its 15-NN graph, found as `neighbors` says), coloured by batch
     and by label."""
@@ -362,7 +346,7 @@ def plot_umaps(
     fig.savefig(out_png, dpi=110, format=image_format)
 
 
-def umap_coordinates(embedding: np.ndarray, seed: int = 0, neighbors: str = "approximate") -> np.ndarray:
+def umap_coordinates(embedding: np.ndarray, seed: int = 0, neighbors: str = EvaluationOptions.neighbors) -> np.ndarray:
     """2-D UMAP (scanpy) of an embedding, on its 15-nearest-neighbour graph (exact or as scanpy does)."""
     tmp = ad.AnnData(obsm={"X_emb": np.asarray(embedding, dtype=np.float32)},
                      obs=pd.DataFrame(index=np.arange(len(embedding)).astype(str)))

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from batchfix.config import ATTENTION_BACKENDS, POSITION_ENCODINGS, ModelConfig
 from batchfix.data.genome import CHROMOSOMES, UNPLACED
 
-BACKENDS = ("guarded", "sdpa")
+BACKENDS = ATTENTION_BACKENDS  # batchfix.config holds the choices
 
 
 def attention_weights(
@@ -207,7 +208,8 @@ class EntropyMeter:
 
 
 def sinusoidal_genomic_encoding(
-    position_bp: np.ndarray, d_model: int, min_wavelength: float = 1e3, max_wavelength: float = 3e8,
+    position_bp: np.ndarray, d_model: int, min_wavelength: float = ModelConfig.min_wavelength,
+    max_wavelength: float = ModelConfig.max_wavelength,
 ) -> np.ndarray:
     """Sinusoids of base-pair position with geometric wavelengths from 1 kb to 300 Mb.
 
@@ -232,11 +234,12 @@ class GenomicCoordinateEncoding(nn.Module):
     `position` and `chromosome` hold the coordinates as the model sees them (permuted when shuffled).
     """
 
-    MODES = ("real", "shuffled", "none", "learned")
+    MODES = POSITION_ENCODINGS  # batchfix.config holds the choices
     COORDINATE_MODES = ("real", "shuffled")  # the modes that tell the model genomic coordinates
 
     def __init__(self, position_bp: np.ndarray, chromosome: np.ndarray, d_model: int, mode: str = "real",
-                 min_wavelength: float = 1e3, max_wavelength: float = 3e8, seed: int = 0):
+                 min_wavelength: float = ModelConfig.min_wavelength, max_wavelength: float = ModelConfig.max_wavelength,
+                 seed: int = 0):
         super().__init__()
         if mode not in self.MODES:
             raise ValueError(f"model.position_encoding must be one of {self.MODES}, got '{mode}'.")

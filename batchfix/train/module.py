@@ -126,7 +126,7 @@ class BatchfixModel:
     """A trained batchfix model: the network plus what inference must check (genes, their order, batches).
 
     `BatchfixModel.load(path)` reads a checkpoint (a run folder's model.ckpt, or one `save` wrote);
-    `save(path)` writes the same format; `correct(adata, ...)` adds corrected expression to an AnnData.
+    `save(path)` writes the same format; `batchfix.correct(adata, model)` adds corrected expression to an AnnData.
     """
 
     module: BatchfixModule
@@ -145,12 +145,6 @@ class BatchfixModel:
             torch.save(state, tmp)
         self.path = target
         return target
-
-    def correct(self, adata, **options):
-        """`batchfix.correct(adata, self, **options)`: add corrected expression to an in-memory AnnData."""
-        from batchfix.api import correct
-
-        return correct(adata, self, **options)
 
     @property
     def config(self) -> ModelConfig:
