@@ -8,12 +8,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import anndata as ad
 import torch
 
 from batchfix import runfolder, signals
 from batchfix.train import fitting
 from batchfix.config import AttentionConfig, CorrectConfig, CorrectionSettings, TrainConfig
-from batchfix.correct.correction import correct_file, reference_index
+from batchfix.correct.correction import correct_adata, correct_file, reference_index
 from batchfix.data.prepare import PreparedData
 from batchfix.errors import Interrupted
 from batchfix.data.io import atomic_output, input_path
@@ -34,25 +35,27 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     started = time.perf_counter()
     fitting.seed_and_threads(cfg.seed, cfg.threads)
     try:
-        prepared = fitting.load_training_data(cfg.data)
+        adata = fitting.read_training_file(cfg.data)  # read once: trained on, then corrected in memory
+        prepared = fitting.load_training_data(cfg.data, adata, source=input_path(cfg.data.path))
         signals.raise_pending()
     except Interrupted as err:
         raise Interrupted(err.signum, " while reading the data, before training: nothing was saved") from None
     reference_index(prepared.batch_categories, cfg.correction.reference)  # refused now, not after training
     run_dir.mkdir(parents=True, exist_ok=True)
     with runfolder.held(run_dir):  # no other command writes into it meanwhile
-        return train_into(cfg, prepared, run_dir, started)
+        return train_into(cfg, prepared, adata, run_dir, started)
 
 
-def train_into(cfg: TrainConfig, prepared: PreparedData, run_dir: Path, started: float) -> dict:
+def train_into(cfg: TrainConfig, prepared: PreparedData, adata: ad.AnnData | None, run_dir: Path,
+               started: float) -> dict:
     """Fit into the held run_dir (its previous run deleted with cfg.overwrite) and write the outputs (rank 0
-    only: the other ranks return {})."""
+    only: the other ranks return {}). `adata` is the input read whole, or None when it is streamed."""
     runfolder.claim(run_dir, cfg.overwrite, cfg.resume)
     result = fitting.fit(cfg, prepared, run_dir)
     if result.trainer.global_rank != 0:
         return {}
     try:
-        metrics = write_outputs(cfg, result, prepared, run_dir)
+        metrics = write_outputs(cfg, result, prepared, adata, run_dir)
     except Interrupted as err:
         raise Interrupted(err.signum, f" after training, before its outputs were written; resume={run_dir} "
                                       "writes them") from None
@@ -63,16 +66,15 @@ def train_into(cfg: TrainConfig, prepared: PreparedData, run_dir: Path, started:
     return metrics
 
 
-def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: PreparedData, run_dir: Path) -> dict:
+def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: PreparedData, adata: ad.AnnData | None,
+                  run_dir: Path) -> dict:
     """model.ckpt (the best checkpoint, calibrated), corrected.h5ad and the evaluation of a finished fit;
     returns the metrics so far."""
     model = fitting.trained_model(result, prepared)
     model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
     metrics = fit_metrics(result, prepared)
     correct_started = time.perf_counter()
-    corrected_path = correct_file(input_path(cfg.data.path), run_dir / runfolder.CORRECTED_H5AD, model,
-                                  CorrectionSettings(**asdict(cfg.correction)), counts_layer=cfg.data.counts_layer,
-                                  batch_key=cfg.data.batch_key, overwrite=True)
+    corrected_path = write_corrected(cfg, model, adata, run_dir / runfolder.CORRECTED_H5AD)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
     attention_picture(cfg, model, run_dir)
     if cfg.evaluate and cfg.data.label_key:
@@ -83,6 +85,19 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
                                               max_cells=cfg.evaluation.max_cells,
                                               neighbors=cfg.evaluation.neighbors)
     return metrics
+
+
+def write_corrected(cfg: TrainConfig, model: BatchfixModel, adata: ad.AnnData | None, target: Path) -> Path:
+    """The training input with corrected expression added: from the AnnData in memory, or streamed from the file."""
+    settings = CorrectionSettings(**asdict(cfg.correction))
+    keys = dict(counts_layer=cfg.data.counts_layer, batch_key=cfg.data.batch_key)
+    if adata is None:
+        return correct_file(input_path(cfg.data.path), target, model, settings, overwrite=True, **keys)
+    correct_adata(adata, model, settings, **keys)
+    with atomic_output(target, overwrite=True) as tmp:
+        adata.write_h5ad(tmp)
+    log.info("Wrote %s (%d cells; layers['%s'] (%s)).", target, adata.n_obs, settings.key_added, settings.output_mode)
+    return target
 
 
 def fit_metrics(result: fitting.FitResult, prepared: PreparedData) -> dict:

@@ -26,7 +26,7 @@ from batchfix.correct.counterfactual import calibrate
 from batchfix.data.prepare import CellDataModule, PreparedData, prepare
 from batchfix.errors import ConfigError, InputError, Interrupted
 from batchfix.data.genome import chromosome_runs
-from batchfix.data.io import expression_input, input_path, load_expression
+from batchfix.data.io import expression_input, input_path, read_h5ad
 from batchfix.train.module import BatchfixModel, BatchfixModule, load_trained
 from batchfix.data.streaming import prepare_streamed, use_streaming
 
@@ -39,15 +39,21 @@ def seed_and_threads(seed: int, threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def load_training_data(data: DataConfig, adata: ad.AnnData | None = None) -> PreparedData:
-    """Validated cells and modelled genes in genomic order, from `adata` or else the file data.path
-    (read into memory, or left on disk for streaming: data.stream)."""
-    if adata is not None:
-        return prepare(expression_input(adata, data, data.scale), data)
+def read_training_file(data: DataConfig) -> ad.AnnData | None:
+    """The file data.path read whole, or None when it stays on disk and is streamed (data.stream)."""
     path = input_path(data.path)
-    if use_streaming(data, path):
-        return prepare_streamed(path, data)
-    return prepare(load_expression(path, data, data.scale), data)
+    return None if use_streaming(data, path) else read_h5ad(path)
+
+
+def load_training_data(data: DataConfig, adata: ad.AnnData | None = None, source: str = "the AnnData") -> PreparedData:
+    """Validated cells and modelled genes in genomic order, from `adata` (named `source` in errors) or else
+    from the file data.path, read whole or streamed from disk (data.stream)."""
+    if adata is None:
+        path = input_path(data.path)
+        if use_streaming(data, path):
+            return prepare_streamed(path, data)
+        adata, source = read_h5ad(path), path
+    return prepare(expression_input(adata, data, data.scale, source=source), data)
 
 
 def cpu_multiplies_bf16() -> bool:
