@@ -12,7 +12,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 # The API pulls in torch and Lightning: imported on first use, so `python -m batchfix --help` stays quick.
-_LAZY = {"train": "batchfix.api", "correct": "batchfix.api", "BatchfixModel": "batchfix.train.module",
+_LAZY = {"train": "batchfix.api", "correct": "batchfix.api", "BatchfixModel": "batchfix.training.module",
          "bundled_dataset": "batchfix.data.io"}
 
 

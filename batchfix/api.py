@@ -15,11 +15,12 @@ from pathlib import Path
 
 import anndata as ad
 
-from batchfix.train import fitting
+from batchfix.training import fitting
 from batchfix.config import CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
-from batchfix.correct.correction import correct_adata
+from batchfix.correction.corrector import correct_adata
+from batchfix.correction.counterfactual import calibrated_model
 from batchfix.errors import ConfigError
-from batchfix.train.module import BatchfixModel, load_trained
+from batchfix.training.module import BatchfixModel, load_trained
 
 # Options of the command line that have no meaning for an in-memory AnnData.
 NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a run folder: use the command line",
@@ -64,7 +65,7 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
     prepared = fitting.load_training_data(cfg.data, adata)
     with tempfile.TemporaryDirectory(prefix="batchfix-train-") as scratch:
         result = fitting.fit(cfg, prepared, Path(scratch))
-        model = fitting.trained_model(result, prepared)
+        model = calibrated_model(result.best_checkpoint, prepared)
     model.path = None  # the checkpoint it came from is gone: model.save(path) keeps it
     return model
 
@@ -89,7 +90,7 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
     output_mode
         "counterfactual": each cell's own expression with only what its batch explains removed
         (for differential expression and marker plots; reads obs[batch_key]); "denoised": every
-        cell decoded from its latent (smooth, for clustering and pictures). See batchfix.correct.counterfactual.
+        cell decoded from its latent (smooth, for clustering and pictures). See batchfix.correction.counterfactual.
     batch_key
         The obs column of each cell's batch (counterfactual only). Batches the model never saw have
         their effect estimated from their own cells (at least 10; fewer get the denoised output).

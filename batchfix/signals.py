@@ -4,7 +4,7 @@ The command line installs `interrupts_raised()` around a verb: a signal then rai
 wherever the program is, so every `finally` and `atomic_output` cleanup runs (no partial output, no
 temporary file) and the command exits with 128 + the signal number. Inside `deferred()` (around
 Lightning's fit) a signal is only recorded; the training loop raises it at the next step boundary
-(`batchfix.train.fitting.StopOnSignal`), after saving a checkpoint that `resume=` continues.
+(`batchfix.training.fitting.StopOnSignal`), after saving a checkpoint that `resume=` continues.
 
 Python prints and ignores an exception raised inside a destructor or a weakref callback (h5py runs
 many), so a signal that arrives there is raised a moment later instead (SIGALRM), and every signal

@@ -12,13 +12,14 @@ import anndata as ad
 import torch
 
 from batchfix import runfolder, signals
-from batchfix.train import fitting
+from batchfix.training import fitting
 from batchfix.config import AttentionConfig, CorrectConfig, CorrectionSettings, TrainConfig
-from batchfix.correct.correction import correct_adata, correct_file, reference_index
+from batchfix.correction.corrector import correct_adata, correct_file, reference_index
+from batchfix.correction.counterfactual import calibrated_model
 from batchfix.data.prepare import PreparedData
 from batchfix.errors import Interrupted
 from batchfix.data.io import atomic_output, input_path
-from batchfix.train.module import ENTROPY_PREFIX, BatchfixModel, load_trained
+from batchfix.training.module import ENTROPY_PREFIX, BatchfixModel, load_trained
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
                   run_dir: Path) -> dict:
     """model.ckpt (the best checkpoint, calibrated), corrected.h5ad and the evaluation of a finished fit;
     returns the metrics so far."""
-    model = fitting.trained_model(result, prepared)
+    model = calibrated_model(result.best_checkpoint, prepared)
     model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
     metrics = fit_metrics(result, prepared)
     correct_started = time.perf_counter()

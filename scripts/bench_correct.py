@@ -54,14 +54,14 @@ def child(args) -> None:
     """Run the correction as the CLI does, printing progress lines for the parent."""
     import torch
 
-    from batchfix.correct import correction
+    from batchfix.correction import corrector
     from batchfix.config import CorrectionSettings
-    from batchfix.train.module import load_trained
+    from batchfix.training.module import load_trained
 
     torch.set_num_threads(args.threads)
     print(f"IMPORTS {time.time() - args.launched:.3f}", flush=True)
     started = time.perf_counter()
-    real_chunks = correction.corrected_chunks
+    real_chunks = corrector.corrected_chunks
 
     def reporting_chunks(*a, **k):
         print(f"LOOP {time.perf_counter() - started:.3f}", flush=True)
@@ -69,10 +69,10 @@ def child(args) -> None:
             yield item
             print(f"PROGRESS {item[1]} {time.perf_counter() - started:.3f}", flush=True)
 
-    correction.corrected_chunks = reporting_chunks
+    corrector.corrected_chunks = reporting_chunks
     try:
         settings = CorrectionSettings(chunk_size=args.chunk_size, batch_size=args.batch_size)
-        correction.correct_file(args.child[0], args.child[1], load_trained(args.child[2]), settings, overwrite=True,
+        corrector.correct_file(args.child[0], args.child[1], load_trained(args.child[2]), settings, overwrite=True,
                                 progress=False)
         print(f"DONE {time.perf_counter() - started:.3f}", flush=True)
     except KeyboardInterrupt:
@@ -197,7 +197,7 @@ def main() -> None:
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     checkpoint = args.checkpoint or train_checkpoint(args.workdir, args.threads)
-    from batchfix.train.module import load_trained
+    from batchfix.training.module import load_trained
 
     genes = load_trained(checkpoint).genes
     rows = []

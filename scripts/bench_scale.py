@@ -86,7 +86,7 @@ def default_planned_epochs(n_cells: int) -> int:
     """The epochs `train` plans by default for n_cells (no empty cells)."""
     from batchfix.config import FitConfig, TrainerConfig
     from batchfix.data.prepare import validation_size
-    from batchfix.train.fitting import planned_epochs
+    from batchfix.training.fitting import planned_epochs
 
     fit = FitConfig()
     n_validation = validation_size(n_cells, fit.validation_fraction, fit.max_validation_cells)

@@ -87,7 +87,7 @@ def child(name: str, phase: str, args: argparse.Namespace) -> dict:
     """One configuration and phase, in this process: the json line the parent reads."""
     import torch
 
-    from batchfix.train import fitting
+    from batchfix.training import fitting
     from batchfix.api import train_config
 
     genes, options = CONFIGS[name]

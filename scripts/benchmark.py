@@ -108,8 +108,8 @@ def run_batchfix(
 
     from batchfix import tasks
     from batchfix.config import OUTPUT_MODES, CorrectionSettings, TrainConfig, validated
-    from batchfix.correct.correction import correct_file
-    from batchfix.train.module import load_trained
+    from batchfix.correction.corrector import correct_file
+    from batchfix.training.module import load_trained
 
     with tempfile.TemporaryDirectory(prefix="batchfix-bench-") as tmp:
         source, run_dir = Path(tmp) / "input.h5ad", Path(tmp) / "run"

@@ -59,3 +59,54 @@ def test_every_choice_list_has_one_home():
                 written_again += [f"{path.relative_to(PACKAGE)}:{node.lineno} repeats config.{name}"
                                   for name, choices in lists.items() if values == choices]
     assert not written_again, written_again
+
+
+# The layers, bottom up (docs/architecture.md): a module imports from its own layer or the ones below.
+LAYERS = {"config": 0, "errors": 0, "signals": 0, "data": 1, "runfolder": 1, "nn": 2, "training": 3,
+          "correction": 4, "eval": 5, "tasks": 6, "api": 6, "cli": 7, "__main__": 7}
+
+
+def layer_of(dotted: str) -> int | None:
+    """The layer of batchfix.<first part>... (None for the package itself and what is not batchfix's)."""
+    parts = dotted.split(".")
+    return LAYERS.get(parts[1]) if parts[0] == "batchfix" and len(parts) > 1 else None
+
+
+def imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, dotted name) of every batchfix import, at the top or inside a function."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("batchfix"):
+            found += [(node.lineno, node.module if node.module != "batchfix" else f"batchfix.{alias.name}")
+                      for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.startswith("batchfix.")]
+    return found
+
+
+def test_imports_point_down_the_layers():
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(("batchfix", *path.relative_to(PACKAGE).with_suffix("").parts))
+        own = layer_of(module)
+        if own is None:
+            continue
+        for line, target in imported_modules(ast.parse(path.read_text())):
+            theirs = layer_of(target)
+            if theirs is not None and theirs > own:
+                upward.append(f"{path.relative_to(PACKAGE)}:{line} imports {target}")
+    assert not upward, upward
+
+
+def test_the_api_functions_survive_importing_every_subpackage():
+    """batchfix.train / batchfix.correct are functions; a subpackage of that name would replace them."""
+    import importlib
+    import pkgutil
+
+    import batchfix
+
+    for info in pkgutil.walk_packages(batchfix.__path__, "batchfix."):
+        if not info.name.startswith("batchfix.cli.") and info.name != "batchfix.__main__":
+            importlib.import_module(info.name)
+    assert callable(batchfix.train) and callable(batchfix.correct)
+    assert batchfix.train.__module__ == batchfix.correct.__module__ == "batchfix.api"

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from batchfix import config
-from batchfix.train import fitting
+from batchfix.training import fitting
 from batchfix.config import AttentionConfig, CorrectConfig, EvaluateConfig, ModelConfig, TrainConfig, validated
 from batchfix.errors import ConfigError
 from batchfix.data.genome import GeneCoordinates, make_windows

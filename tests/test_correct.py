@@ -25,12 +25,12 @@ import scipy.sparse as sp
 import torch
 
 import batchfix
-from batchfix.correct import correction
+from batchfix.correction import corrector
 from batchfix.data import ondisk
 from batchfix.config import CorrectConfig, CorrectionSettings, validated
-from batchfix.correct.correction import correct_file
+from batchfix.correction.corrector import correct_file
 from batchfix.errors import CheckpointError, InputError
-from batchfix.train.module import load_trained
+from batchfix.training.module import load_trained
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING_BATCHES = 3
@@ -270,7 +270,7 @@ def test_crash_while_writing_leaves_no_output_and_no_temporary_file(trained_run,
         monkeypatch.setattr(ondisk, "write_uns_entry", fail)
     else:
         fail_at = 0 if failing_step == "first chunk" else 2
-        real_call = correction.Corrector.__call__
+        real_call = corrector.Corrector.__call__
         calls = []
 
         def call(self, chunk, first_cell=0):
@@ -279,7 +279,7 @@ def test_crash_while_writing_leaves_no_output_and_no_temporary_file(trained_run,
                 raise RuntimeError("killed (simulated)")
             return real_call(self, chunk, first_cell)
 
-        monkeypatch.setattr(correction.Corrector, "__call__", call)
+        monkeypatch.setattr(corrector.Corrector, "__call__", call)
 
     with pytest.raises(RuntimeError, match="simulated"):
         correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"], chunk_size=50)
@@ -469,7 +469,7 @@ def test_cli_writes_the_output_and_reports_errors(trained_run, rich_input, tmp_p
 def test_fused_attention_of_the_correction_changes_values_by_float_noise_only(trained_run, subset, output_mode):
     """Correction runs the attention through torch's fused kernel: the written-out guarded softmax gives the
     same values up to float rounding, and the model's own backend is left as it was."""
-    from batchfix.correct import correction
+    from batchfix.correction.corrector import Corrector
     from batchfix.nn.attention import MultiHeadSelfAttention
 
     model = load_trained(trained_run["checkpoint"])
@@ -477,7 +477,7 @@ def test_fused_attention_of_the_correction_changes_values_by_float_noise_only(tr
     assert attention and all(m.backend == "guarded" for m in attention)
     settings = CorrectionSettings(output_mode=output_mode)
     batch = subset.obs["batch"].astype(str).to_numpy()
-    corrector = correction.Corrector(model, subset.var_names, settings, batch=batch, batch_key="batch")
+    corrector = Corrector(model, subset.var_names, settings, batch=batch, batch_key="batch")
     corrector.prepare(ondisk.InMemoryRows(subset.X), subset.n_obs)
     fused_latent, fused = corrector(subset.X, 0)
     assert all(m.backend == "guarded" for m in attention)  # restored

@@ -87,7 +87,7 @@ def test_the_loss_adds_the_weighted_adversary_to_the_negative_elbo(weight):
 
 
 def test_weight_decay_spares_biases_layernorm_and_dispersions():
-    from batchfix.train.module import BatchfixModule
+    from batchfix.training.module import BatchfixModule
 
     module = BatchfixModule(model=ModelConfig(genes_per_token=4, d_model=16, n_heads=2).to_dict(),
                             genes=[f"g{i}" for i in range(12)], chromosome=["1"] * 12, start=list(range(12)),

@@ -25,9 +25,9 @@ from scipy.stats import spearmanr
 
 import batchfix
 from batchfix.nn import attention
-from batchfix.correct import counterfactual
+from batchfix.correction import counterfactual
 from batchfix.config import CorrectConfig, CorrectionSettings, TrainConfig, validated
-from batchfix.correct.correction import correct_file
+from batchfix.correction.corrector import correct_file
 from batchfix.data.prepare import PreparedData
 from batchfix.errors import ConfigError, InputError
 from batchfix.data.normalize import log_cp10k

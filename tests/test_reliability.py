@@ -38,14 +38,14 @@ import batchfix
 from batchfix.data import io, ondisk
 from batchfix import runfolder, signals, tasks
 from batchfix.cli import folder_check
-from batchfix.train import fitting
+from batchfix.training import fitting
 from batchfix.api import train_config
 from batchfix.config import CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
-from batchfix.correct.correction import correct_file
+from batchfix.correction.corrector import correct_file
 from batchfix.data.prepare import CellDataModule
 from batchfix.errors import (CheckpointError, ConfigError, InputError, Interrupted, OutputError,
                              OutputExistsError, TrainingError)
-from batchfix.train.module import load_trained
+from batchfix.training.module import load_trained
 
 TINY = ["data.n_top_genes=200", "model.genes_per_token=16", "model.d_model=16", "model.n_heads=2", "model.n_layers=1",
         "model.latent_dim=8", "model.decoder_hidden=32", "fit.batch_size=64", "evaluate=false", "threads=1",

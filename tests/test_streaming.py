@@ -19,7 +19,7 @@ from batchfix.config import DataConfig, TrainConfig, validated
 from batchfix.data.prepare import CellDataModule, StreamedCells, in_order, prepare
 from batchfix.errors import ConfigError
 from batchfix.data.io import load_expression
-from batchfix.train.module import load_trained
+from batchfix.training.module import load_trained
 from batchfix.data.streaming import prepare_streamed, use_streaming
 
 N_TOP_GENES = 200

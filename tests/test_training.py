@@ -19,12 +19,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from batchfix.correct import counterfactual
+from batchfix.correction import counterfactual
 from batchfix import tasks
-from batchfix.train import fitting
+from batchfix.training import fitting
 from batchfix.config import TrainConfig, validated
 from batchfix.errors import InputError
-from batchfix.train.module import BatchfixModule, load_trained
+from batchfix.training.module import BatchfixModule, load_trained
 
 N_TOP_GENES = 200
 BATCH_SIZE = 64
@@ -346,7 +346,7 @@ def test_an_interrupted_fit_keeps_the_losses_logged_so_far(tmp_path):
     from pytorch_lightning.loggers import CSVLogger
 
     from batchfix.errors import Interrupted
-    from batchfix.train.fitting import StopOnSignal
+    from batchfix.training.fitting import StopOnSignal
 
     logger = CSVLogger(str(tmp_path), name="logs", version="")
     logger.log_metrics({"train_loss": 1.5}, step=4)
@@ -362,7 +362,7 @@ def test_the_epoch_plan_follows_the_data():
     """About fit.target_steps gradient steps, but never less than one pass over the cells nor more than
     fit.max_auto_epochs; trainer.max_epochs overrides the plan."""
     from batchfix.config import FitConfig, TrainerConfig
-    from batchfix.train.fitting import planned_epochs
+    from batchfix.training.fitting import planned_epochs
 
     fit, trainer = FitConfig(), TrainerConfig()
     assert planned_epochs(trainer, fit, 8) == 63  # the bundled 1,021 cells: 504 steps

@@ -1,6 +1,6 @@
 """On-disk AnnData (.h5ad) pieces for streaming: read cells in row chunks, write a new file chunk by chunk.
 
-Used by `batchfix.correct.correction.correct_file`, so that correcting a file needs memory for one chunk of
+Used by `batchfix.correction.corrector.correct_file`, so that correcting a file needs memory for one chunk of
 cells, never for the whole matrix:
 
 - `open_rows` gives a row-chunk reader over X or a layer stored dense ('array') or as CSR

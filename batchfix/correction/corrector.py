@@ -21,7 +21,7 @@ What is added (key = key_added, default 'batchfix'):
   11,533 for the bundled data), and for an uncorrected value in an uncorrected gene there is no
   honest corrected number to store. What the values are depends on `output_mode`:
   counterfactual (each cell's own expression with only what its batch explains removed; see
-  batchfix.correct.counterfactual) or denoised (every cell decoded from its latent as the reference).
+  batchfix.correction.counterfactual) or denoised (every cell decoded from its latent as the reference).
 - obsm[f'X_{key}']: the latent (posterior mean), float32 (n_obs, latent_dim).
 - uns[key]: provenance (package version, checkpoint path and sha256, output mode, reference batch,
   training batches, unseen batches and how they were treated, modelled and missing genes, values
@@ -55,14 +55,14 @@ from tqdm.auto import tqdm
 
 import batchfix
 from batchfix.nn.attention import fused_attention
-from batchfix.correct import counterfactual
+from batchfix.correction import counterfactual
 from batchfix.data import ondisk
 from batchfix import signals
 from batchfix.config import CorrectionSettings, DataKeys
 from batchfix.errors import InputError
 from batchfix.data.io import (OutputKeys, atomic_output, check_h5ad_path, check_values, duplicate_genes_error,
                          output_exists, repeated, select_matrix)
-from batchfix.train.module import BatchfixModel
+from batchfix.training.module import BatchfixModel
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,7 @@ def corrected_chunks(corrector: Corrector, rows, n_obs: int, chunk_size: int,
 
 LAYER_MEANING = {
     "counterfactual": "each cell's own log1p(expression per 10k counts) with only what its batch explains removed "
-                      "(batchfix.correct.counterfactual)",
+                      "(batchfix.correction.counterfactual)",
     "denoised": "every cell decoded from its latent as the reference batch, log1p(expression per 10k counts)",
 }
 

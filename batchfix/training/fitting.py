@@ -22,12 +22,11 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException, SI
 
 from batchfix import runfolder, signals
 from batchfix.config import DataConfig, FitConfig, TrainConfig, TrainerConfig
-from batchfix.correct.counterfactual import calibrate
 from batchfix.data.prepare import CellDataModule, PreparedData, prepare
 from batchfix.errors import ConfigError, InputError, Interrupted
 from batchfix.data.genome import chromosome_runs
 from batchfix.data.io import expression_input, input_path, read_h5ad
-from batchfix.train.module import BatchfixModel, BatchfixModule, load_trained
+from batchfix.training.module import BatchfixModule, load_trained
 from batchfix.data.streaming import prepare_streamed, use_streaming
 
 log = logging.getLogger(__name__)
@@ -227,10 +226,3 @@ def interruption_note(trainer: pl.Trainer, run_dir: Path) -> str:
     if trainer.global_step == 0 or not last.is_file():
         return " before a training step: no checkpoint saved"
     return f" after {trainer.global_step} training steps; saved {last} (resume={run_dir} continues it)"
-
-
-def trained_model(result: FitResult, prepared: PreparedData) -> BatchfixModel:
-    """The best checkpoint, with its training batches' residual statistics (the counterfactual output's)."""
-    model = load_trained(result.best_checkpoint)
-    calibrate(model.net, prepared)
-    return model

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ from batchfix.nn.attention import fused_attention
 from batchfix.data.prepare import PreparedData, in_order
 from batchfix.errors import CheckpointError
 from batchfix.nn.network import BatchfixNet
+from batchfix.training.module import BatchfixModel, load_trained
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,13 @@ def calibration_cells(batch_index: np.ndarray, n_batches: int, per_batch: int, s
 
 
 @torch.no_grad()
+def calibrated_model(checkpoint: Path, prepared: PreparedData) -> BatchfixModel:
+    """A fit's best checkpoint, with its training batches' residual statistics (`calibrate`)."""
+    model = load_trained(checkpoint)
+    calibrate(model.net, prepared)
+    return model
+
+
 def calibrate(net: BatchfixNet, prepared: PreparedData) -> None:
     """Store each training batch's residual location and spread in the net (its checkpoint carries them).
 
