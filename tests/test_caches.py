@@ -47,6 +47,6 @@ def test_unwritable_cache_directory_is_skipped(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     env = {**os.environ, caches.ENV_VAR: str(blocker / "cache")}
-    done = subprocess.run([sys.executable, "-c", "from batchfix import caches; print(caches.enable())"], env=env,
+    done = subprocess.run([sys.executable, "-c", "from batchfix.eval import caches; print(caches.enable())"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "None"
