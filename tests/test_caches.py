@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from batchfix.eval import caches
 
 
@@ -33,6 +35,7 @@ print(root)
 """
 
 
+@pytest.mark.slow  # two processes compiling scib-metrics' kernels: CI's slow step
 def test_jax_and_numba_compile_into_the_cache_directory(tmp_path):
     env = {**os.environ, caches.ENV_VAR: str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     env.pop("NUMBA_CACHE_DIR", None)

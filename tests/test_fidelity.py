@@ -243,6 +243,7 @@ def cellbench():
             adata.obs["cell_type"].astype(str).to_numpy())
 
 
+@pytest.mark.slow  # three scorings of the whole bundled data: CI's slow step
 def test_real_data(cellbench):
     counts, batch, labels = cellbench
     reference = log_cp10k(counts.astype(np.float64))

@@ -240,6 +240,7 @@ def test_subsample_read_from_disk_matches_the_file(corrected_file):
     assert none is None and whole.n_obs == N_CELLS
 
 
+@pytest.mark.slow  # pynndescent's compilation: CI's slow step
 def test_exact_neighbours_agree_with_approximate_ones_on_real_cells(small, embeddings):
     """Exact neighbour graphs give pynndescent's scores, except kBET: it weighs every neighbour, and moves
     (by 0.14 here, 0.024 on the bundled data; the README says so)."""
