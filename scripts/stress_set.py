@@ -1,0 +1,122 @@
+"""A stress set with known truth: real counts given extra per-batch, gene-wise batch effects of chemistry size.
+
+For each batch b and gene g a multiplicative factor f(b, g) = exp(sd * e(b, g)), e standard normal, of which
+a share `--shared` of the variance is common to the genes of similar mean expression (20 bins of the genes'
+mean count: chemistries differ most by expression level) and the rest is the gene's own; then every cell of
+the batch keeps a fraction `depth(b)` of its molecules (binomial thinning; depths spread evenly over
+`--depth-range`, batches in sorted order). Counts change as molecules do:
+
+    f <= 1: Binomial(c, f)        f > 1: c + Poisson(c * (f - 1))        then Binomial(., depth(b))
+
+The untouched counts are the truth (`layers['truth']`); X holds the stressed counts; `uns['stress']` the
+parameters and seed. A method's error against the truth (`truth_error`) compares its correction of the
+stressed data with its correction of the truth: the real batch effects of the data, corrected alike in both,
+cancel, and what is left is the added effect the method failed to remove (or the biology it moved).
+
+    python scripts/stress_set.py data/cellbench5.h5ad stress_sd1.h5ad --sd 1.0 --seed 0
+    python scripts/stress_set.py data/cellbench5.h5ad pair_sd05.h5ad --sd 0.5 --batches sc_celseq2 sc_dropseq
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import scipy.sparse as sp
+
+from batchfix.data.io import atomic_output
+
+N_EXPRESSION_BINS = 20  # genes grouped by mean count for the shared part of the effect
+
+
+@dataclass(frozen=True)
+class Stress:
+    sd: float = 0.5  # sd of log f(b, g)
+    shared: float = 0.5  # share of that variance common to genes of similar mean expression
+    depth_low: float = 0.5  # the shallowest batch keeps this fraction of its molecules
+    depth_high: float = 1.0
+    seed: int = 0
+
+
+def gene_factors(mean_counts: np.ndarray, n_batches: int, stress: Stress, rng: np.random.Generator) -> np.ndarray:
+    """(batches, genes) multiplicative factors f(b, g) (log-normal, part shared within expression bins)."""
+    ranks = np.argsort(np.argsort(mean_counts, kind="stable"), kind="stable")
+    bins = ranks * N_EXPRESSION_BINS // len(mean_counts)  # (genes,) expression bin of each gene
+    shared = rng.standard_normal((n_batches, N_EXPRESSION_BINS))[:, bins]  # (batches, genes)
+    own = rng.standard_normal((n_batches, len(mean_counts)))
+    return np.exp(stress.sd * (np.sqrt(stress.shared) * shared + np.sqrt(1.0 - stress.shared) * own))
+
+
+def scaled_counts(counts: sp.csr_matrix, factor: np.ndarray, depth: float, rng: np.random.Generator) -> sp.csr_matrix:
+    """One batch's counts (cells x genes) with each gene scaled by its factor, then thinned to `depth`."""
+    counts = sp.csr_matrix(counts, dtype=np.float64)
+    values = counts.data.astype(np.int64)
+    f = factor[counts.indices]  # per stored entry
+    down = f <= 1.0
+    values[down] = rng.binomial(values[down], f[down])
+    values[~down] += rng.poisson(values[~down] * (f[~down] - 1.0))
+    values = rng.binomial(values, depth)
+    out = sp.csr_matrix((values.astype(np.float32), counts.indices, counts.indptr), shape=counts.shape)
+    out.eliminate_zeros()
+    return out
+
+
+def stress_set(adata: ad.AnnData, batch_key: str, stress: Stress) -> ad.AnnData:
+    """A copy of `adata` (raw counts in X) with X stressed, the untouched counts in layers['truth']."""
+    counts = sp.csr_matrix(adata.X)
+    if counts.nnz and not np.allclose(counts.data, np.round(counts.data)):
+        raise ValueError("X must hold raw counts (whole numbers) for a stress set.")
+    rng = np.random.default_rng(stress.seed)
+    batches = sorted(adata.obs[batch_key].astype(str).unique())
+    factors = gene_factors(np.asarray(counts.mean(0)).ravel(), len(batches), stress, rng)
+    depths = np.linspace(stress.depth_low, stress.depth_high, len(batches))
+    batch = adata.obs[batch_key].astype(str).to_numpy()
+    parts = {}
+    for i, name in enumerate(batches):
+        rows = np.flatnonzero(batch == name)
+        parts[name] = (rows, scaled_counts(counts[rows], factors[i], depths[i], rng))
+    order = np.concatenate([rows for rows, _ in parts.values()])
+    stacked = sp.vstack([part for _, part in parts.values()]).tocsr()
+    stressed = stacked[np.argsort(order)]  # back to the input's cell order
+    out = adata.copy()
+    out.layers["truth"] = counts.astype(np.float32)
+    out.X = sp.csr_matrix(stressed, dtype=np.float32)
+    out.uns["stress"] = {**asdict(stress), "batches": batches, "depths": depths.tolist(), "batch_key": batch_key}
+    return out
+
+
+def truth_error(corrected_on_stressed: np.ndarray, corrected_on_truth: np.ndarray) -> float:
+    """Root-mean-square difference (cells x genes, log1p scale) between a method's correction of the stressed
+    data and its correction of the untouched data."""
+    diff = np.asarray(corrected_on_stressed, dtype=np.float64) - np.asarray(corrected_on_truth, dtype=np.float64)
+    return float(np.sqrt(np.mean(diff ** 2)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("input", help=".h5ad with raw counts in X")
+    parser.add_argument("output", help="the stressed .h5ad to write (refused if it exists)")
+    parser.add_argument("--batch-key", default="batch")
+    parser.add_argument("--batches", nargs="+", help="keep only these batches (a sub-problem)")
+    for name, default in asdict(Stress()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    args = parser.parse_args()
+    adata = ad.read_h5ad(args.input)
+    if args.batches:
+        present = sorted(adata.obs[args.batch_key].astype(str).unique())
+        unknown = sorted(set(args.batches) - set(present))
+        if unknown:
+            parser.error(f"batches {unknown} are not in obs['{args.batch_key}']; present: {present}")
+        adata = adata[adata.obs[args.batch_key].astype(str).isin(args.batches)].copy()
+    stress = Stress(**{name: getattr(args, name) for name in asdict(Stress())})
+    out = stress_set(adata, args.batch_key, stress)
+    with atomic_output(Path(args.output), overwrite=False) as tmp:
+        out.write_h5ad(tmp)
+    print(f"Wrote {args.output}: {out.n_obs} cells x {out.n_vars} genes, {stress}, depths "
+          f"{ {b: round(d, 2) for b, d in zip(out.uns['stress']['batches'], out.uns['stress']['depths'])} }")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The stress set (scripts/stress_set.py): gene-wise batch effects of known size on real counts."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from stress_set import Stress, gene_factors, stress_set, truth_error  # noqa: E402
+
+
+def test_stressed_counts_follow_the_recorded_factors_and_depths(subset):
+    stress = Stress(sd=1.0, shared=0.5, depth_low=0.5, depth_high=1.0, seed=3)
+    out = stress_set(subset, "batch", stress)
+    truth, stressed = sp.csr_matrix(out.layers["truth"]), sp.csr_matrix(out.X)
+    np.testing.assert_array_equal(truth.toarray(), sp.csr_matrix(subset.X).toarray())  # the truth is untouched
+    assert list(out.obs_names) == list(subset.obs_names) and np.all(stressed.data == np.round(stressed.data))
+    info = out.uns["stress"]
+    assert info["sd"] == 1.0 and info["seed"] == 3 and info["depths"][0] == 0.5 and info["depths"][-1] == 1.0
+
+    # The factors are drawn first from the seed: redraw them and check each batch's per-gene change.
+    rng = np.random.default_rng(stress.seed)
+    factors = gene_factors(np.asarray(truth.mean(0)).ravel(), len(info["batches"]), stress, rng)
+    batch = subset.obs["batch"].astype(str).to_numpy()
+    for i, name in enumerate(info["batches"]):
+        rows = batch == name
+        before = np.asarray(truth[rows].sum(0)).ravel()
+        after = np.asarray(stressed[rows].sum(0)).ravel()
+        expressed = before >= 200  # enough molecules for the ratio to be read off
+        ratio = after[expressed] / before[expressed]
+        expected = factors[i, expressed] * info["depths"][i]
+        assert np.corrcoef(np.log(ratio), np.log(expected))[0, 1] > 0.95
+        assert abs(np.median(np.log(ratio / expected))) < 0.05
+
+
+def test_no_effect_leaves_the_counts_and_the_error_measures_the_difference(subset):
+    out = stress_set(subset, "batch", Stress(sd=0.0, depth_low=1.0, depth_high=1.0))
+    np.testing.assert_array_equal(sp.csr_matrix(out.X).toarray(), sp.csr_matrix(subset.X).toarray())
+    values = np.log1p(sp.csr_matrix(subset.X).toarray())
+    assert truth_error(values, values) == 0.0
+    assert truth_error(values + 0.5, values) == pytest.approx(0.5)
