@@ -70,7 +70,8 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
 
 
 def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode: str = _CORRECTION.output_mode,
-            batch_key: str = DataConfig.batch_key, counts_layer: str | None = None, copy: bool = False,
+            batch_key: str | None = None, counts_layer: str | None = None, all_batches_new: bool = False,
+            copy: bool = False,
             progress: bool = False, reference: str | None = _CORRECTION.reference,
             key_added: str = _CORRECTION.key_added, chunk_size: int = _CORRECTION.chunk_size,
             batch_size: int = _CORRECTION.batch_size,
@@ -82,7 +83,8 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
     ----------
     adata
         Cells x genes; var_names are matched to the model's genes by name. Raw counts in X, or in
-        `counts_layer` (log-normalized values for a model trained with data.scale=log).
+        `counts_layer` (log-normalized values for a model trained with data.scale=log). None: the layer
+        the model was trained on; "X": the X matrix.
     model
         A `BatchfixModel` (from `batchfix.train` or `BatchfixModel.load`), or the path of a
         checkpoint such as `<run folder>/model.ckpt` (loaded without executing code from the file).
@@ -91,8 +93,12 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
         (for differential expression and marker plots; reads obs[batch_key]); "denoised": every
         cell decoded from its latent (smooth, for clustering and pictures). See batchfix.counterfactual.
     batch_key
-        The obs column of each cell's batch (counterfactual only). Batches the model never saw have
-        their effect estimated from their own cells (at least 10; fewer get the denoised output).
+        The obs column of each cell's batch (counterfactual only); None: the column the model was
+        trained with. Batches the model never saw have their effect estimated from their own cells (at
+        least 10; fewer get the denoised output).
+    all_batches_new
+        Accept an input none of whose batches the model was trained on (refused otherwise: it is most
+        often the wrong batch_key).
     reference
         A training batch to express every cell as, or None / "average" for the average over the
         training batches.
@@ -122,4 +128,4 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
                               max_missing_fraction=max_missing_fraction, int8=int8), CorrectionSettings)
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
     return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,
-                         progress=progress)
+                         progress=progress, all_batches_new=all_batches_new)

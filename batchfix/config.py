@@ -9,6 +9,7 @@ torch or scanpy unchecked, and every error names the option and what it accepts.
 """
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, Optional
@@ -323,18 +324,17 @@ class CorrectConfig(CorrectionSettings):
     input: Optional[str] = None  # .h5ad to correct; null = the bundled dataset
     output: Optional[str] = None  # null = <input name>.corrected.h5ad in the working folder
     checkpoint: Optional[str] = None  # a run folder's model.ckpt
-    counts_layer: Optional[str] = None  # null = X; else the layer holding raw counts
-    batch_key: str = DataKeys.batch_key  # obs column of each cell's batch (read by output_mode=counterfactual)
+    counts_layer: Optional[str] = None  # the layer holding raw counts; X = the X matrix; null = as in training
+    batch_key: Optional[str] = None  # obs column of each cell's batch (counterfactual); null = as in training
+    all_batches_new: bool = False  # accept an input none of whose batches the model was trained on
     overwrite: bool = False  # replace an existing output
     progress: bool = True  # progress bar (cells/s) on stderr
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("input", "output", "counts_layer"):
+        for name in ("input", "output", "counts_layer", "batch_key"):
             non_empty(name, getattr(self, name))
-        if self.batch_key is None or not str(self.batch_key).strip():
-            raise ConfigError(f"batch_key must name an obs column, got {self.batch_key!r}.")
         if not self.checkpoint or not str(self.checkpoint).strip():
             raise ConfigError("correct needs checkpoint=<run folder>/model.ckpt.")
         if self.threads is not None:
@@ -409,8 +409,50 @@ def readable(err: OmegaConfBaseException) -> str:
     return f"{key}: {message}" if key and not message.startswith(str(key)) else message
 
 
+def dotted_options(schema: type, prefix: str = "") -> list[str]:
+    """Every option of a schema by its dotted name (`model.n_heads`, `seed`), groups expanded."""
+    names = []
+    for f in fields(schema):
+        group = f.default_factory if is_dataclass(f.default_factory) else None
+        names += dotted_options(group, f"{prefix}{f.name}.") if group else [f"{prefix}{f.name}"]
+    return names
+
+
+def unknown_option_error(key: str, schema: type) -> ConfigError:
+    """'Unknown option X; did you mean Y?', the suggestions drawn from the schema's own option names."""
+    known = dotted_options(schema)
+    by_last = {name.rpartition(".")[2]: name for name in known}
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.7)
+    close += [by_last[n] for n in difflib.get_close_matches(key.rpartition(".")[2], by_last, n=3, cutoff=0.7)]
+    close = list(dict.fromkeys(close))[:3]
+    hint = f"; did you mean {' or '.join(f'`{name}`' for name in close)}?" if close else "."
+    verb = next((v for v, s in SCHEMAS.items() if s is schema), None)
+    where = f" `python -m batchfix {verb} --help` lists them." if verb else ""
+    return ConfigError(f"Unknown option `{key}`{hint}{where}")
+
+
+def unknown_options(cfg: DictConfig | dict, schema: type, prefix: str = "") -> list[str]:
+    """Dotted keys of `cfg` that `schema` does not have (Hydra's own `hydra` node aside)."""
+    names = {f.name: f for f in fields(schema)}
+    unknown = []
+    for key in cfg:
+        if not prefix and key == "hydra":
+            continue
+        f = names.get(str(key))
+        group = f.default_factory if f is not None and is_dataclass(f.default_factory) else None
+        if f is None:
+            unknown.append(f"{prefix}{key}")
+        elif group is not None and isinstance(cfg[key], (dict, DictConfig)):
+            unknown += unknown_options(cfg[key], group, f"{prefix}{key}.")
+    return unknown
+
+
 def validated(cfg: DictConfig | dict, schema: type):
-    """The composed config as schema objects; every range and combination checked (ConfigError)."""
+    """The composed config as schema objects; every range and combination checked (ConfigError). A key the
+    schema does not have (`+model.n_head=4`) is refused, with the option names closest to it."""
+    unknown = unknown_options(cfg, schema)
+    if unknown:
+        raise unknown_option_error(unknown[0], schema)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
         return OmegaConf.to_object(merged)

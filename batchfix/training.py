@@ -27,7 +27,7 @@ from batchfix.data import CellDataModule, PreparedData, prepare
 from batchfix.errors import ConfigError, InputError, Interrupted
 from batchfix.genome import chromosome_runs
 from batchfix.io import expression_input, input_path, load_expression
-from batchfix.module import BatchfixModel, BatchfixModule, load_trained
+from batchfix.module import TRAINED_DATA_OPTIONS, BatchfixModel, BatchfixModule, load_trained
 from batchfix.streaming import prepare_streamed, use_streaming
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,7 @@ def build_module(cfg: TrainConfig, prepared: PreparedData, planned_steps: int) -
         start=coordinates.start.tolist(), end=coordinates.end.tolist(), batch_categories=prepared.batch_categories,
         scale=cfg.data.scale, learning_rate=cfg.fit.learning_rate, weight_decay=cfg.fit.weight_decay,
         kl_warmup_fraction=cfg.fit.kl_warmup_fraction, planned_steps=planned_steps,
+        data={name: getattr(cfg.data, name) for name in TRAINED_DATA_OPTIONS},
     )
     module.set_normalization(prepared.gene_mean, prepared.gene_std)
     return module
