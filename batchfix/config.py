@@ -80,7 +80,7 @@ class DataConfig(DataKeys):
     # Training minibatches read from the file on disk instead of memory: true | false | auto (streamed when
     # the counts matrix, uncompressed, is larger than stream_above_gb: in memory it is held several times).
     stream: str = "auto"
-    stream_above_gb: float = 2.0
+    stream_above_gb: float = 2.0  # stream=auto streams a counts matrix larger than this, uncompressed
     chunk_cells: int = 16384  # streaming: cells held at a time, read as 16 blocks from random places of the file
     hvg_max_cells: int = 20000  # streaming: HVGs are ranked on a subsample of this many cells, stratified by batch
 
@@ -110,9 +110,9 @@ class ModelConfig:
     # sub-problems, 3 seeds) for 16-20% less fit time (README, Attention heads)
     n_heads: int = 2
     n_layers: int = 2  # transformer blocks
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout rate in the transformer blocks
     latent_dim: int = 30  # batch-free latent space
-    decoder_hidden: int = 128
+    decoder_hidden: int = 128  # hidden units of the decoder
     attention: str = "guarded"  # guarded (written-out softmax with the fp16 guards) | sdpa (fused kernel)
     # Where a token's position comes from: real (sinusoids of its base-pair coordinate + a learned chromosome
     # vector) | shuffled (the same, coordinates permuted across tokens) | none | learned (a learned vector per
@@ -126,14 +126,14 @@ class ModelConfig:
     distance_bias: bool = False  # a learned per-head bias of the base-pair distance between tokens in attention
     distance_buckets: int = 16  # log-distance buckets of that bias, spanning min_wavelength..max_wavelength
     min_wavelength: float = 1e3  # bp; sinusoid wavelengths span min..max geometrically
-    max_wavelength: float = 3e8
+    max_wavelength: float = 3e8  # bp; the longest sinusoid wavelength
     attention_block_size: Optional[int] = None  # queries per attention block (bounds memory); null = all at once
     # Recompute each transformer block in the backward pass instead of keeping its activations (and, with
     # attention_block_size, each block of queries too): bounds the training memory of per-gene tokens, at the
     # cost of the recomputation (README, Per-gene tokens, measures both).
     gradient_checkpointing: bool = False
     likelihood: str = "nb"  # nb on counts | gaussian (set automatically for data.scale=log)
-    kl_weight: float = 1.0
+    kl_weight: float = 1.0  # weight of the latent's KL term in the ELBO
     adversarial_weight: float = 10.0  # batch classifier on the latent through gradient reversal (0 = off)
 
     def __post_init__(self):
@@ -175,8 +175,8 @@ class FitConfig:
     # (one pass: every cell seen) and at most max_auto_epochs. Measured (README "Step budget"): scIB Total
     # peaks near 500 steps on the bundled 1,021 cells and on 10,000 resampled cells and falls beyond.
     target_steps: int = 500
-    min_auto_epochs: int = 1
-    max_auto_epochs: int = 400
+    min_auto_epochs: int = 1  # with trainer.max_epochs=null: at least this many epochs ...
+    max_auto_epochs: int = 400  # ... and at most this many
 
     def __post_init__(self):
         at_least("fit.batch_size", self.batch_size, 1)
@@ -199,15 +199,15 @@ class TrainerConfig:
     accelerator: str = "auto"  # auto | cpu | gpu | ...
     devices: Any = 1  # number of devices, a list of indices, or "auto"
     strategy: str = "auto"  # auto | ddp | ddp_find_unused_parameters_true | ...
-    num_nodes: int = 1
+    num_nodes: int = 1  # machines to train on (DDP)
     # null = 16-mixed on a GPU; on CPU bf16-mixed where it has bf16 matrix units (AMX), else 32-true
     precision: Optional[str] = None
     max_epochs: Optional[int] = None  # null = sized to the data (fit.target_steps)
-    gradient_clip_val: Optional[float] = 1.0
-    log_every_n_steps: int = 5
-    enable_progress_bar: bool = True
-    enable_model_summary: bool = False
-    deterministic: bool = False
+    gradient_clip_val: Optional[float] = 1.0  # gradients clipped to this norm; null = not clipped
+    log_every_n_steps: int = 5  # steps between the losses logged to logs/metrics.csv
+    enable_progress_bar: bool = True  # Lightning's progress bar during training
+    enable_model_summary: bool = False  # print the table of layers before training
+    deterministic: bool = False  # deterministic algorithms only (slower; reproducible runs on a GPU)
 
     def __post_init__(self):
         if self.precision is not None:
@@ -369,7 +369,7 @@ class AttentionConfig:
     max_cells: Optional[int] = 2000  # cells drawn at random (seed 0) to average over; null = every cell
     resolution: int = 256  # loci per axis at most: beyond it neighbouring tokens are averaged into bins
     batch_size: int = InferenceOptions.batch_size  # cells per forward pass
-    max_missing_fraction: float = InferenceOptions.max_missing_fraction
+    max_missing_fraction: float = InferenceOptions.max_missing_fraction  # refuse when more model genes are missing
     overwrite: bool = False  # replace existing attention.png / attention.npz
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
 
@@ -458,6 +458,46 @@ def validated(cfg: DictConfig | dict, schema: type):
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(readable(err)) from None
+
+
+def field_comments(schema: type) -> dict[str, str]:
+    """{field: its comment in this file} for a schema and the schemas it extends: the comment ending the field's
+    line, else the comment lines just above it. These comments are the options' one description (--help,
+    the API's docstrings)."""
+    import inspect
+    import io
+    import tokenize
+
+    comments: dict[str, str] = {}
+    for cls in reversed([c for c in schema.__mro__ if is_dataclass(c)]):
+        lines = inspect.getsource(cls).splitlines()
+        by_line = {token.start[0] - 1: token.string.lstrip("#").strip()
+                   for token in tokenize.generate_tokens(io.StringIO("\n".join(lines)).readline)
+                   if token.type == tokenize.COMMENT}
+        for number, line in enumerate(lines):
+            name = line.strip().split(":", 1)[0]
+            if not line.startswith("    ") or line.startswith("     ") or not name.isidentifier() or ":" not in line:
+                continue
+            above = []
+            while number - len(above) - 1 in by_line and lines[number - len(above) - 1].strip().startswith("#"):
+                above.insert(0, by_line[number - len(above) - 1])
+            text = by_line.get(number) if number in by_line and not line.strip().startswith("#") else None
+            if text or above:
+                comments[name] = text or " ".join(above)
+    return comments
+
+
+def option_descriptions(schema: type, prefix: str = "") -> dict[str, str]:
+    """{dotted option: its description} of every option of a schema (groups expanded; '' where none)."""
+    comments = field_comments(schema)
+    out: dict[str, str] = {}
+    for f in fields(schema):
+        group = f.default_factory if is_dataclass(f.default_factory) else None
+        if group is not None:
+            out.update(option_descriptions(group, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = comments.get(f.name, "")
+    return out
 
 
 def flat_option_names(schema: type = TrainConfig) -> dict[str, str]:

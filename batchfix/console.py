@@ -18,11 +18,14 @@ LEVELS = ("debug", "info", "warning", "error")
 # Known messages of other libraries that say nothing a batchfix user can act on.
 QUIET_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "pytorch_lightning.utilities.rank_zero",
                  "lightning.fabric.utilities.rank_zero", "lightning_fabric.utilities.rank_zero",
-                 "lightning.pytorch.accelerators.cuda", "pytorch_lightning.accelerators.cuda")
+                 "lightning.pytorch.accelerators.cuda", "pytorch_lightning.accelerators.cuda",
+                 "lightning_fabric.utilities.seed", "lightning.fabric.utilities.seed", "jax._src.xla_bridge")
+QUIET_ROOT_LINES = ("isolated labels:",)  # scib-metrics' notes, logged on the root logger
 QUIET_WARNINGS = (
     r".*does not have many workers.*",  # the loaders run in the training process on purpose (batchfix.data)
     r".*`IterableDataset` has `__len__` defined.*",
     r".*GPU available but not used.*",
+    r".*smaller than the logging interval.*",  # tiny files: fewer steps per epoch than log_every_n_steps
     r".*LightningDeprecationWarning.*",
     r".*pkg_resources is deprecated.*",
     r".*is deprecated.*",
@@ -58,9 +61,29 @@ settings = Settings()
 
 
 def quiet_third_parties() -> None:
-    """Silence Lightning's tips (workers, GPU available, litlogger) and known deprecation warnings."""
+    """Silence Lightning's tips and the known warnings of other libraries (the command line's whole run)."""
+    quiet_lightning_logs()
+    quiet_warnings()
+
+
+def quiet_lightning_logs() -> None:
+    """Lightning's info lines and tips (GPU available, TPU used, litlogger) are not shown; its errors are."""
     for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING if "rank_zero" not in name else logging.ERROR)
+        logging.getLogger(name).setLevel(logging.ERROR if "rank_zero" in name else logging.WARNING)
+    root = logging.getLogger()
+    if not any(isinstance(f, QuietRootLines) for f in root.filters):
+        root.addFilter(QuietRootLines())
+
+
+class QuietRootLines(logging.Filter):
+    """Drops the root logger's known third-party notes (QUIET_ROOT_LINES)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(QUIET_ROOT_LINES)
+
+
+def quiet_warnings() -> None:
+    """Known warnings that ask nothing of a batchfix user (inside warnings.catch_warnings() to scope them)."""
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -22,6 +22,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException, SI
 
 from batchfix import runfolder, signals
 from batchfix.config import DataConfig, FitConfig, TrainConfig, TrainerConfig
+from batchfix.console import quiet_lightning_logs, quiet_warnings
 from batchfix.counterfactual import calibrate
 from batchfix.data import CellDataModule, PreparedData, prepare
 from batchfix.errors import ConfigError, InputError, Interrupted
@@ -122,6 +123,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, has_validation: bool) -> pl.T
                                  save_last=True, enable_version_counter=False), StopOnSignal(last)]
     if cfg.fit.early_stopping_patience and has_validation:
         callbacks.append(EarlyStopping(monitor=monitor, patience=cfg.fit.early_stopping_patience))
+    quiet_lightning_logs()
     try:
         return pl.Trainer(
             default_root_dir=str(run_dir), callbacks=callbacks,
@@ -206,9 +208,7 @@ def fit(cfg: TrainConfig, prepared: PreparedData, run_dir: Path) -> FitResult:
     started = time.perf_counter()
     try:
         with signals.deferred(), warnings.catch_warnings():
-            # Lightning warns that a streamed dataset's length may be wrong with several loader workers; the
-            # loaders run in the training process (no workers), where it is exact.
-            warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+            quiet_warnings()  # e.g. a streamed dataset's length with loader workers: they run in-process here
             trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
     except (Interrupted, SIGTERMException) as err:
         signum = err.signum if isinstance(err, Interrupted) else signal.SIGTERM

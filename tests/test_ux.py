@@ -233,3 +233,34 @@ def test_verbosity_shows_batchfix_lines_in_a_notebook(sample_adata, checkpoint, 
             batchfix.settings.verbosity = "loud"
     finally:
         batchfix.settings.verbosity = before
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Help
+
+
+@pytest.mark.parametrize("verb", list(config.SCHEMAS))
+def test_each_verbs_help_lists_its_options_with_descriptions_and_defaults(verb):
+    from batchfix.__main__ import VERBS
+    from batchfix.cli.help import verb_help
+
+    text = verb_help(verb, VERBS[verb])
+    described = config.option_descriptions(config.SCHEMAS[verb])
+    assert all(described.values()), [name for name, line in described.items() if not line]
+    lines = text.splitlines()
+    for name in described:
+        assert sum(line.startswith(f"  {name}=") for line in lines) == 1, name
+    assert "schema" not in text and "hydra" not in text.lower()
+    others = {name for v, s in config.SCHEMAS.items() if v != verb for name in config.dotted_options(s)}
+    for name in others - set(described):
+        assert f"  {name}=" not in text, name
+
+
+def test_help_shows_the_presets_defaults_and_prints_without_hydras_dump(tmp_path):
+    result = cli(["train", "--help"], tmp_path)
+    assert result.returncode == 0 and result.stderr == ""
+    assert "  data.label_key=cell_type" in result.stdout  # the bundled data's preset, not the schema's null
+    assert "  model.n_heads=2" in result.stdout and "attention heads; must divide d_model" in result.stdout
+    assert "== Config ==" not in result.stdout and "Powered by Hydra" not in result.stdout
+    correct = cli(["correct", "--help"], tmp_path).stdout
+    assert "  all_batches_new=false" in correct and "  model." not in correct and "  data." not in correct

@@ -91,9 +91,17 @@ def run(main: Callable[[], object], verb: str) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from batchfix.config import readable
+    from batchfix.console import quiet_third_parties
     from batchfix.signals import interrupts_raised
 
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        from batchfix.__main__ import VERBS
+        from batchfix.cli.help import verb_help
+
+        print(verb_help(verb, VERBS[verb]))
+        sys.exit(0)
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    quiet_third_parties()
     with interrupts_raised(), user_errors_reported(verb):
         check_overrides(sys.argv[1:], verb)
         try:
