@@ -10,13 +10,34 @@ The command line (`python -m batchfix train|correct|evaluate`) runs the same cod
 """
 from __future__ import annotations
 
+import sys
+import types
+
 __version__ = "0.1.0"
 
 from batchfix.console import settings  # noqa: E402 - batchfix.settings.verbosity = "info": progress lines
 
 # The API pulls in torch and Lightning: imported on first use, so `python -m batchfix --help` stays quick.
-_LAZY = {"train": "batchfix.api", "correct": "batchfix.api", "evaluate": "batchfix.api", "BatchfixModel": "batchfix.module",
+_LAZY = {"train": "batchfix.api", "correct": "batchfix.api", "BatchfixModel": "batchfix.module",
          "bundled_dataset": "batchfix.io"}
+
+
+class _Package(types.ModuleType):
+    """`batchfix.evaluate` stays the API function when the submodule of that name is imported (which would
+    otherwise replace it on the package; the submodule is still `sys.modules["batchfix.evaluate"]`)."""
+
+    @property
+    def evaluate(self):
+        from batchfix.api import evaluate
+
+        return evaluate
+
+    @evaluate.setter
+    def evaluate(self, submodule) -> None:
+        pass
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str):

@@ -264,3 +264,31 @@ def test_help_shows_the_presets_defaults_and_prints_without_hydras_dump(tmp_path
     assert "== Config ==" not in result.stdout and "Powered by Hydra" not in result.stdout
     correct = cli(["correct", "--help"], tmp_path).stdout
     assert "  all_batches_new=false" in correct and "  model." not in correct and "  data." not in correct
+
+
+def test_the_api_train_signature_is_every_train_option_that_has_an_effect():
+    import inspect
+
+    from batchfix.api import CORRECTION_ONLY, NOT_API_OPTIONS
+
+    parameters = inspect.signature(batchfix.train).parameters
+    explicit = [name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD and name != "adata"]
+    names = config.flat_option_names(TrainConfig)
+    assert set(explicit) == set(names) - set(NOT_API_OPTIONS) - set(CORRECTION_ONLY)
+    defaults = TrainConfig()
+    for name in explicit:  # the schema's defaults, and each documented from config.py
+        group, _, last = names[name].rpartition(".")
+        assert parameters[name].default == getattr(getattr(defaults, group) if group else defaults, last), name
+        assert f"    {name}\n        " in batchfix.train.__doc__, name
+
+
+def test_api_evaluate_scores_a_corrected_anndata_as_the_command_line(sample_adata, checkpoint, tmp_path):
+    adata = sample_adata.copy()
+    batchfix.correct(adata, checkpoint)
+    result = batchfix.evaluate(adata, batch_key="sample", counts_layer="counts", out_dir=tmp_path / "scores",
+                               neighbors="exact")
+    total = result["scores"]["batchfix corrected expression (PCA)"]["Total"]
+    assert 0 < total < 1 and result["label_key"] == "cell_type"  # the command line's default label column
+    assert sorted(p.name for p in (tmp_path / "scores").iterdir()) == ["metrics.json", "metrics.md", "umap.png"]
+    with pytest.raises(ConfigError, match="evaluation.neighbors must be one of"):
+        batchfix.evaluate(adata, neighbors="fast")

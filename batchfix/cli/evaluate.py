@@ -18,9 +18,10 @@ def main(cfg: DictConfig) -> float | None:
     with user_errors_reported("evaluate", on_error=lambda: remove_if_unused(out_dir)):
         options = validated(cfg, EvaluateConfig)  # before the heavy imports: a bad option is reported at once
         require_inputs(("input", options.input))
-        from batchfix import evaluate, metrics  # scoring needs neither torch nor Lightning
+        from batchfix import metrics  # scoring needs neither torch nor Lightning
+        from batchfix.evaluate import evaluate
 
-        result = evaluate.evaluate(options, out_dir)
+        result = evaluate(options, out_dir)
         print(run_summary("evaluate", result, out_dir, [METRICS_JSON, METRICS_MD, UMAP_PNG]))
         return metrics.headline({"evaluation": result})
 
