@@ -168,7 +168,7 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
         Cells processed at a time, and cells per forward pass of the network.
     int8
         Run the network's linear layers dynamically quantized to int8 (CPU). The corrected values move
-        slightly and it was not faster on the default model (the README's INT8 section measures both).
+        slightly and it was not faster on the default model (docs/benchmarks.md, INT8 inference, measures both).
 
     Adds layers[key_added] (float32 CSR on the log1p(expression per 10k counts) scale, values stored
     for the modelled genes only: other genes read as 0 and are False in var[f"{key_added}_modelled"]),

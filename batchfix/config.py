@@ -107,7 +107,7 @@ class ModelConfig:
     genes_per_token: int = 32  # genes per locus token; attention cost grows with (genes / genes_per_token)^2
     d_model: int = 64  # token width
     # attention heads; must divide d_model. 2 heads of 32 dims score as 4 heads of 16 did (bundled data and
-    # sub-problems, 3 seeds) for 16-20% less fit time (README, Attention heads)
+    # sub-problems, 3 seeds) for 16-20% less fit time (docs/scale.md, Attention heads)
     n_heads: int = 2
     n_layers: int = 2  # transformer blocks
     dropout: float = 0.0  # dropout rate in the transformer blocks
@@ -130,7 +130,7 @@ class ModelConfig:
     attention_block_size: Optional[int] = None  # queries per attention block (bounds memory); null = all at once
     # Recompute each transformer block in the backward pass instead of keeping its activations (and, with
     # attention_block_size, each block of queries too): bounds the training memory of per-gene tokens, at the
-    # cost of the recomputation (README, Per-gene tokens, measures both).
+    # cost of the recomputation (docs/per-gene-tokens.md measures both).
     gradient_checkpointing: bool = False
     likelihood: str = "nb"  # nb on counts | gaussian (set automatically for data.scale=log)
     kl_weight: float = 1.0  # weight of the latent's KL term in the ELBO
@@ -172,7 +172,7 @@ class FitConfig:
     max_validation_cells: int = 10000  # ... but at most this many (a validation pass per epoch costs their forward)
     early_stopping_patience: int = 10  # epochs without a better validation ELBO; 0 = off
     # With trainer.max_epochs=null: epochs = ceil(target_steps / steps per epoch), but at least min_auto_epochs
-    # (one pass: every cell seen) and at most max_auto_epochs. Measured (README "Step budget"): scIB Total
+    # (one pass: every cell seen) and at most max_auto_epochs. Measured (docs/scale.md, Step budget): scIB Total
     # peaks near 500 steps on the bundled 1,021 cells and on 10,000 resampled cells and falls beyond.
     target_steps: int = 500
     min_auto_epochs: int = 1  # with trainer.max_epochs=null: at least this many epochs ...
@@ -272,7 +272,7 @@ class InferenceOptions:
     batch_size: int = 128
     max_missing_fraction: float = 0.2  # refuse when more of the model's genes than this are missing
     # Dynamically quantized int8 linear layers (CPU): corrected values move slightly, and it was not faster on the
-    # default model (README, INT8).
+    # default model (docs/benchmarks.md, INT8).
     int8: bool = False
 
     def __post_init__(self):

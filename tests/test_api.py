@@ -31,7 +31,11 @@ def readme_example() -> str:
 
 
 def test_the_readme_example_runs_as_written(tmp_path, monkeypatch):
+    """As written, but for the training budget: the example trains the default 500 steps (minutes on a 2-core
+    CPU); here 2 epochs."""
     monkeypatch.chdir(tmp_path)
+    train = batchfix.train
+    monkeypatch.setattr(batchfix, "train", lambda *args, **options: train(*args, **{"max_epochs": 2, **options}))
     namespace: dict = {}
     exec(compile(readme_example(), "README.md", "exec"), namespace)
     adata, model, corrected = namespace["adata"], namespace["model"], namespace["corrected"]
