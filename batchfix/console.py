@@ -15,12 +15,17 @@ from pathlib import Path
 LOGGER = "batchfix"
 LEVELS = ("debug", "info", "warning", "error")
 
-# Known messages of other libraries that say nothing a batchfix user can act on.
-QUIET_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "pytorch_lightning.utilities.rank_zero",
-                 "lightning.fabric.utilities.rank_zero", "lightning_fabric.utilities.rank_zero",
-                 "lightning.pytorch.accelerators.cuda", "pytorch_lightning.accelerators.cuda",
-                 "lightning_fabric.utilities.seed", "lightning.fabric.utilities.seed", "jax._src.xla_bridge")
-QUIET_ROOT_LINES = ("isolated labels:",)  # scib-metrics' notes, logged on the root logger
+# Known lines of other libraries that say nothing a batchfix user can act on (DDP's banner stays).
+QUIET_LINES = {
+    "lightning.pytorch.utilities.rank_zero": ("GPU available", "TPU available", "HPU available", "💡 Tip",
+                                              "`Trainer.fit` stopped", "LOCAL_RANK:"),
+    "pytorch_lightning.utilities.rank_zero": ("GPU available", "TPU available", "HPU available", "💡 Tip",
+                                              "`Trainer.fit` stopped", "LOCAL_RANK:"),
+    "lightning.fabric.utilities.seed": ("Seed set to",),
+    "lightning_fabric.utilities.seed": ("Seed set to",),
+    "jax._src.xla_bridge": ("Unable to initialize backend",),
+    "": ("isolated labels:",),  # scib-metrics' notes, logged on the root logger
+}
 QUIET_WARNINGS = (
     r".*does not have many workers.*",  # the loaders run in the training process on purpose (batchfix.data)
     r".*`IterableDataset` has `__len__` defined.*",
@@ -67,19 +72,23 @@ def quiet_third_parties() -> None:
 
 
 def quiet_lightning_logs() -> None:
-    """Lightning's info lines and tips (GPU available, TPU used, litlogger) are not shown; its errors are."""
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR if "rank_zero" in name else logging.WARNING)
-    root = logging.getLogger()
-    if not any(isinstance(f, QuietRootLines) for f in root.filters):
-        root.addFilter(QuietRootLines())
+    """Lightning's tips and info lines of QUIET_LINES (GPU available, litmodels, seed set) are not shown; its
+    other lines, warnings and errors are."""
+    for name, starts in QUIET_LINES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, QuietLines) for f in logger.filters):
+            logger.addFilter(QuietLines(starts))
 
 
-class QuietRootLines(logging.Filter):
-    """Drops the root logger's known third-party notes (QUIET_ROOT_LINES)."""
+class QuietLines(logging.Filter):
+    """Drops a logger's records whose message starts with one of `starts`."""
+
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(QUIET_ROOT_LINES)
+        return not str(record.msg).lstrip().startswith(self.starts)
 
 
 def quiet_warnings() -> None:
