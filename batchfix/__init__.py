@@ -4,6 +4,7 @@ in genomic order.
     import batchfix
     model = batchfix.train(adata, batch_key="sample")   # a BatchfixModel
     batchfix.correct(adata, model)                      # adds layers['batchfix'], obsm['X_batchfix']
+    batchfix.settings.verbosity = "info"                # progress lines in a notebook
 
 The command line (`python -m batchfix train|correct|evaluate`) runs the same code on files.
 """
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from batchfix.console import settings  # noqa: E402 - batchfix.settings.verbosity = "info": progress lines
+
 # The API pulls in torch and Lightning: imported on first use, so `python -m batchfix --help` stays quick.
-_LAZY = {"train": "batchfix.api", "correct": "batchfix.api", "BatchfixModel": "batchfix.training.module",
-         "bundled_dataset": "batchfix.data.io"}
+_LAZY = {"train": "batchfix.api", "correct": "batchfix.api", "evaluate": "batchfix.api",
+         "BatchfixModel": "batchfix.training.module", "bundled_dataset": "batchfix.data.io"}
 
 
 def __getattr__(name: str):
@@ -24,4 +27,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'batchfix' has no attribute '{name}'")
 
 
-__all__ = ["train", "correct", "BatchfixModel", "bundled_dataset", "__version__"]
+__all__ = ["train", "correct", "evaluate", "BatchfixModel", "bundled_dataset", "settings", "__version__"]

@@ -29,8 +29,8 @@ examples:
   python -m batchfix attention input=new.h5ad checkpoint=RUN/model.ckpt output=maps group_by=cell_type
   python -m batchfix train -m model.n_heads=1,2,4,8
 
-Each verb's options: python -m batchfix VERB --cfg job (its composed config), or --help;
-every option, its default and what it accepts: batchfix/config.py."""
+Each verb's options, their defaults and descriptions: python -m batchfix VERB --help
+(the composed configuration: --cfg job)."""
 
 
 def main() -> None:

@@ -1,24 +1,27 @@
 """The Python API, for notebooks: train and correct in-memory AnnData, no YAML and no run folder.
 
-    model = batchfix.train(adata, batch_key="sample", n_heads=8, max_epochs=40)
+    model = batchfix.train(adata, batch_key="sample", label_key="cell_type")
     batchfix.correct(adata, model)              # in place, scanpy style
+    scores = batchfix.evaluate(adata)           # scIB scores and gene-level fidelity, as the command line's
     model.save("model.ckpt"); model = batchfix.BatchfixModel.load("model.ckpt")
 
 Options are the command line's, by their last name (`n_heads` is `model.n_heads`), with the same
-defaults and the same validation (batchfix.config).
+defaults, descriptions and validation (batchfix.config); an option with no effect here is refused.
 """
 from __future__ import annotations
 
 import difflib
+import inspect
 import tempfile
 from pathlib import Path
 
 import anndata as ad
 
-from batchfix.training import fitting
-from batchfix.config import CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
+from batchfix.config import (CorrectionSettings, DataConfig, EvaluationOptions, FitConfig, ModelConfig, TrainConfig,
+                             TrainerConfig, flat_option_names, option_descriptions, validated)
 from batchfix.correction.corrector import correct_adata
 from batchfix.correction.counterfactual import calibrated_model
+from batchfix.training import fitting
 from batchfix.errors import ConfigError
 from batchfix.training.module import BatchfixModel, load_trained
 
@@ -53,14 +56,55 @@ def train_config(**options) -> TrainConfig:
     return validated(nested, TrainConfig)
 
 
-def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: str | None = None,
-          counts_layer: str | None = None, **options) -> BatchfixModel:
+# Options of `train` that belong to correction: the Python API trains, and batchfix.correct takes them.
+CORRECTION_ONLY = ("output_mode", "reference", "key_added")
+
+
+def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: str | None = DataConfig.label_key,
+          counts_layer: str | None = DataConfig.counts_layer, *, scale: str = DataConfig.scale,
+          n_top_genes: int | None = DataConfig.n_top_genes, genome: str = DataConfig.genome,
+          gtf: str | None = DataConfig.gtf, unplaced: str = DataConfig.unplaced,
+          genes_per_token: int = ModelConfig.genes_per_token, d_model: int = ModelConfig.d_model,
+          n_heads: int = ModelConfig.n_heads, n_layers: int = ModelConfig.n_layers,
+          dropout: float = ModelConfig.dropout, latent_dim: int = ModelConfig.latent_dim,
+          decoder_hidden: int = ModelConfig.decoder_hidden, attention: str = ModelConfig.attention,
+          position_encoding: str = ModelConfig.position_encoding, token_identity: str = ModelConfig.token_identity,
+          distance_bias: bool = ModelConfig.distance_bias, distance_buckets: int = ModelConfig.distance_buckets,
+          min_wavelength: float = ModelConfig.min_wavelength, max_wavelength: float = ModelConfig.max_wavelength,
+          attention_block_size: int | None = ModelConfig.attention_block_size,
+          gradient_checkpointing: bool = ModelConfig.gradient_checkpointing,
+          likelihood: str = ModelConfig.likelihood, kl_weight: float = ModelConfig.kl_weight,
+          adversarial_weight: float = ModelConfig.adversarial_weight, batch_size: int = FitConfig.batch_size,
+          learning_rate: float = FitConfig.learning_rate, weight_decay: float = FitConfig.weight_decay,
+          kl_warmup_fraction: float = FitConfig.kl_warmup_fraction,
+          validation_fraction: float = FitConfig.validation_fraction,
+          max_validation_cells: int = FitConfig.max_validation_cells,
+          early_stopping_patience: int = FitConfig.early_stopping_patience,
+          target_steps: int = FitConfig.target_steps, min_auto_epochs: int = FitConfig.min_auto_epochs,
+          max_auto_epochs: int = FitConfig.max_auto_epochs, accelerator: str = TrainerConfig.accelerator,
+          devices: int | str | list[int] = TrainerConfig.devices, strategy: str = TrainerConfig.strategy,
+          num_nodes: int = TrainerConfig.num_nodes, precision: str | None = TrainerConfig.precision,
+          max_epochs: int | None = TrainerConfig.max_epochs,
+          gradient_clip_val: float | None = TrainerConfig.gradient_clip_val,
+          log_every_n_steps: int = TrainerConfig.log_every_n_steps,
+          enable_progress_bar: bool = TrainerConfig.enable_progress_bar,
+          enable_model_summary: bool = TrainerConfig.enable_model_summary,
+          deterministic: bool = TrainerConfig.deterministic, seed: int = TrainConfig.seed,
+          threads: int | None = TrainConfig.threads,
+          **unknown) -> BatchfixModel:
     """Train batchfix on an in-memory AnnData (raw counts in X, or in `counts_layer`); returns the model.
 
-    `options` are any train options by name, e.g. `n_top_genes=3000, n_heads=8, max_epochs=40,
-    seed=1, enable_progress_bar=False` (see batchfix.config). `adata` is not changed.
+    Every keyword is the `python -m batchfix train` option of that last name, with its default and
+    validation (`python -m batchfix train --help`, batchfix.config); their descriptions follow below.
+    The data options (batch_key, counts_layer, label_key, genome, scale) are saved with the model and
+    are `batchfix.correct`'s defaults. `adata` is not changed. An option that is no train option, or has
+    no effect here (output_mode, resume, ...), is refused (ConfigError) naming the option meant.
     """
-    cfg = train_config(batch_key=batch_key, label_key=label_key, counts_layer=counts_layer, **options)
+    options = {name: value for name, value in locals().items() if name not in ("adata", "unknown")}
+    for name in unknown:
+        if name in CORRECTION_ONLY:
+            raise ConfigError(f"'{name}' is not an option of batchfix.train: pass it to batchfix.correct.")
+    cfg = train_config(**options, **unknown)
     fitting.seed_and_threads(cfg.seed, cfg.threads)
     prepared = fitting.load_training_data(cfg.data, adata)
     with tempfile.TemporaryDirectory(prefix="batchfix-train-") as scratch:
@@ -70,8 +114,19 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
     return model
 
 
+def options_doc(names: list[str]) -> str:
+    """A numpydoc Parameters section of options, from their descriptions in batchfix.config."""
+    described = {dotted.rpartition(".")[2]: text for dotted, text in option_descriptions(TrainConfig).items()}
+    return "\n    Parameters\n    ----------\n" + "".join(
+        f"    {name}\n        {described[name]}\n" for name in names)
+
+
+train.__doc__ += options_doc([name for name in inspect.signature(train).parameters if name not in ("adata", "unknown")])
+
+
 def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode: str = _CORRECTION.output_mode,
-            batch_key: str = DataConfig.batch_key, counts_layer: str | None = None, copy: bool = False,
+            batch_key: str | None = None, counts_layer: str | None = None, all_batches_new: bool = False,
+            copy: bool = False,
             progress: bool = False, reference: str | None = _CORRECTION.reference,
             key_added: str = _CORRECTION.key_added, chunk_size: int = _CORRECTION.chunk_size,
             batch_size: int = _CORRECTION.batch_size,
@@ -83,7 +138,8 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
     ----------
     adata
         Cells x genes; var_names are matched to the model's genes by name. Raw counts in X, or in
-        `counts_layer` (log-normalized values for a model trained with data.scale=log).
+        `counts_layer` (log-normalized values for a model trained with data.scale=log). None: the layer
+        the model was trained on; "X": the X matrix.
     model
         A `BatchfixModel` (from `batchfix.train` or `BatchfixModel.load`), or the path of a
         checkpoint such as `<run folder>/model.ckpt` (loaded without executing code from the file).
@@ -92,8 +148,12 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
         (for differential expression and marker plots; reads obs[batch_key]); "denoised": every
         cell decoded from its latent (smooth, for clustering and pictures). See batchfix.correction.counterfactual.
     batch_key
-        The obs column of each cell's batch (counterfactual only). Batches the model never saw have
-        their effect estimated from their own cells (at least 10; fewer get the denoised output).
+        The obs column of each cell's batch (counterfactual only); None: the column the model was
+        trained with. Batches the model never saw have their effect estimated from their own cells (at
+        least 10; fewer get the denoised output).
+    all_batches_new
+        Accept an input none of whose batches the model was trained on (refused otherwise: it is most
+        often the wrong batch_key).
     reference
         A training batch to express every cell as, or None / "average" for the average over the
         training batches.
@@ -109,7 +169,7 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
         Cells processed at a time, and cells per forward pass of the network.
     int8
         Run the network's linear layers dynamically quantized to int8 (CPU). The corrected values move
-        slightly and it was not faster on the default model (the README's INT8 section measures both).
+        slightly and it was not faster on the default model (docs/benchmarks.md, INT8 inference, measures both).
 
     Adds layers[key_added] (float32 CSR on the log1p(expression per 10k counts) scale, values stored
     for the modelled genes only: other genes read as 0 and are False in var[f"{key_added}_modelled"]),
@@ -123,4 +183,27 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
                               max_missing_fraction=max_missing_fraction, int8=int8), CorrectionSettings)
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
     return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,
-                         progress=progress)
+                         progress=progress, all_batches_new=all_batches_new)
+
+
+def evaluate(adata: ad.AnnData, *, batch_key: str = DataConfig.batch_key, label_key: str | None = "cell_type",
+             counts_layer: str | None = None, key_added: str = CorrectionSettings.key_added,
+             max_cells: int = EvaluationOptions.max_cells, neighbors: str = EvaluationOptions.neighbors,
+             out_dir: str | Path | None = None) -> dict:
+    """Score a corrected AnnData (after `batchfix.correct`) as `python -m batchfix evaluate` does, with its
+    defaults: batch mixing and biology conservation (scib-metrics; label_key=None scores mixing only) of
+    the latent, of the corrected layer and of the uncorrected data, and gene-level fidelity.
+
+    Returns the result (what metrics.json holds: `scores[embedding]["Total"]`, `gene_fidelity`, ...);
+    with `out_dir`, metrics.json, metrics.md and umap.png are written there too. `adata` is not changed.
+    """
+    from batchfix.config import EvaluateConfig
+    from batchfix.eval.evaluate import evaluate_file
+
+    validated(dict(data=dict(batch_key=batch_key, label_key=label_key, counts_layer=counts_layer),
+                   key_added=key_added, evaluation=dict(max_cells=max_cells, neighbors=neighbors)), EvaluateConfig)
+    with tempfile.TemporaryDirectory(prefix="batchfix-evaluate-") as scratch:
+        path = Path(scratch) / "corrected.h5ad"
+        adata.write_h5ad(path)
+        return evaluate_file(path, batch_key, label_key, out_dir or Path(scratch) / "evaluation",
+                             counts_layer=counts_layer, key_added=key_added, max_cells=max_cells, neighbors=neighbors)

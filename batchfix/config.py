@@ -9,6 +9,7 @@ torch or scanpy unchecked, and every error names the option and what it accepts.
 """
 from __future__ import annotations
 
+import difflib
 import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar, Optional
@@ -79,7 +80,7 @@ class DataConfig(DataKeys):
     # Training minibatches read from the file on disk instead of memory: true | false | auto (streamed when
     # the counts matrix, uncompressed, is larger than stream_above_gb: in memory it is held several times).
     stream: str = "auto"
-    stream_above_gb: float = 2.0
+    stream_above_gb: float = 2.0  # stream=auto streams a counts matrix larger than this, uncompressed
     chunk_cells: int = 16384  # streaming: cells held at a time, read as 16 blocks from random places of the file
     hvg_max_cells: int = 20000  # streaming: HVGs are ranked on a subsample of this many cells, stratified by batch
 
@@ -106,12 +107,12 @@ class ModelConfig:
     genes_per_token: int = 32  # genes per locus token; attention cost grows with (genes / genes_per_token)^2
     d_model: int = 64  # token width
     # attention heads; must divide d_model. 2 heads of 32 dims score as 4 heads of 16 did (bundled data and
-    # sub-problems, 3 seeds) for 16-20% less fit time (README, Attention heads)
+    # sub-problems, 3 seeds) for 16-20% less fit time (docs/scale.md, Attention heads)
     n_heads: int = 2
     n_layers: int = 2  # transformer blocks
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout rate in the transformer blocks
     latent_dim: int = 30  # batch-free latent space
-    decoder_hidden: int = 128
+    decoder_hidden: int = 128  # hidden units of the decoder
     attention: str = "guarded"  # guarded (written-out softmax with the fp16 guards) | sdpa (fused kernel)
     # Where a token's position comes from: real (sinusoids of its base-pair coordinate + a learned chromosome
     # vector) | shuffled (the same, coordinates permuted across tokens) | none | learned (a learned vector per
@@ -125,14 +126,14 @@ class ModelConfig:
     distance_bias: bool = False  # a learned per-head bias of the base-pair distance between tokens in attention
     distance_buckets: int = 16  # log-distance buckets of that bias, spanning min_wavelength..max_wavelength
     min_wavelength: float = 1e3  # bp; sinusoid wavelengths span min..max geometrically
-    max_wavelength: float = 3e8
+    max_wavelength: float = 3e8  # bp; the longest sinusoid wavelength
     attention_block_size: Optional[int] = None  # queries per attention block (bounds memory); null = all at once
     # Recompute each transformer block in the backward pass instead of keeping its activations (and, with
     # attention_block_size, each block of queries too): bounds the training memory of per-gene tokens, at the
-    # cost of the recomputation (README, Per-gene tokens, measures both).
+    # cost of the recomputation (docs/per-gene-tokens.md measures both).
     gradient_checkpointing: bool = False
     likelihood: str = "nb"  # nb on counts | gaussian (set automatically for data.scale=log)
-    kl_weight: float = 1.0
+    kl_weight: float = 1.0  # weight of the latent's KL term in the ELBO
     adversarial_weight: float = 10.0  # batch classifier on the latent through gradient reversal (0 = off)
 
     def __post_init__(self):
@@ -171,11 +172,11 @@ class FitConfig:
     max_validation_cells: int = 10000  # ... but at most this many (a validation pass per epoch costs their forward)
     early_stopping_patience: int = 10  # epochs without a better validation ELBO; 0 = off
     # With trainer.max_epochs=null: epochs = ceil(target_steps / steps per epoch), but at least min_auto_epochs
-    # (one pass: every cell seen) and at most max_auto_epochs. Measured (README "Step budget"): scIB Total
+    # (one pass: every cell seen) and at most max_auto_epochs. Measured (docs/scale.md, Step budget): scIB Total
     # peaks near 500 steps on the bundled 1,021 cells and on 10,000 resampled cells and falls beyond.
     target_steps: int = 500
-    min_auto_epochs: int = 1
-    max_auto_epochs: int = 400
+    min_auto_epochs: int = 1  # with trainer.max_epochs=null: at least this many epochs ...
+    max_auto_epochs: int = 400  # ... and at most this many
 
     def __post_init__(self):
         at_least("fit.batch_size", self.batch_size, 1)
@@ -198,15 +199,15 @@ class TrainerConfig:
     accelerator: str = "auto"  # auto | cpu | gpu | ...
     devices: Any = 1  # number of devices, a list of indices, or "auto"
     strategy: str = "auto"  # auto | ddp | ddp_find_unused_parameters_true | ...
-    num_nodes: int = 1
+    num_nodes: int = 1  # machines to train on (DDP)
     # null = 16-mixed on a GPU; on CPU bf16-mixed where it has bf16 matrix units (AMX), else 32-true
     precision: Optional[str] = None
     max_epochs: Optional[int] = None  # null = sized to the data (fit.target_steps)
-    gradient_clip_val: Optional[float] = 1.0
-    log_every_n_steps: int = 5
-    enable_progress_bar: bool = True
-    enable_model_summary: bool = False
-    deterministic: bool = False
+    gradient_clip_val: Optional[float] = 1.0  # gradients clipped to this norm; null = not clipped
+    log_every_n_steps: int = 5  # steps between the losses logged to logs/metrics.csv
+    enable_progress_bar: bool = True  # Lightning's progress bar during training
+    enable_model_summary: bool = False  # print the table of layers before training
+    deterministic: bool = False  # deterministic algorithms only (slower; reproducible runs on a GPU)
 
     def __post_init__(self):
         if self.precision is not None:
@@ -271,7 +272,7 @@ class InferenceOptions:
     batch_size: int = 128
     max_missing_fraction: float = 0.2  # refuse when more of the model's genes than this are missing
     # Dynamically quantized int8 linear layers (CPU): corrected values move slightly, and it was not faster on the
-    # default model (README, INT8).
+    # default model (docs/benchmarks.md, INT8).
     int8: bool = False
 
     def __post_init__(self):
@@ -323,18 +324,17 @@ class CorrectConfig(CorrectionSettings):
     input: Optional[str] = None  # .h5ad to correct; null = the bundled dataset
     output: Optional[str] = None  # null = <input name>.corrected.h5ad in the working folder
     checkpoint: Optional[str] = None  # a run folder's model.ckpt
-    counts_layer: Optional[str] = None  # null = X; else the layer holding raw counts
-    batch_key: str = DataKeys.batch_key  # obs column of each cell's batch (read by output_mode=counterfactual)
+    counts_layer: Optional[str] = None  # the layer holding raw counts; X = the X matrix; null = as in training
+    batch_key: Optional[str] = None  # obs column of each cell's batch (counterfactual); null = as in training
+    all_batches_new: bool = False  # accept an input none of whose batches the model was trained on
     overwrite: bool = False  # replace an existing output
     progress: bool = True  # progress bar (cells/s) on stderr
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("input", "output", "counts_layer"):
+        for name in ("input", "output", "counts_layer", "batch_key"):
             non_empty(name, getattr(self, name))
-        if self.batch_key is None or not str(self.batch_key).strip():
-            raise ConfigError(f"batch_key must name an obs column, got {self.batch_key!r}.")
         if not self.checkpoint or not str(self.checkpoint).strip():
             raise ConfigError("correct needs checkpoint=<run folder>/model.ckpt.")
         if self.threads is not None:
@@ -369,7 +369,7 @@ class AttentionConfig:
     max_cells: Optional[int] = 2000  # cells drawn at random (seed 0) to average over; null = every cell
     resolution: int = 256  # loci per axis at most: beyond it neighbouring tokens are averaged into bins
     batch_size: int = InferenceOptions.batch_size  # cells per forward pass
-    max_missing_fraction: float = InferenceOptions.max_missing_fraction
+    max_missing_fraction: float = InferenceOptions.max_missing_fraction  # refuse when more model genes are missing
     overwrite: bool = False  # replace existing attention.png / attention.npz
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
 
@@ -409,13 +409,95 @@ def readable(err: OmegaConfBaseException) -> str:
     return f"{key}: {message}" if key and not message.startswith(str(key)) else message
 
 
+def dotted_options(schema: type, prefix: str = "") -> list[str]:
+    """Every option of a schema by its dotted name (`model.n_heads`, `seed`), groups expanded."""
+    names = []
+    for f in fields(schema):
+        group = f.default_factory if is_dataclass(f.default_factory) else None
+        names += dotted_options(group, f"{prefix}{f.name}.") if group else [f"{prefix}{f.name}"]
+    return names
+
+
+def unknown_option_error(key: str, schema: type) -> ConfigError:
+    """'Unknown option X; did you mean Y?', the suggestions drawn from the schema's own option names."""
+    known = dotted_options(schema)
+    by_last = {name.rpartition(".")[2]: name for name in known}
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.7)
+    close += [by_last[n] for n in difflib.get_close_matches(key.rpartition(".")[2], by_last, n=3, cutoff=0.7)]
+    close = list(dict.fromkeys(close))[:3]
+    hint = f"; did you mean {' or '.join(f'`{name}`' for name in close)}?" if close else "."
+    verb = next((v for v, s in SCHEMAS.items() if s is schema), None)
+    where = f" `python -m batchfix {verb} --help` lists them." if verb else ""
+    return ConfigError(f"Unknown option `{key}`{hint}{where}")
+
+
+def unknown_options(cfg: DictConfig | dict, schema: type, prefix: str = "") -> list[str]:
+    """Dotted keys of `cfg` that `schema` does not have (Hydra's own `hydra` node aside)."""
+    names = {f.name: f for f in fields(schema)}
+    unknown = []
+    for key in cfg:
+        if not prefix and key == "hydra":
+            continue
+        f = names.get(str(key))
+        group = f.default_factory if f is not None and is_dataclass(f.default_factory) else None
+        if f is None:
+            unknown.append(f"{prefix}{key}")
+        elif group is not None and isinstance(cfg[key], (dict, DictConfig)):
+            unknown += unknown_options(cfg[key], group, f"{prefix}{key}.")
+    return unknown
+
+
 def validated(cfg: DictConfig | dict, schema: type):
-    """The composed config as schema objects; every range and combination checked (ConfigError)."""
+    """The composed config as schema objects; every range and combination checked (ConfigError). A key the
+    schema does not have (`+model.n_head=4`) is refused, with the option names closest to it."""
+    unknown = unknown_options(cfg, schema)
+    if unknown:
+        raise unknown_option_error(unknown[0], schema)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         raise ConfigError(readable(err)) from None
+
+
+def field_comments(schema: type) -> dict[str, str]:
+    """{field: its comment in this file} for a schema and the schemas it extends: the comment ending the field's
+    line, else the comment lines just above it. These comments are the options' one description (--help,
+    the API's docstrings)."""
+    import inspect
+    import io
+    import tokenize
+
+    comments: dict[str, str] = {}
+    for cls in reversed([c for c in schema.__mro__ if is_dataclass(c)]):
+        lines = inspect.getsource(cls).splitlines()
+        by_line = {token.start[0] - 1: token.string.lstrip("#").strip()
+                   for token in tokenize.generate_tokens(io.StringIO("\n".join(lines)).readline)
+                   if token.type == tokenize.COMMENT}
+        for number, line in enumerate(lines):
+            name = line.strip().split(":", 1)[0]
+            if not line.startswith("    ") or line.startswith("     ") or not name.isidentifier() or ":" not in line:
+                continue
+            above = []
+            while number - len(above) - 1 in by_line and lines[number - len(above) - 1].strip().startswith("#"):
+                above.insert(0, by_line[number - len(above) - 1])
+            text = by_line.get(number) if number in by_line and not line.strip().startswith("#") else None
+            if text or above:
+                comments[name] = text or " ".join(above)
+    return comments
+
+
+def option_descriptions(schema: type, prefix: str = "") -> dict[str, str]:
+    """{dotted option: its description} of every option of a schema (groups expanded; '' where none)."""
+    comments = field_comments(schema)
+    out: dict[str, str] = {}
+    for f in fields(schema):
+        group = f.default_factory if is_dataclass(f.default_factory) else None
+        if group is not None:
+            out.update(option_descriptions(group, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = comments.get(f.name, "")
+    return out
 
 
 def flat_option_names(schema: type = TrainConfig) -> dict[str, str]:

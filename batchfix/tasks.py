@@ -128,14 +128,13 @@ def correct(cfg: CorrectConfig) -> Path:
     earlier = file_identity(output)
     try:
         written = correct_file(source, output, load_trained(cfg.checkpoint), cfg, counts_layer=cfg.counts_layer,
-                               batch_key=cfg.batch_key, overwrite=cfg.overwrite,
-                               progress=cfg.progress)
+                               batch_key=cfg.batch_key, overwrite=cfg.overwrite, progress=cfg.progress,
+                               all_batches_new=cfg.all_batches_new)
     except Interrupted as err:
         now = file_identity(output)
         state = ("was not written" if now is None else "is unchanged" if now == earlier
                  else "was complete before the signal came")
         raise Interrupted(err.signum, f"; {output} {state}") from None
-    log.info("Wrote %s", written)
     return written
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from batchfix.cli.common import run, user_errors_reported
+from batchfix.cli.common import require_inputs, run, user_errors_reported
 from batchfix.config import AttentionConfig, validated
 
 
@@ -13,6 +13,7 @@ def main(cfg: DictConfig) -> None:
     """Attention maps (batchfix.tasks.attention): attention.png and attention.npz are all it writes."""
     with user_errors_reported("attention"):
         options = validated(cfg, AttentionConfig)  # before the heavy imports: a bad option is reported at once
+        require_inputs(("input", options.input), ("checkpoint", options.checkpoint))
         from batchfix import tasks
 
         tasks.attention(options)

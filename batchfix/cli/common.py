@@ -20,10 +20,13 @@ def one_line(text: str) -> str:
 
 
 def report(verb: str, message: str, status: int) -> None:
-    """Print the one line (and log it where Hydra set up the logging of a run) and exit with `status`."""
+    """Print the one line (and write it to the log file Hydra set up for a run: not again on the console)
+    and exit with `status`."""
     logger = logging.getLogger("batchfix")
-    if logger.hasHandlers():
-        logger.error("%s", message)
+    record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, None, None)
+    for handler in {*logging.getLogger().handlers, *logger.handlers}:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
     print(f"batchfix {verb}: error: {one_line(message)}", file=sys.stderr)
     sys.exit(status)
 
@@ -41,6 +44,43 @@ def user_errors_reported(verb: str, on_error: Callable[[], None] | None = None) 
         report(verb, str(err), err.exit_status if isinstance(err, Interrupted) else 1)
 
 
+def require_inputs(*named_paths: tuple[str, str | None]) -> None:
+    """Refuse a named input file that does not exist, before seconds of imports (torch, scanpy) are spent on
+    it; null (or 'bundled' for data) is the bundled dataset and always there."""
+    from pathlib import Path
+
+    from batchfix.errors import CheckpointError, InputError
+
+    for option, path in named_paths:
+        if path in (None, "", "bundled"):
+            continue
+        if not Path(path).expanduser().exists():
+            error = CheckpointError if option == "checkpoint" else InputError
+            what = "Checkpoint" if option == "checkpoint" else "Input file"
+            raise error(f"{what} not found: {Path(path).expanduser()} ({option}=)")
+
+
+def config_groups() -> set[str]:
+    """The preset groups of conf/ (`data`, `model`, ...): `model=default` chooses a preset, not an option."""
+    from importlib import resources
+
+    return {entry.name for entry in resources.files("batchfix.conf").iterdir() if entry.is_dir()}
+
+
+def check_overrides(args: list[str], verb: str) -> None:
+    """Refuse a `key=value` (or `+key=value`) whose key is no option of the verb, before Hydra composes
+    (whose hint for an unknown key is to add it with `+`), naming the closest option names."""
+    from batchfix.config import SCHEMAS, dotted_options, unknown_option_error
+
+    known, groups = set(dotted_options(SCHEMAS[verb])), config_groups()
+    for arg in args:
+        key = arg.split("=", 1)[0].lstrip("+~").strip()
+        if arg.startswith("-") or "=" not in arg or key.split(".")[0] in ("hydra", "") or "/" in key:
+            continue
+        if key not in known and key not in groups:
+            raise unknown_option_error(key, SCHEMAS[verb])
+
+
 def run(main: Callable[[], object], verb: str) -> None:
     """Run a verb's @hydra.main with signals raising Interrupted and Hydra's own errors as one line.
 
@@ -51,10 +91,19 @@ def run(main: Callable[[], object], verb: str) -> None:
     from omegaconf.errors import OmegaConfBaseException
 
     from batchfix.config import readable
+    from batchfix.console import quiet_third_parties
     from batchfix.signals import interrupts_raised
 
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        from batchfix.__main__ import VERBS
+        from batchfix.cli.help import verb_help
+
+        print(verb_help(verb, VERBS[verb]))
+        sys.exit(0)
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    quiet_third_parties()
     with interrupts_raised(), user_errors_reported(verb):
+        check_overrides(sys.argv[1:], verb)
         try:
             main()
         except HydraException as err:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from batchfix.cli.common import run, user_errors_reported
+from batchfix.cli.common import require_inputs, run, user_errors_reported
 from batchfix.config import CorrectConfig, validated
 
 
@@ -13,6 +13,7 @@ def main(cfg: DictConfig) -> None:
     """Correct (batchfix.tasks.correct): the output file is all it writes."""
     with user_errors_reported("correct"):
         options = validated(cfg, CorrectConfig)  # before the heavy imports: a bad option is reported at once
+        require_inputs(("input", options.input), ("checkpoint", options.checkpoint))
         from batchfix import tasks
 
         tasks.correct(options)

@@ -5,9 +5,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from batchfix.cli.common import run, user_errors_reported
+from batchfix.cli.common import require_inputs, run, user_errors_reported
 from batchfix.config import EvaluateConfig, validated
-from batchfix.runfolder import remove_if_unused
+from batchfix.console import run_summary
+from batchfix.runfolder import METRICS_JSON, METRICS_MD, UMAP_PNG, remove_if_unused
 
 
 @hydra.main(version_base=None, config_path="pkg://batchfix.conf", config_name="evaluate")
@@ -16,9 +17,13 @@ def main(cfg: DictConfig) -> float | None:
     out_dir = HydraConfig.get().runtime.output_dir
     with user_errors_reported("evaluate", on_error=lambda: remove_if_unused(out_dir)):
         options = validated(cfg, EvaluateConfig)  # before the heavy imports: a bad option is reported at once
-        from batchfix.eval import evaluate, metrics  # scoring needs neither torch nor Lightning
+        require_inputs(("input", options.input))
+        from batchfix.eval import metrics  # scoring needs neither torch nor Lightning
+        from batchfix.eval.evaluate import evaluate
 
-        return metrics.headline({"evaluation": evaluate.evaluate(options, out_dir)})
+        result = evaluate(options, out_dir)
+        print(run_summary("evaluate", result, out_dir, [METRICS_JSON, METRICS_MD, UMAP_PNG]))
+        return metrics.headline({"evaluation": result})
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from batchfix.cli.common import run, user_errors_reported
+from batchfix.cli.common import require_inputs, run, user_errors_reported
 from batchfix.config import TrainConfig, validated
-from batchfix.runfolder import remove_if_unused
+from batchfix.console import run_summary
+from batchfix.runfolder import RUN_OUTPUTS, remove_if_unused
 
 
 @hydra.main(version_base=None, config_path="pkg://batchfix.conf", config_name="train")
@@ -17,10 +18,14 @@ def main(cfg: DictConfig) -> float | None:
     run_dir = HydraConfig.get().runtime.output_dir
     with user_errors_reported("train", on_error=lambda: remove_if_unused(run_dir)):
         options = validated(cfg, TrainConfig)  # before the heavy imports: a bad option is reported at once
+        require_inputs(("data.path", options.data.path), ("data.gtf", options.data.gtf))
         from batchfix import tasks
         from batchfix.eval.metrics import headline
 
-        return headline(tasks.train(options, run_dir))
+        metrics = tasks.train(options, run_dir)
+        if metrics:  # rank 0
+            print(run_summary("train", metrics, run_dir, [*RUN_OUTPUTS, "attention.png"]))
+        return headline(metrics)
 
 
 if __name__ == "__main__":

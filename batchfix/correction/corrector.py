@@ -58,7 +58,7 @@ from batchfix.nn.attention import fused_attention
 from batchfix.correction import counterfactual
 from batchfix.data import ondisk
 from batchfix import signals
-from batchfix.config import CorrectionSettings, DataKeys
+from batchfix.config import CorrectionSettings
 from batchfix.errors import InputError
 from batchfix.data.io import (OutputKeys, atomic_output, check_h5ad_path, check_values, duplicate_genes_error,
                          output_exists, repeated, select_matrix)
@@ -147,6 +147,8 @@ class Corrector:
         self.modelled_mask = np.zeros(self.n_vars, dtype=bool)
         self.modelled_mask[self.out_columns] = True
         self.n_clipped = 0
+        self.n_empty = 0  # cells with no counts in any gene of the input
+        self.n_empty_modelled = 0  # cells with no counts in the modelled genes (the empty ones among them)
         self.batches = None if batch is None else counterfactual.batch_codes(batch, trained.batch_categories)
         self.statistics = None
         if settings.output_mode == "counterfactual":
@@ -211,8 +213,28 @@ class Corrector:
         with fused_attention(self.net):
             return self.corrected(chunk, first_cell)
 
+    def count_empty(self, chunk, x: torch.Tensor) -> None:
+        """Count the chunk's cells without counts, in every gene and in the modelled genes."""
+        nonzero_per_cell = (chunk != 0).sum(axis=1)
+        self.n_empty += int((np.asarray(nonzero_per_cell).ravel() == 0).sum())
+        self.n_empty_modelled += int((x == 0).all(dim=1).sum())
+
+    def check_empty_cells(self, n_obs: int) -> None:
+        """After the last chunk: refuse an input whose every cell is empty in the modelled genes (nothing to
+        correct); warn with the count when some are."""
+        if n_obs and self.n_empty_modelled == n_obs:
+            what = "in any gene" if self.n_empty == n_obs else f"in any of the model's {len(self.trained.genes)} genes"
+            raise InputError(f"All {n_obs} cells of the input ({self.source}) have no counts {what}: there is no "
+                             "expression to correct. Is this the right file (and counts_layer)?")
+        if self.n_empty_modelled:
+            log.warning("%d of %d cells have no counts in any of the model's genes (%d of them in no gene at all): "
+                        "their corrected values are what the model decodes from an empty cell (the same for every "
+                        "such cell of a batch), not a measurement. Remove them first, e.g. "
+                        "scanpy.pp.filter_cells(adata, min_counts=1).", self.n_empty_modelled, n_obs, self.n_empty)
+
     def corrected(self, chunk, first_cell: int) -> tuple[np.ndarray, np.ndarray]:
         x = self.model_input(chunk, first_cell)
+        self.count_empty(chunk, x)
         latent = np.empty((x.shape[0], self.latent_dim), dtype=np.float32)
         values = np.empty((x.shape[0], self.n_out), dtype=np.float32)
         for start in range(0, x.shape[0], self.batch_size):
@@ -270,6 +292,7 @@ def provenance(corrector: Corrector) -> dict:
         "n_modelled_genes": len(trained.genes),
         "missing_genes": corrector.missing_genes,
         "n_missing_genes": len(corrector.missing_genes),
+        "n_cells_without_counts": corrector.n_empty_modelled,  # in the modelled genes: decoded from nothing
         "layer": f"layers['{keys.layer}']: {LAYER_MEANING[settings.output_mode]}; only the genes marked in "
                  f"var['{keys.modelled}'] are stored, other genes read as 0",
         "params": {
@@ -304,8 +327,19 @@ def source_name(counts_layer: str | None) -> str:
     return "X" if counts_layer is None else f"layers['{counts_layer}']"
 
 
-def cell_batches(values: pd.Series | None, batch_key: str, columns: list[str]) -> np.ndarray:
-    """Each cell's batch (strings) for the counterfactual output, or an error naming the obs columns."""
+def data_keys(trained: BatchfixModel, batch_key: str | None, counts_layer: str | None) -> tuple[str, str | None]:
+    """(batch_key, counts_layer) to correct with: the caller's, else those the model was trained with
+    (counts_layer 'X' names the X matrix)."""
+    saved = trained.data_options
+    batch_key = saved["batch_key"] if batch_key is None else batch_key
+    counts_layer = saved["counts_layer"] if counts_layer is None else counts_layer
+    return batch_key, None if counts_layer == "X" else counts_layer
+
+
+def cell_batches(values: pd.Series | None, batch_key: str, columns: list[str], training_batches: list[str],
+                 all_batches_new: bool = False) -> np.ndarray:
+    """Each cell's batch (strings) for the counterfactual output, or an error naming the obs columns; an input
+    none of whose batches the model was trained on is refused (a wrong column?) unless all_batches_new."""
     if values is None:
         raise InputError(f"output_mode=counterfactual needs each cell's batch, but obs has no column '{batch_key}'. "
                          f"Columns present: {columns or '(none)'}. Set batch_key=<column>, or use "
@@ -313,24 +347,33 @@ def cell_batches(values: pd.Series | None, batch_key: str, columns: list[str]) -
     if values.isna().any():
         raise InputError(f"obs column '{batch_key}' has {int(values.isna().sum())} missing values; every cell needs "
                          "its batch for output_mode=counterfactual.")
-    return values.astype(str).to_numpy()
+    batch = values.astype(str).to_numpy()
+    found = pd.unique(batch)
+    if not all_batches_new and len(found) and not set(found) & set(training_batches):
+        raise InputError(f"None of the {len(found)} values of obs column '{batch_key}' (e.g. {sorted(found)[:3]}) is "
+                         f"a batch the model was trained on ({training_batches}). Is batch_key the column of the "
+                         f"batches? obs columns: {columns}. If every batch is new to the model, set "
+                         "all_batches_new=true.")
+    return batch
 
 
 def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
-                  counts_layer: str | None = None, batch_key: str = DataKeys.batch_key, copy: bool = False,
-                  progress: bool = False) -> ad.AnnData | None:
+                  counts_layer: str | None = None, batch_key: str | None = None, copy: bool = False,
+                  progress: bool = False, all_batches_new: bool = False) -> ad.AnnData | None:
     """Add corrected expression to an in-memory AnnData, scanpy style.
 
     Adds layers[key_added] (CSR, corrected log1p expression per 10k; only modelled genes stored),
     var[f'{key_added}_modelled'], obsm[f'X_{key_added}'] (latent) and uns[key_added] (provenance).
-    obs[batch_key] is read for output_mode=counterfactual. `adata` is left unchanged when an error
-    is raised. Returns the corrected copy when copy=True, else None.
+    obs[batch_key] is read for output_mode=counterfactual; batch_key and counts_layer default to the
+    model's (`data_keys`). `adata` is left unchanged when an error is raised. Returns the corrected copy
+    when copy=True, else None.
     """
+    batch_key, counts_layer = data_keys(trained, batch_key, counts_layer)
     matrix = select_matrix(adata, counts_layer, option="counts_layer")
     batch = None
     if settings.output_mode == "counterfactual":
         batch = cell_batches(adata.obs[batch_key] if batch_key in adata.obs else None, batch_key,
-                             list(map(str, adata.obs.columns)))
+                             list(map(str, adata.obs.columns)), trained.batch_categories, all_batches_new)
     corrector = Corrector(trained, adata.var_names, settings, source_name(counts_layer), batch, batch_key)
     rows = ondisk.InMemoryRows(matrix)
     n_obs, k = adata.n_obs, corrector.n_out
@@ -340,6 +383,7 @@ def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: Correctio
     for start, stop, mu, values in corrected_chunks(corrector, rows, n_obs, settings.chunk_size, progress):
         latent[start:stop] = mu
         data[start * k:stop * k] = values.ravel()
+    corrector.check_empty_cells(n_obs)
     dtype = ondisk.index_dtype(data.size, adata.n_vars)
     layer = sp.csr_matrix((data, np.tile(corrector.out_columns.astype(dtype), n_obs),
                            np.arange(n_obs + 1, dtype=dtype) * k), shape=adata.shape, copy=False)
@@ -369,8 +413,8 @@ def open_input(input_path: str | Path, output_path: str | Path, overwrite: bool)
 
 
 def correct_file(input_path: str | Path, output_path: str | Path, trained: BatchfixModel,
-                 settings: CorrectionSettings, counts_layer: str | None = None, batch_key: str = DataKeys.batch_key,
-                 overwrite: bool = False, progress: bool = True) -> Path:
+                 settings: CorrectionSettings, counts_layer: str | None = None, batch_key: str | None = None,
+                 overwrite: bool = False, progress: bool = True, all_batches_new: bool = False) -> Path:
     """Correct an .h5ad into a new .h5ad, streaming chunks of cells (memory bounded by chunk_size).
 
     The output is the input's content (X, layers, obs, var, obsm, obsp, varm, varp, uns, raw: copied
@@ -379,6 +423,7 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
     unless overwrite=True. The input is opened read-only.
     """
     source, target = open_input(input_path, output_path, overwrite)
+    batch_key, counts_layer = data_keys(trained, batch_key, counts_layer)
     keys = OutputKeys(settings.key_added)
     with ondisk.open_anndata(source) as src:
         var_names = ondisk.read_var_names(src)
@@ -388,7 +433,8 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
             raise InputError(f"{source}: the matrix is {rows.shape} but obs x var is {(n_obs, len(var_names))}.")
         batch = None
         if settings.output_mode == "counterfactual":
-            batch = cell_batches(ondisk.read_obs_column(src, batch_key), batch_key, ondisk.obs_columns(src))
+            batch = cell_batches(ondisk.read_obs_column(src, batch_key), batch_key, ondisk.obs_columns(src),
+                                 trained.batch_categories, all_batches_new)
         corrector = Corrector(trained, var_names, settings, source_name(counts_layer), batch, batch_key)
         corrector.prepare(rows, n_obs)
         k = corrector.n_out
@@ -405,6 +451,7 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
                 indices[start * k:stop * k] = np.tile(row_indices, stop - start)
                 indptr[start + 1:stop + 1] = np.arange(start + 1, stop + 1, dtype=indptr.dtype) * k
             indptr[0] = 0
+            corrector.check_empty_cells(n_obs)  # an input of empty cells leaves no output
             ondisk.write_uns_entry(dst, keys.uns, _for_hdf5(provenance(corrector)))
     log.info("Wrote %s (%d cells; layers['%s'] (%s) with %d modelled genes, %d missing; reference: %s).", target,
              n_obs, keys.layer, settings.output_mode, k, len(corrector.missing_genes), corrector.reference_name)

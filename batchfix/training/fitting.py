@@ -22,12 +22,13 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException, SI
 
 from batchfix import runfolder, signals
 from batchfix.config import DataConfig, FitConfig, TrainConfig, TrainerConfig
-from batchfix.data.prepare import CellDataModule, PreparedData, prepare
-from batchfix.errors import ConfigError, InputError, Interrupted
+from batchfix.console import quiet_lightning_logs, quiet_warnings
 from batchfix.data.genome import chromosome_runs
 from batchfix.data.io import expression_input, input_path, read_h5ad
-from batchfix.training.module import BatchfixModule, load_trained
+from batchfix.data.prepare import CellDataModule, PreparedData, prepare
 from batchfix.data.streaming import prepare_streamed, use_streaming
+from batchfix.errors import ConfigError, InputError, Interrupted
+from batchfix.training.module import TRAINED_DATA_OPTIONS, BatchfixModule, load_trained
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, has_validation: bool) -> pl.T
                                  save_last=True, enable_version_counter=False), StopOnSignal(last)]
     if cfg.fit.early_stopping_patience and has_validation:
         callbacks.append(EarlyStopping(monitor=monitor, patience=cfg.fit.early_stopping_patience))
+    quiet_lightning_logs()
     try:
         return pl.Trainer(
             default_root_dir=str(run_dir), callbacks=callbacks,
@@ -156,6 +158,7 @@ def build_module(cfg: TrainConfig, prepared: PreparedData, planned_steps: int) -
         start=coordinates.start.tolist(), end=coordinates.end.tolist(), batch_categories=prepared.batch_categories,
         scale=cfg.data.scale, learning_rate=cfg.fit.learning_rate, weight_decay=cfg.fit.weight_decay,
         kl_warmup_fraction=cfg.fit.kl_warmup_fraction, planned_steps=planned_steps,
+        data={name: getattr(cfg.data, name) for name in TRAINED_DATA_OPTIONS},
     )
     module.set_normalization(prepared.gene_mean, prepared.gene_std)
     return module
@@ -210,9 +213,7 @@ def fit(cfg: TrainConfig, prepared: PreparedData, run_dir: Path) -> FitResult:
     started = time.perf_counter()
     try:
         with signals.deferred(), warnings.catch_warnings():
-            # Lightning warns that a streamed dataset's length may be wrong with several loader workers; the
-            # loaders run in the training process (no workers), where it is exact.
-            warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+            quiet_warnings()  # e.g. a streamed dataset's length with loader workers: they run in-process here
             trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_from) if resume_from else None)
     except (Interrupted, SIGTERMException) as err:
         signum = err.signum if isinstance(err, Interrupted) else signal.SIGTERM

@@ -25,6 +25,11 @@ from batchfix.nn.network import BatchfixNet
 
 log = logging.getLogger(__name__)
 
+# What a checkpoint records of the data it was trained on (hyperparameter `data`), and what checkpoints written
+# before it was recorded are taken to have used: the defaults of that time.
+TRAINED_DATA_OPTIONS = ("batch_key", "label_key", "counts_layer", "genome")
+LEGACY_DATA_OPTIONS = {"batch_key": "batch", "label_key": None, "counts_layer": None, "genome": "GRCh38"}
+
 ENTROPY_PREFIX = "attention_entropy"  # logged per epoch as attention_entropy_layer{l}_head{h} (nats)
 COLLAPSED_NATS = 0.1  # a head below this mean entropy puts nearly all its weight on one token
 UNIFORM_SHARE = 0.98  # a head above this share of log(tokens) weighs every token nearly alike
@@ -36,7 +41,7 @@ class BatchfixModule(pl.LightningModule):
     def __init__(self, model: dict, genes: list[str], chromosome: list[str | None], start: list[int],
                  end: list[int], batch_categories: list[str], scale: str = "counts",
                  learning_rate: float = 2e-3, weight_decay: float = 1e-4, kl_warmup_fraction: float = 0.3,
-                 planned_steps: int = 1000):
+                 planned_steps: int = 1000, data: dict | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.model_config = ModelConfig(**model)
@@ -165,6 +170,13 @@ class BatchfixModel:
     @property
     def scale(self) -> str:
         return self.module.hparams.scale
+
+    @property
+    def data_options(self) -> dict:
+        """The data options it was trained with (TRAINED_DATA_OPTIONS), which `correct` takes as its defaults;
+        a checkpoint written before they were saved gives the defaults of that time."""
+        saved = self.module.hparams.get("data") or {}
+        return {**LEGACY_DATA_OPTIONS, **saved, "scale": self.scale}
 
 
 def load_trained(path: str | Path) -> BatchfixModel:

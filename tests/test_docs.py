@@ -1,0 +1,68 @@
+"""The README a user reads top to bottom, the LICENSE it names, and docs/ tables that are written from their
+results files (scripts/make_docs_tables.py), never edited by hand."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def tables_script(monkeypatch, docs: Path):
+    """scripts/make_docs_tables.py as a module, pointed at a copy of docs/ (and its README) in `docs`."""
+    spec = importlib.util.spec_from_file_location("make_docs_tables", ROOT / "scripts" / "make_docs_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "ROOT", docs.parent)
+    monkeypatch.setattr(module, "DOCS", docs)
+    monkeypatch.setattr(module, "RESULTS", docs / "results")
+    return module
+
+
+def test_the_readme_is_short_and_says_how_to_install_and_test():
+    assert len(README.splitlines()) <= 200
+    for needed in ("git clone", "python3 -m venv", "pip install torch==2.13.0", 'pip install -e ".[test]"',
+                   "python -m pytest -q", "CUDA", "--help"):
+        assert needed in README, needed
+    assert "on a GPU is safe" not in README and "untested so far" in README
+
+
+def test_the_readme_api_example_trains_the_default_budget():
+    example = README.split("```python\n", 1)[1].split("```", 1)[0]
+    call = re.search(r"batchfix\.train\((.*?)\)", example).group(1)
+    assert "max_epochs" not in call and "target_steps" not in call
+
+
+def test_the_license_is_the_one_pyproject_names():
+    assert "license = { text = \"MIT\" }" in (ROOT / "pyproject.toml").read_text()
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License") and "batchfix developers" in text
+    assert "[LICENSE](LICENSE)" in README
+
+
+def test_every_docs_table_is_its_results_file():
+    result = subprocess.run([sys.executable, "scripts/make_docs_tables.py", "--check"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    pages = [*ROOT.glob("docs/*.md"), ROOT / "README.md"]
+    blocks = [name for page in pages for name in re.findall(r"<!-- table: ([\w-]+) -->", page.read_text())]
+    assert len(blocks) >= 15 and set(blocks) == {p.stem for p in (ROOT / "docs" / "results").glob("*.csv")}
+
+
+def test_a_number_changed_in_a_results_file_changes_its_table_when_written_again(tmp_path, monkeypatch):
+    docs = tmp_path / "docs"
+    shutil.copytree(ROOT / "docs", docs, ignore=shutil.ignore_patterns("*.ipynb"))
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    results = docs / "results" / "comparison-bundled.csv"
+    results.write_text(results.read_text().replace("0.837 (0.003)", "0.901 (0.003)"))
+    module = tables_script(monkeypatch, docs)
+    monkeypatch.setattr(sys, "argv", ["make_docs_tables.py"])
+    module.main()
+    assert "| 0.901 (0.003) |" in (tmp_path / "README.md").read_text()
+    assert "| 0.901 (0.003) |" in (docs / "benchmarks.md").read_text()
+    assert "0.901" not in README
