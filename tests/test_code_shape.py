@@ -62,7 +62,7 @@ def test_every_choice_list_has_one_home():
 
 
 # The layers, bottom up (docs/architecture.md): a module imports from its own layer or the ones below.
-LAYERS = {"config": 0, "errors": 0, "signals": 0, "data": 1, "runfolder": 1, "nn": 2, "training": 3,
+LAYERS = {"config": 0, "errors": 0, "signals": 0, "console": 0, "data": 1, "runfolder": 1, "nn": 2, "training": 3,
           "correction": 4, "eval": 5, "tasks": 6, "api": 6, "cli": 7, "__main__": 7}
 
 

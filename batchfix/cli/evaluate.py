@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from batchfix.cli.common import require_inputs, run, user_errors_reported
 from batchfix.config import EvaluateConfig, validated
-from batchfix.console import run_summary
+from batchfix.cli.summary import run_summary
 from batchfix.runfolder import METRICS_JSON, METRICS_MD, UMAP_PNG, remove_if_unused
 
 

@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from batchfix.cli.common import require_inputs, run, user_errors_reported
 from batchfix.config import TrainConfig, validated
-from batchfix.console import run_summary
+from batchfix.cli.summary import run_summary
 from batchfix.runfolder import RUN_OUTPUTS, remove_if_unused
 
 

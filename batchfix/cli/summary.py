@@ -1,0 +1,46 @@
+"""The end of `train` and `evaluate` on the console: what was scored and the paths written.
+
+The scoring modules are imported when a summary is made, not with the command line (they pull in scanpy).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def score_row(name: str, scores: dict) -> str:
+    from batchfix.eval import metrics
+
+    cells = ["n/a" if scores.get(col) is None else f"{scores[col]:.3f}" for col in metrics.AGGREGATE_COLUMNS]
+    return f"  {name:<38} " + " ".join(f"{cell:>8}" for cell in cells)
+
+
+def evaluation_summary(evaluation: dict) -> list[str]:
+    """The scores table (batch, bio, Total of each embedding) and the gene-level scores, as lines."""
+    from batchfix.eval import fidelity, metrics
+
+    lines = [f"  {'':<38} " + " ".join(f"{name.split()[0]:>8}" for name in metrics.AGGREGATE_COLUMNS)]
+    lines += [score_row(name, scores) for name, scores in evaluation.get("scores", {}).items()]
+    genes = evaluation.get("gene_fidelity") or {}
+    lines.append("  gene level: " + ", ".join(
+        f"{m} {'n/a' if genes.get(m) is None else f'{genes[m]:.3f}'}" for m in fidelity.GENE_METRICS))
+    if evaluation.get("note"):
+        lines.append(f"  note: {evaluation['note']}")
+    return lines
+
+
+def run_summary(verb: str, result: dict, folder: str | Path, written: list[str]) -> str:
+    """The end of `train` and `evaluate`: what was scored (or the fit's loss) and the paths written."""
+    lines = [f"batchfix {verb}: done."]
+    if "steps" in result:
+        lines.append(f"  {result['n_cells']} cells, {result['n_genes']} genes, {result['epochs']} epochs "
+                     f"({result['steps']} steps) in {result['fit_seconds']:.0f} s; precision {result['precision']}")
+    evaluation = result.get("evaluation", result if verb == "evaluate" else None)
+    if evaluation:
+        lines += evaluation_summary(evaluation)
+    elif "losses" in result:
+        loss = result["losses"].get("val_elbo", result["losses"].get("train_elbo"))
+        lines.append("  not scored (no data.label_key, or evaluate=false)" +
+                     ("" if loss is None else f"; final negative ELBO {loss:.1f}"))
+    folder = Path(folder)
+    lines.append(f"  wrote {folder}/: " + ", ".join(name for name in written if (folder / name).exists()))
+    return "\n".join(lines)
