@@ -221,7 +221,8 @@ def test_a_missing_input_is_reported_before_torch_is_imported(tmp_path):
 
 
 def test_verbosity_shows_batchfix_lines_in_a_notebook(sample_adata, checkpoint, capfd):
-    before = batchfix.settings.verbosity
+    logger = logging.getLogger("batchfix")
+    level, handlers = logger.level, list(logger.handlers)  # as the session had them: other tests read its lines
     try:
         batchfix.settings.verbosity = "info"
         batchfix.correct(sample_adata.copy(), checkpoint)
@@ -232,7 +233,8 @@ def test_verbosity_shows_batchfix_lines_in_a_notebook(sample_adata, checkpoint, 
         with pytest.raises(ConfigError, match="verbosity must be one of"):
             batchfix.settings.verbosity = "loud"
     finally:
-        batchfix.settings.verbosity = before
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
 
 
 # --------------------------------------------------------------------------------------------
