@@ -69,6 +69,7 @@ def test_pca_embedding_shape_and_determinism(log_expr):
     np.testing.assert_allclose(first, metrics.pca_embedding(log_expr, n_comps=20, seed=0))
 
 
+@pytest.mark.slow  # every scIB metric on three embeddings of the bundled data: CI's slow step
 def test_scores_are_bounded_and_correction_mixes_batches_better(small, embeddings):
     names = ["Unintegrated", "ComBat", "Batch-centred PCA"]
     table = metrics.score_embeddings(

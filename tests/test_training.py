@@ -280,8 +280,8 @@ def test_bf16_probe_answers_no_when_torch_cannot_tell(monkeypatch):
 # ---------------------------------------------------------------- DDP: two CPU processes (gloo)
 
 
-@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.slow)],  # streamed: CI's slow step
-                         ids=["in_memory", "streamed"])
+@pytest.mark.slow  # two training processes through the command line: CI's slow step
+@pytest.mark.parametrize("stream", [False, True], ids=["in_memory", "streamed"])
 def test_ddp_two_cpu_processes_through_cli(subset_h5ad, tmp_path, stream):
     """Two processes, the cells in memory or streamed from disk (each process reading its own shard)."""
     run_dir = tmp_path / "ddp run"  # a space: the launcher must quote the run folder for the child
