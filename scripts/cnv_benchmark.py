@@ -1,0 +1,208 @@
+"""CNV fidelity of batch corrections (docs/cnv.md): profile retention, injected clones, the confounded design
+and the oligodendroglioma tumours, for uncorrected data, ComBat and batchfix's counterfactual output with
+each correction.regional_shift (apply = the default, keep, keep_shuffled over several gene orders).
+
+Every method is scored on the genes batchfix modelled (its 2,000 batch-aware HVGs), on log1p(counts per
+10k) of those genes for the uncorrected data and ComBat. batchfix is trained once per (data, seed); its
+regional variants are corrections of that one model. One JSON of records per command (--out).
+
+    python scripts/cnv_benchmark.py profile data/cellbench5.h5ad --seeds 0 1 2 --out docs/results/cnv_profile.json
+    python scripts/cnv_benchmark.py inject data/cellbench5.h5ad --design confounded --seeds 0 --out ...
+    python scripts/cnv_benchmark.py confounded data/cellbench5.h5ad --seeds 0 1 2 --out ...
+    python scripts/cnv_benchmark.py oligodendroglioma --seeds 0 1 2 --out ...
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import scanpy as sc
+
+import batchfix
+from batchfix import cnv_fidelity, metrics
+from batchfix.normalize import log_cp10k
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import inject_clones  # noqa: E402
+
+SHUFFLE_SEEDS = (1, 2, 3)  # gene orders of regional_shift=keep_shuffled
+TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False)
+
+
+def regional_variants(shuffles=SHUFFLE_SEEDS) -> dict[str, dict]:
+    """batchfix correction options by row name: the default, regional kept, regional kept over shuffled orders."""
+    variants = {"batchfix": {}, "batchfix regional=keep": {"regional_shift": "keep"}}
+    for seed in shuffles:
+        variants[f"batchfix regional=keep_shuffled/{seed}"] = {"regional_shift": "keep_shuffled",
+                                                               "regional_seed": seed}
+    return variants
+
+
+def dense(matrix) -> np.ndarray:
+    return np.asarray(matrix.toarray() if hasattr(matrix, "toarray") else matrix, dtype=np.float32)
+
+
+def batchfix_matrices(adata: ad.AnnData, batch_key: str, seed: int, options: dict, variants: dict) -> tuple:
+    """(modelled-gene mask, {row name: corrected values on those genes}, train seconds)."""
+    start = time.perf_counter()
+    model = batchfix.train(adata, batch_key=batch_key, seed=seed, **TRAIN_OPTIONS, **options)
+    seconds = time.perf_counter() - start
+    out, genes = {}, None
+    for name, correction in variants.items():
+        corrected = batchfix.correct(adata, model, batch_key=batch_key, copy=True, **correction)
+        genes = corrected.var["batchfix_modelled"].to_numpy()
+        out[name] = dense(corrected.layers["batchfix"][:, genes])
+    return genes, out, seconds
+
+
+def combat(log_values: np.ndarray, obs, batch_key: str) -> np.ndarray:
+    holder = ad.AnnData(log_values.copy(), obs=obs[[batch_key]].copy())
+    sc.pp.combat(holder, key=batch_key)
+    return np.asarray(holder.X, dtype=np.float32)
+
+
+def method_matrices(adata, batch_key, seed, options, variants) -> tuple[np.ndarray, dict, float]:
+    """(genes, {method: log-scale matrix}, batchfix train seconds): uncorrected, ComBat and batchfix rows."""
+    genes, corrected, seconds = batchfix_matrices(adata, batch_key, seed, options, variants)
+    counts = dense(adata.X[:, genes])
+    log_values = counts if options.get("scale") == "log" else dense(log_cp10k(counts))
+    return genes, {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key), **corrected}, seconds
+
+
+def scib_totals(obs, matrices: dict, batch_key: str, label_key: str, seed: int) -> dict:
+    """{method: {Total, Batch correction, Bio conservation}} of the PCA of each matrix (scib-metrics)."""
+    embeddings = {name: metrics.pca_embedding(values, seed=seed) for name, values in matrices.items()}
+    table = metrics.score_embeddings(obs, embeddings, embeddings["uncorrected"], batch_key, label_key)
+    return {name: {column: float(table.loc[name, column]) for column in metrics.AGGREGATE_COLUMNS}
+            for name in matrices}
+
+
+def profile_run(args) -> list[dict]:
+    """Profile retention and scIB Total on the whole file, per seed."""
+    adata = ad.read_h5ad(args.input)
+    records = []
+    for seed in args.seeds:
+        genes, matrices, seconds = method_matrices(adata, args.batch_key, seed, {}, regional_variants())
+        windows = cnv_fidelity.windows_of(adata.var[genes])
+        labels, batch = adata.obs[args.label_key].to_numpy(), adata.obs[args.batch_key].to_numpy()
+        totals = scib_totals(adata.obs, matrices, args.batch_key, args.label_key, seed) if args.scib else {}
+        for name, values in matrices.items():
+            retention = cnv_fidelity.profile_retention(matrices["uncorrected"], values, batch, labels, windows)
+            records.append({"experiment": "profile", "seed": seed, "method": name, "train_seconds": seconds,
+                            **{k: v for k, v in retention.items() if k != "groups"}, **totals.get(name, {})})
+            print(json.dumps(records[-1]), flush=True)
+    return records
+
+
+def inject_run(args) -> list[dict]:
+    """Injected clones: for each label in turn (and each seed), inject, train, correct, score two segments."""
+    adata = ad.read_h5ad(args.input)
+    labels = adata.obs[args.label_key].astype(str).to_numpy()
+    batch = adata.obs[args.batch_key].astype(str).to_numpy()
+    records = []
+    for label in args.labels or sorted(set(labels)):
+        own = max(sorted(set(batch[labels == label])), key=lambda b: ((labels == label) & (batch == b)).sum())
+        clone = inject_clones.Clone(label, [own] if args.design != "shared" else None, args.gain, args.loss)
+        for seed in args.seeds:
+            injected = (inject_clones.inject(adata, clone, args.label_key, args.batch_key, seed)
+                        if args.design != "none" else adata.copy())
+            if args.design == "none":
+                injected.obs["clone"] = False
+            genes, matrices, seconds = method_matrices(injected, args.batch_key, seed, {}, regional_variants())
+            original = dense(log_cp10k(dense(adata.X[:, genes])))
+            scores = inject_clones.clone_scores(matrices, original, matrices["uncorrected"], injected.obs,
+                                                adata.var[genes], clone, args.design, args.label_key, args.batch_key)
+            for name, by_segment in scores.items():
+                records.append({"experiment": f"inject/{args.design}", "label": label, "batch": own, "seed": seed,
+                                "method": name, **by_segment, "mean": float(np.mean(list(by_segment.values())))})
+                print(json.dumps(records[-1]), flush=True)
+    return records
+
+
+def confounded_run(args) -> list[dict]:
+    """Each label kept in one batch only (its largest); its profile scored against its removed cells."""
+    adata = ad.read_h5ad(args.input)
+    labels = adata.obs[args.label_key].astype(str).to_numpy()
+    batch = adata.obs[args.batch_key].astype(str).to_numpy()
+    records = []
+    for label in args.labels or sorted(set(labels)):
+        own = max(sorted(set(batch[labels == label])), key=lambda b: ((labels == label) & (batch == b)).sum())
+        removed = (labels == label) & (batch != own)
+        kept = adata[~removed].copy()
+        for seed in args.seeds:
+            genes, matrices, seconds = method_matrices(kept, args.batch_key, seed, {}, regional_variants())
+            windows = cnv_fidelity.windows_of(adata.var[genes])
+            truth = dense(log_cp10k(dense(adata.X[:, genes])))  # every cell of the original, uncorrected
+            target = (labels[~removed] == label)
+            for name, values in matrices.items():
+                retention = cnv_fidelity.profile_retention(
+                    matrices["uncorrected"][target], values[target], batch[~removed][target], labels[~removed][target],
+                    windows, truth_log=truth, truth_batch=batch, truth_labels=labels)
+                records.append({"experiment": "confounded", "label": label, "batch": own, "seed": seed, "method": name,
+                                "r": retention["retention_r"], "uncorrected_r": retention["uncorrected_r"],
+                                "amplitude_ratio": retention["amplitude_ratio"]})
+                print(json.dumps(records[-1]), flush=True)
+    return records
+
+
+OLIGO_SEGMENTS = {"1p": ("1", 0.0, 120e6), "19q": ("19", 28e6, np.inf)}  # clear of both builds' centromeres
+
+
+def oligodendroglioma_run(args) -> list[dict]:
+    """Tirosh 2016 oligodendrogliomas (infercnvpy's example; log2(TPM/10 + 1)), patients as batches: depth of
+    the 1p and 19q losses per malignant group (reference = the normal cells' mean), normal cells' depth."""
+    import infercnvpy
+
+    adata = infercnvpy.datasets.oligodendroglioma()
+    adata.X = dense(adata.X)
+    adata.obs["patient"] = adata.obs_names.str.split("_").str[0]
+    adata.var["chromosome"] = adata.var["chromosome"].astype(str).str.replace("^chr", "", regex=True)
+    normal = ~adata.obs["cell_type"].astype(str).str.startswith("malignant").to_numpy()
+    records = []
+    for seed in args.seeds:
+        options = dict(scale="log", n_top_genes=None)
+        genes, matrices, seconds = method_matrices(adata, "patient", seed, options, regional_variants())
+        windows = cnv_fidelity.windows_of(adata.var[genes])
+        totals = scib_totals(adata.obs, matrices, "patient", "cell_type", seed) if args.scib else {}
+        for name, values in matrices.items():
+            profiles = cnv_fidelity.group_profiles(values, adata.obs["cell_type"].astype(str).to_numpy(), windows,
+                                                   reference=values[normal].mean(axis=0), min_cells=5)
+            depths = cnv_fidelity.segment_depths(profiles, windows, OLIGO_SEGMENTS)
+            records.append({"experiment": "oligodendroglioma", "seed": seed, "method": name,
+                            "depths": {g: row.to_dict() for g, row in depths.iterrows()}, **totals.get(name, {})})
+            print(json.dumps(records[-1]), flush=True)
+    return records
+
+
+RUNS = {"profile": profile_run, "inject": inject_run, "confounded": confounded_run,
+        "oligodendroglioma": oligodendroglioma_run}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", choices=list(RUNS))
+    parser.add_argument("input", nargs="?", default=str(batchfix.bundled_dataset()))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--labels", nargs="*", default=None, help="labels to run (default: every label)")
+    parser.add_argument("--design", choices=inject_clones.DESIGNS, default="confounded")
+    parser.add_argument("--gain", default="7")
+    parser.add_argument("--loss", default="17")
+    parser.add_argument("--batch-key", default="batch")
+    parser.add_argument("--label-key", default="cell_type")
+    parser.add_argument("--no-scib", dest="scib", action="store_false", help="skip the scIB Totals")
+    parser.add_argument("--out", required=True, help="JSON file of the records")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    records = RUNS[args.experiment](args)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"command": " ".join(["python", "scripts/cnv_benchmark.py", *sys.argv[1:]]),
+                                          "seconds": time.perf_counter() - started, "records": records}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
