@@ -77,6 +77,8 @@ def evaluate_file(
     )
     result["gene_fidelity"] = metrics.gene_level_scores(adata, OutputKeys(key_added), batch_key, label_key,
                                                         counts_layer)
+    result["cnv_fidelity"] = metrics.cnv_level_scores(adata, OutputKeys(key_added), batch_key, label_key,
+                                                      counts_layer)
     if subsample is not None:
         result["subsample"] = subsample
 
@@ -179,4 +181,10 @@ def _markdown_report(table, result: dict) -> str:
         f"Against {genes['reference']} (batchfix.fidelity; 1.0 = the uncorrected values' own structure).",
         "",
         metrics.gene_markdown(genes),
+        f"## CNV profile retention of layers['{result['corrected_layer']}']",
+        "",
+        "Per (label, batch) group, Pearson r of its CNV profile with its label's uncorrected profile in the other "
+        "batches; amplitude ratio = slope on that profile, corrected / uncorrected (batchfix.cnv_fidelity).",
+        "",
+        metrics.cnv_markdown(result["cnv_fidelity"]),
     ])

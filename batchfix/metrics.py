@@ -25,7 +25,7 @@ import scipy.sparse as sp
 from matplotlib.figure import Figure
 from scib_metrics.benchmark import BatchCorrection, Benchmarker, BioConservation
 
-from batchfix import fidelity
+from batchfix import cnv_fidelity, fidelity
 from batchfix.config import NEIGHBOR_METHODS
 from batchfix.errors import InputError
 from batchfix.io import OutputKeys
@@ -252,6 +252,44 @@ def gene_level_scores(
     return {"reference": f"log1p(counts per 10k) of {source}, within each batch", **result}
 
 
+def cnv_level_scores(
+    adata: ad.AnnData,
+    keys: OutputKeys,
+    batch_key: str,
+    label_key: str | None,
+    counts_layer: str | None = None,
+) -> dict:
+    """CNV profile retention (batchfix.cnv_fidelity) of layers[keys.layer] on the modelled genes placed by
+    var['chromosome'] and var['start'], against log1p(counts per 10k) of the raw counts of the same genes.
+
+    Needs labels, coordinates in var and raw counts; otherwise None scores with a note saying which is missing.
+    """
+    empty = {"retention_r": None, "uncorrected_r": None, "relative_r": None, "amplitude_ratio": None}
+    genes = _modelled_genes(adata, keys)
+    counts = (adata.layers[counts_layer] if counts_layer else adata.X)[:, genes]
+    if label_key is None:
+        return {**empty, "note": "no label key: CNV profile retention compares each label across batches"}
+    if not {"chromosome", "start"} <= set(adata.var.columns):
+        return {**empty, "note": f"var has no 'chromosome' and 'start' columns (it has {list(adata.var.columns)}): "
+                                 "no CNV profiles"}
+    if not _is_integer_valued(counts):
+        return {**empty, "note": f"{counts_layer or 'X'} does not hold raw counts: no CNV profiles"}
+    windows = cnv_fidelity.windows_of(adata.var.iloc[np.flatnonzero(genes)])
+    result = cnv_fidelity.profile_retention(log_cp10k(counts), adata.layers[keys.layer][:, genes],
+                                            adata.obs[batch_key].to_numpy(), adata.obs[label_key].to_numpy(), windows)
+    return {"profile": f"windows of {cnv_fidelity.WINDOW} genes, step {cnv_fidelity.STEP} (batchfix.cnv_fidelity)",
+            **{k: v for k, v in result.items() if k != "groups"}}
+
+
+def cnv_markdown(scores: Mapping) -> str:
+    """CNV profile retention as a one-row markdown table, or its note."""
+    if scores.get("retention_r") is None:
+        return f"{scores.get('note', 'not computed')}\n"
+    return ("| CNV profile r | uncorrected r | relative r | amplitude ratio |\n|---|---|---|---|\n"
+            f"| {scores['retention_r']:.3f} | {scores['uncorrected_r']:.3f} | {scores['relative_r']:.3f} | "
+            f"{scores['amplitude_ratio']:.3f} |\n")
+
+
 def gene_markdown(scores: Mapping) -> str:
     """The four gene-level scores as a one-row markdown table, with the note on what was not computed."""
     header = "| " + " | ".join(fidelity.GENE_METRICS) + " |"
@@ -275,6 +313,7 @@ def evaluate_corrected(
     embeddings, info = evaluation_embeddings(adata, keys, counts_layer)
     result = score_evaluation(adata.obs, embeddings, info, batch_key, label_key)[1]
     result["gene_fidelity"] = gene_level_scores(adata, keys, batch_key, label_key, counts_layer)
+    result["cnv_fidelity"] = cnv_level_scores(adata, keys, batch_key, label_key, counts_layer)
     return result
 
 
