@@ -66,12 +66,43 @@ def combat(log_values: np.ndarray, obs, batch_key: str) -> np.ndarray:
     return np.asarray(holder.X, dtype=np.float32)
 
 
-def method_matrices(adata, batch_key, seed, options, variants) -> tuple[np.ndarray, dict, float]:
-    """(genes, {method: log-scale matrix}, batchfix train seconds): uncorrected, ComBat and batchfix rows."""
+def cellanova(log_values: np.ndarray, obs, batch_key: str) -> np.ndarray:
+    """CellANOVA's integrated ('denoised') values, put back on the log scale. Every batch is a control (no batch
+    is known to hold only technical variation); its inputs are the standardised log values, as its
+    preprocess_data makes them, on the same genes as every other method."""
+    import harmonypy
+    from cellanova import model as cellanova_model
+
+    def harmony_integrate(adata, key, max_iter_harmony=10, **kwargs):
+        """scanpy's harmony_integrate transposes harmonypy's output, which harmonypy >= 2 already gives as
+        (cells, components): CellANOVA's call of it fails there, so it gets this one."""
+        result = harmonypy.run_harmony(adata.obsm["X_pca"], adata.obs, key, max_iter_harmony=max_iter_harmony,
+                                       verbose=False, **kwargs)
+        adata.obsm["X_pca_harmony"] = np.asarray(result.Z_corr, dtype=np.float32)
+
+    cellanova_model.sce.pp.harmony_integrate = harmony_integrate
+    mean, sd = log_values.mean(axis=0), log_values.std(axis=0)
+    sd[sd == 0] = 1.0
+    holder = ad.AnnData((log_values - mean) / sd, obs=obs[[batch_key]].astype(str).copy())
+    holder.layers["scale"] = holder.X.copy()
+    holder.var["highly_variable"] = True  # calc_ME reads it; every gene given is one
+    holder = cellanova_model.calc_ME(holder, integrate_key=batch_key)
+    holder = cellanova_model.calc_BE(holder, integrate_key=batch_key,
+                                     control_dict={"all": sorted(holder.obs[batch_key].unique())})
+    holder = cellanova_model.calc_TE(holder, integrate_key=batch_key)
+    return np.asarray(holder.layers["denoised"] * sd + mean, dtype=np.float32)
+
+
+def method_matrices(adata, batch_key, seed, options, variants, extra=()) -> tuple[np.ndarray, dict, float]:
+    """(genes, {method: log-scale matrix}, batchfix train seconds): uncorrected, ComBat, batchfix rows and the
+    `extra` baselines (cellanova)."""
     genes, corrected, seconds = batchfix_matrices(adata, batch_key, seed, options, variants)
     counts = dense(adata.X[:, genes])
     log_values = counts if options.get("scale") == "log" else dense(log_cp10k(counts))
-    return genes, {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key), **corrected}, seconds
+    matrices = {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key), **corrected}
+    if "cellanova" in extra:
+        matrices["CellANOVA"] = cellanova(log_values, adata.obs, batch_key)
+    return genes, matrices, seconds
 
 
 def scib_totals(obs, matrices: dict, batch_key: str, label_key: str, seed: int) -> dict:
@@ -100,20 +131,26 @@ def profile_run(args) -> list[dict]:
 
 
 def inject_run(args) -> list[dict]:
-    """Injected clones: for each label in turn (and each seed), inject, train, correct, score two segments."""
+    """Injected clones: for each seed and label in turn, inject, train, correct, score two segments (design
+    none: one training per seed on the data as they are, scored for every label)."""
     adata = ad.read_h5ad(args.input)
     labels = adata.obs[args.label_key].astype(str).to_numpy()
     batch = adata.obs[args.batch_key].astype(str).to_numpy()
     records = []
-    for label in args.labels or sorted(set(labels)):
-        own = max(sorted(set(batch[labels == label])), key=lambda b: ((labels == label) & (batch == b)).sum())
-        clone = inject_clones.Clone(label, [own] if args.design != "shared" else None, args.gain, args.loss)
-        for seed in args.seeds:
-            injected = (inject_clones.inject(adata, clone, args.label_key, args.batch_key, seed)
-                        if args.design != "none" else adata.copy())
+    for seed in args.seeds:
+        as_is = None
+        for label in args.labels or sorted(set(labels)):
+            own = max(sorted(set(batch[labels == label])), key=lambda b: ((labels == label) & (batch == b)).sum())
+            clone = inject_clones.Clone(label, [own] if args.design != "shared" else None, args.gain, args.loss)
             if args.design == "none":
+                injected = adata.copy()
                 injected.obs["clone"] = False
-            genes, matrices, seconds = method_matrices(injected, args.batch_key, seed, {}, regional_variants())
+                as_is = as_is or method_matrices(injected, args.batch_key, seed, {}, regional_variants(), args.extra)
+                genes, matrices, seconds = as_is
+            else:
+                injected = inject_clones.inject(adata, clone, args.label_key, args.batch_key, seed)
+                genes, matrices, seconds = method_matrices(injected, args.batch_key, seed, {}, regional_variants(),
+                                                           args.extra)
             original = dense(log_cp10k(dense(adata.X[:, genes])))
             scores = inject_clones.clone_scores(matrices, original, matrices["uncorrected"], injected.obs,
                                                 adata.var[genes], clone, args.design, args.label_key, args.batch_key)
@@ -135,7 +172,7 @@ def confounded_run(args) -> list[dict]:
         removed = (labels == label) & (batch != own)
         kept = adata[~removed].copy()
         for seed in args.seeds:
-            genes, matrices, seconds = method_matrices(kept, args.batch_key, seed, {}, regional_variants())
+            genes, matrices, seconds = method_matrices(kept, args.batch_key, seed, {}, regional_variants(), args.extra)
             windows = cnv_fidelity.windows_of(adata.var[genes])
             truth = dense(log_cp10k(dense(adata.X[:, genes])))  # every cell of the original, uncorrected
             target = (labels[~removed] == label)
@@ -194,6 +231,7 @@ def main(argv=None) -> None:
     parser.add_argument("--loss", default="17")
     parser.add_argument("--batch-key", default="batch")
     parser.add_argument("--label-key", default="cell_type")
+    parser.add_argument("--extra", nargs="*", default=[], choices=["cellanova"], help="baselines beside ComBat")
     parser.add_argument("--no-scib", dest="scib", action="store_false", help="skip the scIB Totals")
     parser.add_argument("--out", required=True, help="JSON file of the records")
     args = parser.parse_args(argv)
