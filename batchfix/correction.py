@@ -189,7 +189,7 @@ class Corrector:
             for begin in range(0, stop - start, self.batch_size):
                 codes = self.batches.codes[start + begin:start + min(begin + self.batch_size, stop - start)]
                 shift = counterfactual.state_shift(self.net, x[begin:begin + len(codes)], torch.from_numpy(codes),
-                                                   self.reference, self.present).numpy()
+                                                   self.reference, self.statistics, self.present).numpy()
                 for code in np.unique(codes[codes >= 0]):
                     sums[code] += shift[codes == code].sum(axis=0)
                     counts[code] += int((codes == code).sum())

@@ -24,8 +24,8 @@ scale for data.scale=log):
 
 Regional shift (correction.regional_shift, default apply). The shift the output removes from a cell,
 delta_c = decoded_ref(z_c) - decoded_b(z_c), depends on the cell's state, so a state seen in one batch
-only (a patient's malignant clone) has part of its own biology taken for batch effect. With `keep`,
-delta_c is split into its batch's mean shift (per gene, over the batch's cells in the input: a gene-by-
+only (a patient's malignant clone) has part of its own biology taken for batch effect. With `keep`, the
+output's decoder term decoded_ref(z_c) - k_b decoded_b(z_c) (delta_c on the output's scale) is split into its batch's mean shift (per gene, over the batch's cells in the input: a gene-by-
 gene technical effect, as ComBat removes) and the cell's deviation from it; the deviation's running mean
 over `regional_window` neighbouring modelled genes of its chromosome (genomic order) is the regional,
 copy-number-like part, and it is not removed; the rest of delta_c is. `keep_shuffled` runs the same
@@ -263,12 +263,13 @@ def decoded_pair(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, refere
 
 
 @torch.no_grad()
-def state_shift(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference: int | None,
+def state_shift(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference: int | None, stats: Statistics,
                 present: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, G) decoded_ref(z) - decoded_b(z): the batch shift the model learned for each cell's state."""
+    """(B, G) decoded_ref(z) - k_b decoded_b(z): the part of each cell's output that the decoder gives (the
+    batch shift the model learned for the cell's state, on the output's scale)."""
     mu, _ = net.encode(x)
     reference_values, own = decoded_pair(net, mu, codes, reference, present)
-    return reference_values - own
+    return reference_values - stats.scale[codes.clamp_min(0).long(), None] * own
 
 
 @torch.no_grad()
@@ -283,7 +284,8 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
     residual = net.log_expression(x) - own - stats.location[known]  # (B, G)
     values = reference_values + stats.ref_location + stats.scale[known, None] * residual
     if regional is not None:
-        deviation = (reference_values - own - regional.mean_shift[known]) * regional.estimated[known, None]
+        shift = reference_values - stats.scale[known, None] * own  # as state_shift
+        deviation = (shift - regional.mean_shift[known]) * regional.estimated[known, None]
         values = values - regional.smoother(deviation)
     values = torch.where((codes < 0)[:, None], reference_values, values)  # too few cells: denoised
     n_clipped = int((values if present is None else values[:, present]).lt(0).sum())
