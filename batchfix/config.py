@@ -28,7 +28,8 @@ LIKELIHOODS = ("nb", "gaussian")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
 STREAM_CHOICES = ("auto", "true", "false")
 OUTPUT_MODES = ("counterfactual", "denoised")
-REGIONAL_SHIFTS = ("apply", "keep", "keep_shuffled")  # batchfix.counterfactual.RegionalShift
+REGIONAL_SHIFTS = ("apply", "keep", "keep_all")  # batchfix.counterfactual.RegionalShift
+REGIONAL_ORDERS = ("genome", "shuffled")
 NEIGHBOR_METHODS = ("auto", "exact", "approximate")  # how batchfix.metrics finds the scores' neighbour graphs
 
 
@@ -256,17 +257,21 @@ class CorrectionOptions:
     output_mode: str = "counterfactual"
     reference: Optional[str] = None  # a training batch to express every cell as; null / average = all batches
     key_added: str = "batchfix"  # writes layers[KEY], var[KEY_modelled], obsm[X_KEY], uns[KEY]
-    # Counterfactual output: what happens to the part of a cell's state-dependent batch shift that deviates
-    # from its batch's mean shift and is smooth along the genome (copy-number-like: batchfix.counterfactual):
-    # apply (removed with the rest) | keep (left in the cell) | keep_shuffled (ablation: "smooth" over a random
-    # gene order drawn with regional_seed, so neighbours are unrelated genes)
+    # Counterfactual output: what happens to the part of a cell's state-dependent batch shift that is smooth
+    # along the genome (copy-number-like: batchfix.counterfactual): apply (removed with the rest) | keep (its
+    # deviation from the batch's mean shift is left in the cell) | keep_all (its deviation from the mean shift
+    # over all cells: a batch-wide regional shift, e.g. a patient whose cells all carry one CNV, is kept too)
     regional_shift: str = "apply"
     regional_window: int = 100  # genes of the running mean along each chromosome that defines "regional"
-    regional_seed: int = 0  # the gene order of regional_shift=keep_shuffled
+    # genome (neighbours along the real coordinates) | shuffled (ablation: a random gene order drawn with
+    # regional_seed, so "neighbours" are unrelated genes)
+    regional_order: str = "genome"
+    regional_seed: int = 0
 
     def __post_init__(self):
         one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
         one_of(f"{self.PREFIX}regional_shift", self.regional_shift, REGIONAL_SHIFTS)
+        one_of(f"{self.PREFIX}regional_order", self.regional_order, REGIONAL_ORDERS)
         at_least(f"{self.PREFIX}regional_window", self.regional_window, 2)
         within(f"{self.PREFIX}regional_seed", self.regional_seed, 0, 2**32 - 1)
         non_empty(f"{self.PREFIX}reference", self.reference)

@@ -193,13 +193,15 @@ class Corrector:
                 for code in np.unique(codes[codes >= 0]):
                     sums[code] += shift[codes == code].sum(axis=0)
                     counts[code] += int((codes == code).sum())
+        if self.settings.regional_shift == "keep_all":  # one mean over every cell, for every batch
+            sums[:], counts[:] = sums.sum(axis=0), counts.sum()
         estimated = counts >= counterfactual.MIN_UNSEEN_CELLS
         if (~estimated & (counts > 0)).any():
             log.warning("regional_shift=%s: batches with fewer than %d cells in the input keep no regional part of "
                         "their shift: %s", self.settings.regional_shift, counterfactual.MIN_UNSEEN_CELLS,
                         [self.batch_name(c) for c in np.flatnonzero(~estimated & (counts > 0))])
         smoother = counterfactual.genome_smoother(list(self.trained.module.hparams.chromosome),
-                                                  self.settings.regional_shift, self.settings.regional_window,
+                                                  self.settings.regional_order, self.settings.regional_window,
                                                   self.settings.regional_seed)
         self.regional = counterfactual.RegionalShift(
             smoother, torch.as_tensor(sums / np.maximum(counts, 1)[:, None], dtype=torch.float32),
@@ -316,6 +318,7 @@ def provenance(corrector: Corrector) -> dict:
             "int8": bool(settings.int8),
             "regional_shift": settings.regional_shift,
             "regional_window": int(settings.regional_window),
+            "regional_order": settings.regional_order,
             "regional_seed": int(settings.regional_seed),
             "model": dict(trained.module.hparams["model"]),
         },

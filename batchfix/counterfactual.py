@@ -28,7 +28,9 @@ only (a patient's malignant clone) has part of its own biology taken for batch e
 output's decoder term decoded_ref(z_c) - k_b decoded_b(z_c) (delta_c on the output's scale) is split into its batch's mean shift (per gene, over the batch's cells in the input: a gene-by-
 gene technical effect, as ComBat removes) and the cell's deviation from it; the deviation's running mean
 over `regional_window` neighbouring modelled genes of its chromosome (genomic order) is the regional,
-copy-number-like part, and it is not removed; the rest of delta_c is. `keep_shuffled` runs the same
+copy-number-like part, and it is not removed; the rest of delta_c is. `keep_all` takes the deviation
+from the mean over all the input's cells instead, so the regional part of a batch's own mean shift is
+kept as well (a patient whose cells all carry one CNV). correction.regional_order=shuffled runs the same
 smoothing over a random gene order (the ablation: neighbours are then unrelated genes). Unplaced genes
 have no neighbours: their whole shift is removed. A batch with fewer than MIN_UNSEEN_CELLS cells in the
 input has no estimated mean shift: its cells get the whole shift removed.
@@ -229,9 +231,9 @@ class GenomeSmoother:
         return regional.to(values.dtype)
 
 
-def genome_smoother(chromosome: list, mode: str, window: int, seed: int) -> GenomeSmoother:
-    """The smoother of correction.regional_shift=keep (genomic order) or keep_shuffled (a seeded random order)."""
-    order = np.random.default_rng(seed).permutation(len(chromosome)) if mode == "keep_shuffled" else None
+def genome_smoother(chromosome: list, order: str, window: int, seed: int) -> GenomeSmoother:
+    """The smoother of correction.regional_order=genome, or =shuffled (a random gene order drawn with `seed`)."""
+    order = np.random.default_rng(seed).permutation(len(chromosome)) if order == "shuffled" else None
     return GenomeSmoother(chromosome, window, order)
 
 

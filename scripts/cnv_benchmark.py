@@ -1,6 +1,6 @@
 """CNV fidelity of batch corrections (docs/cnv.md): profile retention, injected clones, the confounded design
 and the oligodendroglioma tumours, for uncorrected data, ComBat and batchfix's counterfactual output with
-each correction.regional_shift (apply = the default, keep, keep_shuffled over several gene orders).
+each correction.regional_shift (apply = the default, keep, keep_all; genomic and shuffled gene orders).
 
 Every method is scored on the genes batchfix modelled (its 2,000 batch-aware HVGs), on log1p(counts per
 10k) of those genes for the uncorrected data and ComBat. batchfix is trained once per (data, seed); its
@@ -10,6 +10,7 @@ regional variants are corrections of that one model. One JSON of records per com
     python scripts/cnv_benchmark.py inject data/cellbench5.h5ad --design confounded --seeds 0 --out ...
     python scripts/cnv_benchmark.py confounded data/cellbench5.h5ad --seeds 0 1 2 --out ...
     python scripts/cnv_benchmark.py oligodendroglioma --seeds 0 1 2 --out ...
+    python scripts/cnv_benchmark.py report --reports docs/results/cnv_*.json   # the tables of docs/cnv.md
 """
 from __future__ import annotations
 
@@ -30,16 +31,30 @@ from batchfix.normalize import log_cp10k
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import inject_clones  # noqa: E402
 
-SHUFFLE_SEEDS = (1, 2, 3)  # gene orders of regional_shift=keep_shuffled
+SHUFFLE_SEEDS = (1, 2, 3)  # gene orders of correction.regional_order=shuffled
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False)
 
 
+OUTPUT = {}  # "path" and "command" of the JSON being written: every record is saved as soon as it is made
+
+
+def emit(records: list[dict]) -> None:
+    """Print the newest record and rewrite the output file with every record so far (a long run that is
+    stopped keeps what it measured)."""
+    print(json.dumps(records[-1]), flush=True)
+    Path(OUTPUT["path"]).write_text(json.dumps({"command": OUTPUT["command"], "records": records}, indent=1))
+
+
 def regional_variants(shuffles=SHUFFLE_SEEDS) -> dict[str, dict]:
-    """batchfix correction options by row name: the default, regional kept, regional kept over shuffled orders."""
-    variants = {"batchfix": {}, "batchfix regional=keep": {"regional_shift": "keep"}}
-    for seed in shuffles:
-        variants[f"batchfix regional=keep_shuffled/{seed}"] = {"regional_shift": "keep_shuffled",
-                                                               "regional_seed": seed}
+    """batchfix correction options by row name: the default, and regional_shift keep and keep_all over the genome
+    and over shuffled gene orders."""
+    variants = {"batchfix": {}}
+    for mode in ("keep", "keep_all"):
+        variants[f"batchfix regional={mode}"] = {"regional_shift": mode}
+        for seed in shuffles:
+            variants[f"batchfix regional={mode}_shuffled/{seed}"] = {"regional_shift": mode,
+                                                                     "regional_order": "shuffled",
+                                                                     "regional_seed": seed}
     return variants
 
 
@@ -126,7 +141,7 @@ def profile_run(args) -> list[dict]:
             retention = cnv_fidelity.profile_retention(matrices["uncorrected"], values, batch, labels, windows)
             records.append({"experiment": "profile", "seed": seed, "method": name, "train_seconds": seconds,
                             **{k: v for k, v in retention.items() if k != "groups"}, **totals.get(name, {})})
-            print(json.dumps(records[-1]), flush=True)
+            emit(records)
     return records
 
 
@@ -157,7 +172,7 @@ def inject_run(args) -> list[dict]:
             for name, by_segment in scores.items():
                 records.append({"experiment": f"inject/{args.design}", "label": label, "batch": own, "seed": seed,
                                 "method": name, **by_segment, "mean": float(np.mean(list(by_segment.values())))})
-                print(json.dumps(records[-1]), flush=True)
+                emit(records)
     return records
 
 
@@ -183,7 +198,7 @@ def confounded_run(args) -> list[dict]:
                 records.append({"experiment": "confounded", "label": label, "batch": own, "seed": seed, "method": name,
                                 "r": retention["retention_r"], "uncorrected_r": retention["uncorrected_r"],
                                 "amplitude_ratio": retention["amplitude_ratio"]})
-                print(json.dumps(records[-1]), flush=True)
+                emit(records)
     return records
 
 
@@ -212,8 +227,84 @@ def oligodendroglioma_run(args) -> list[dict]:
             depths = cnv_fidelity.segment_depths(profiles, windows, OLIGO_SEGMENTS)
             records.append({"experiment": "oligodendroglioma", "seed": seed, "method": name,
                             "depths": {g: row.to_dict() for g, row in depths.iterrows()}, **totals.get(name, {})})
-            print(json.dumps(records[-1]), flush=True)
+            emit(records)
     return records
+
+
+def summarised(records: list[dict], columns: list[str], by: str = "method") -> str:
+    """Markdown table: per `by` value, mean, sd and standard error (over every record) of each column."""
+    import pandas as pd
+
+    frame = pd.DataFrame(records)
+    grouped = frame.groupby(by, sort=False)[columns]
+    mean, sd, n = grouped.mean(), grouped.std(), grouped.count()
+    lines = [f"| {by} | n | " + " | ".join(f"{c} mean (sd, se)" for c in columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    for name in mean.index:
+        cells = [f"{mean.loc[name, c]:.3f} ({sd.loc[name, c]:.3f}, {sd.loc[name, c] / np.sqrt(n.loc[name, c]):.3f})"
+                 for c in columns]
+        lines.append(f"| {name} | {int(n.loc[name].max())} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(paths: list[str]) -> str:
+    """Markdown tables of the JSON files this script wrote (docs/cnv.md is made from them)."""
+    sections = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        records = data["records"]
+        kind = records[0]["experiment"]
+        if kind == "profile":
+            columns = [c for c in ["retention_r", "relative_r", "amplitude_ratio", *metrics.AGGREGATE_COLUMNS]
+                       if c in records[0]]
+        elif kind == "confounded":
+            columns = ["r", "uncorrected_r", "amplitude_ratio"]
+        elif kind == "oligodendroglioma":
+            records = oligodendroglioma_rows(records)
+            columns = [c for c in records[0] if c not in ("method", "seed")]
+        else:
+            columns = [c for c in records[0] if c.startswith(("gain", "loss")) or c == "mean"]
+        sections.append(f"### {kind} ({path})\n\n`{data['command']}`\n\n{summarised(records, columns)}\n\n"
+                        f"{paired_differences(records, columns[0] if kind != 'inject/confounded' else 'mean')}\n")
+    return "\n".join(sections)
+
+
+def paired_differences(records: list[dict], column: str) -> str:
+    """regional=keep and keep_all minus each other method on `column`, paired by (label, seed) (shuffled orders
+    averaged first): mean and standard error over the pairs."""
+    import pandas as pd
+
+    frame = pd.DataFrame(records)
+    frame["method"] = frame["method"].str.replace(r"_shuffled/\d+$", "_shuffled (mean of orders)", regex=True)
+    keys = [k for k in ("label", "seed") if k in frame]
+    wide = frame.groupby([*keys, "method"])[column].mean().unstack("method")
+    lines = []
+    for mine in ("batchfix regional=keep", "batchfix regional=keep_all"):
+        if mine not in wide:
+            continue
+        lines.append(f"Paired by {' x '.join(keys)} on {column}: {mine.split(' ')[1]} minus")
+        for other in wide.columns.drop(mine):
+            d = (wide[mine] - wide[other]).dropna()
+            lines.append(f"- {other}: {d.mean():+.3f} (se {d.std() / np.sqrt(len(d)):.3f}, n {len(d)})")
+    return "\n".join(lines)
+
+
+def oligodendroglioma_rows(records: list[dict]) -> list[dict]:
+    """Per (method, seed): each malignant group's 1p and 19q depth over the uncorrected depth, the normal groups'
+    mean depth, and the scIB Total."""
+    uncorrected = {r["seed"]: r["depths"] for r in records if r["method"] == "uncorrected"}
+    rows = []
+    for r in records:
+        row = {"method": r["method"], "seed": r["seed"]}
+        for group, depth in r["depths"].items():
+            for segment, value in depth.items():
+                if group.startswith("malignant"):
+                    row[f"{group.removeprefix('malignant_')} {segment} kept"] = value / uncorrected[r["seed"]][group][segment]
+                else:
+                    row[f"{group.split(' ')[0].split('/')[0]} {segment}"] = value
+        row["Total"] = r.get("Total", np.nan)
+        rows.append(row)
+    return rows
 
 
 RUNS = {"profile": profile_run, "inject": inject_run, "confounded": confounded_run,
@@ -222,7 +313,7 @@ RUNS = {"profile": profile_run, "inject": inject_run, "confounded": confounded_r
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("experiment", choices=list(RUNS))
+    parser.add_argument("experiment", choices=[*RUNS, "report"])
     parser.add_argument("input", nargs="?", default=str(batchfix.bundled_dataset()))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--labels", nargs="*", default=None, help="labels to run (default: every label)")
@@ -233,13 +324,15 @@ def main(argv=None) -> None:
     parser.add_argument("--label-key", default="cell_type")
     parser.add_argument("--extra", nargs="*", default=[], choices=["cellanova"], help="baselines beside ComBat")
     parser.add_argument("--no-scib", dest="scib", action="store_false", help="skip the scIB Totals")
-    parser.add_argument("--out", required=True, help="JSON file of the records")
+    parser.add_argument("--out", help="JSON file of the records")
+    parser.add_argument("--reports", nargs="*", default=[], help="report: the JSON files to tabulate")
     args = parser.parse_args(argv)
-    started = time.perf_counter()
-    records = RUNS[args.experiment](args)
+    if args.experiment == "report":
+        print(report(args.reports))
+        return
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"command": " ".join(["python", "scripts/cnv_benchmark.py", *sys.argv[1:]]),
-                                          "seconds": time.perf_counter() - started, "records": records}, indent=1))
+    OUTPUT.update(path=args.out, command=" ".join(["python", "scripts/cnv_benchmark.py", *sys.argv[1:]]))
+    RUNS[args.experiment](args)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ def test_the_smoother_averages_neighbours_within_each_chromosome_only():
 def test_a_shuffled_order_smooths_over_unrelated_genes():
     chromosome = ["1"] * 50 + ["2"] * 50
     regional = torch.cat([torch.ones(1, 50), -torch.ones(1, 50)], dim=1)  # a whole-chromosome shift
-    real = genome_smoother(chromosome, "keep", 20, seed=0)(regional)
-    shuffled = [genome_smoother(chromosome, "keep_shuffled", 20, seed=s)(regional) for s in (1, 2)]
+    real = genome_smoother(chromosome, "genome", 20, seed=0)(regional)
+    shuffled = [genome_smoother(chromosome, "shuffled", 20, seed=s)(regional) for s in (1, 2)]
     assert torch.allclose(real, regional)
     assert all(s.abs().mean() < 0.5 for s in shuffled)  # mixed chromosomes average out
     assert not torch.allclose(shuffled[0], shuffled[1])  # each seed its own order
