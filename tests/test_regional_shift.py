@@ -61,7 +61,8 @@ def tiny_model(subset):
 def test_a_regional_shift_of_one_state_is_kept_and_a_gene_wise_one_removed(subset, tiny_model, monkeypatch):
     """The decoder is made to shift one line of one batch by +0.5 on every chr1 gene (regional) and by +-0.5
     alternating on chr2 genes (gene by gene): `apply` removes both, `keep` leaves the regional one in, less the
-    share the line holds of its batch (that part is the batch's mean shift)."""
+    share the line holds of its batch (that part is the batch's mean shift), `keep_all` less its share of all
+    cells."""
     labels, batch = subset.obs["cell_type"].astype(str).to_numpy(), subset.obs["batch"].astype(str).to_numpy()
     line, own = "H2228", "sc_celseq2"
     clone = (labels == line) & (batch == own)
@@ -85,11 +86,12 @@ def test_a_regional_shift_of_one_state_is_kept_and_a_gene_wise_one_removed(subse
 
     # The layer holds the modelled genes in the input's order, the model in genomic order.
     column_of_model_gene = np.argsort(np.argsort([list(subset.var_names).index(g) for g in tiny_model.genes]))
-    before = {mode: corrected(mode) for mode in ("apply", "keep")}
+    modes = ("apply", "keep", "keep_all")
+    before = {mode: corrected(mode) for mode in modes}
     monkeypatch.setattr(counterfactual, "decoded_pair", shifted)
-    after = {mode: corrected(mode) for mode in ("apply", "keep")}
+    after = {mode: corrected(mode) for mode in modes}
     changes = {}
-    for mode in ("apply", "keep"):
+    for mode in modes:
         change = after[mode][clone] - before[mode][clone]  # (clone cells, genes in model order)
         unclipped = (np.minimum(after[mode][clone], before[mode][clone]) > 0).all(axis=0)
         chr1, chr2 = unclipped & (chromosome == "1"), on_chr2[unclipped[on_chr2]]
@@ -98,7 +100,8 @@ def test_a_regional_shift_of_one_state_is_kept_and_a_gene_wise_one_removed(subse
     scale = -changes["apply"][0] / 0.5  # the batch's spread ratio k_b: the decoder's term enters as -k_b decoded_b
     assert 0.5 < scale < 2
     assert changes["keep"][0] == pytest.approx(-scale * 0.5 * share, abs=0.01)
-    for mode in ("apply", "keep"):
+    assert changes["keep_all"][0] == pytest.approx(-scale * 0.5 * clone.mean(), abs=0.01)  # the share of all cells
+    for mode in modes:
         assert np.allclose(changes[mode][1], -scale * changes[mode][2], atol=0.02)
 
 
