@@ -25,8 +25,9 @@ scale for data.scale=log):
 Regional shift (correction.regional_shift, default apply). The shift the output removes from a cell,
 delta_c = decoded_ref(z_c) - decoded_b(z_c), depends on the cell's state, so a state seen in one batch
 only (a patient's malignant clone) has part of its own biology taken for batch effect. With `keep`, the
-output's decoder term decoded_ref(z_c) - k_b decoded_b(z_c) (delta_c on the output's scale) is split into its batch's mean shift (per gene, over the batch's cells in the input: a gene-by-
-gene technical effect, as ComBat removes) and the cell's deviation from it; the deviation's running mean
+output's decoder term decoded_ref(z_c) - k_b decoded_b(z_c) (delta_c on the output's scale) is split
+into its batch's mean (per gene, over the batch's cells in the input: a gene-by-gene technical effect,
+as ComBat removes) and the cell's deviation from it; the deviation's running mean
 over `regional_window` neighbouring modelled genes of its chromosome (genomic order) is the regional,
 copy-number-like part, and it is not removed; the rest of delta_c is. `keep_all` takes the deviation
 from the mean over all the input's cells instead, so the regional part of a batch's own mean shift is
@@ -239,10 +240,11 @@ def genome_smoother(chromosome: list, order: str, window: int, seed: int) -> Gen
 
 @dataclass
 class RegionalShift:
-    """What correction.regional_shift=keep needs: the smoother and each batch code's mean state shift.
+    """What correction.regional_shift=keep|keep_all needs: the smoother and each batch code's mean state shift.
 
-    mean_shift: (codes, G) mean over the batch's input cells of decoded_ref - decoded_b; estimated: (codes,)
-    bool, False for a batch with fewer than MIN_UNSEEN_CELLS cells (its cells keep no regional part).
+    mean_shift: (codes, G) mean of `state_shift` over the batch's input cells (keep) or over every input cell
+    (keep_all); estimated: (codes,) 1.0, or 0.0 for a batch with fewer than MIN_UNSEEN_CELLS cells (its cells
+    keep no regional part).
     """
 
     smoother: GenomeSmoother
@@ -279,7 +281,7 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
               present: torch.Tensor | None = None,
               regional: RegionalShift | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(latent mean, counterfactual values (B, G), how many were raised to 0) for cells with batch `codes`;
-    with `regional`, the regional part of each cell's deviation from its batch's mean shift is left in."""
+    with `regional`, the regional part of each cell's deviation from the mean state shift is left in."""
     mu, _ = net.encode(x)
     reference_values, own = decoded_pair(net, mu, codes, reference, present)
     known = codes.clamp_min(0).long()
