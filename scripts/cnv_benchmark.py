@@ -269,7 +269,7 @@ def report(paths: list[str]) -> str:
         else:
             columns = [c for c in records[0] if c.startswith(("gain", "loss")) or c == "mean"]
         sections.append(f"### {kind} ({path})\n\n`{data['command']}`\n\n{summarised(records, columns)}\n\n"
-                        f"{paired_differences(records, columns[0] if kind != 'inject/confounded' else 'mean')}\n")
+                        f"{paired_differences(records, 'mean' if kind.startswith('inject') else columns[0])}\n")
     return "\n".join(sections)
 
 
