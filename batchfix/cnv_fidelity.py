@@ -139,13 +139,14 @@ def _slope(profile: np.ndarray, truth: np.ndarray) -> float:
 
 def profile_retention(uncorrected_log, corrected_log, batch: Sequence, labels: Sequence, windows: GenomicWindows,
                       truth_log=None, truth_batch: Sequence | None = None, truth_labels: Sequence | None = None,
-                      min_cells: int = MIN_CELLS) -> dict:
+                      min_cells: int = MIN_CELLS, scored_labels: Sequence | None = None) -> dict:
     """Profile retention of the corrected matrix (module docstring).
 
     uncorrected_log / corrected_log: (cells, genes) log values of the same cells and genes. The truth of a
     (label, batch) group is its label's profile in the uncorrected values of the other batches; by default
     from the same cells, or from `truth_log` with its own batches and labels (the confounded design scores
-    the cells a label kept against its cells that were taken out).
+    the cells a label kept against its cells that were taken out). scored_labels: only these labels' groups are
+    scored (every cell still makes the reference); default every label.
     Returns retention_r, uncorrected_r, relative_r, amplitude_ratio, n_groups and per-group rows (`groups`).
     """
     batch, labels = np.asarray(batch).astype(str), np.asarray(labels).astype(str)
@@ -161,7 +162,7 @@ def profile_retention(uncorrected_log, corrected_log, batch: Sequence, labels: S
     for name in corrected.index:
         label, own = name.split("\t")
         others = (truth_labels == label) & (truth_batch != own)
-        if others.sum() < min_cells:
+        if others.sum() < min_cells or (scored_labels is not None and label not in scored_labels):
             continue
         truth = windows.average(truth_values[others].mean(axis=0, keepdims=True) - truth_reference)[0]
         c, u = corrected.loc[name].to_numpy(), uncorrected.loc[name].to_numpy()

@@ -190,11 +190,10 @@ def confounded_run(args) -> list[dict]:
             genes, matrices, seconds = method_matrices(kept, args.batch_key, seed, {}, regional_variants(), args.extra)
             windows = cnv_fidelity.windows_of(adata.var[genes])
             truth = dense(log_cp10k(dense(adata.X[:, genes])))  # every cell of the original, uncorrected
-            target = (labels[~removed] == label)
             for name, values in matrices.items():
                 retention = cnv_fidelity.profile_retention(
-                    matrices["uncorrected"][target], values[target], batch[~removed][target], labels[~removed][target],
-                    windows, truth_log=truth, truth_batch=batch, truth_labels=labels)
+                    matrices["uncorrected"], values, batch[~removed], labels[~removed], windows, truth_log=truth,
+                    truth_batch=batch, truth_labels=labels, scored_labels=[label])
                 records.append({"experiment": "confounded", "label": label, "batch": own, "seed": seed, "method": name,
                                 "r": retention["retention_r"], "uncorrected_r": retention["uncorrected_r"],
                                 "amplitude_ratio": retention["amplitude_ratio"]})

@@ -44,6 +44,16 @@ def test_uncorrected_values_keep_their_own_profiles(placed):
     assert result["uncorrected_r"] > 0.3  # a line's expression along the genome is seen from other batches
 
 
+def test_scored_labels_restrict_the_groups_not_the_reference(placed):
+    adata, log_values, batch, labels = placed
+    windows = cnv_fidelity.windows_of(adata.var, window=30, step=10)
+    every = cnv_fidelity.profile_retention(log_values, log_values, batch, labels, windows, min_cells=5)
+    one = cnv_fidelity.profile_retention(log_values, log_values, batch, labels, windows, min_cells=5,
+                                         scored_labels=[labels[0]])
+    assert 0 < one["n_groups"] < every["n_groups"] and {g["label"] for g in one["groups"]} == {labels[0]}
+    assert [g["r"] for g in one["groups"]] == [g["r"] for g in every["groups"] if g["label"] == labels[0]]
+
+
 def test_flattened_profiles_lose_retention_and_amplitude(placed):
     """Replacing each gene by its batch mean erases every group's regional signal: r and the slope fall."""
     adata, log_values, batch, labels = placed
