@@ -267,8 +267,11 @@ def report(paths: list[str]) -> str:
             columns = [c for c in records[0] if c not in ("method", "seed")]
         else:
             columns = [c for c in records[0] if c.startswith(("gain", "loss")) or c == "mean"]
+        paired = {"profile": ["retention_r", "Total"], "confounded": ["r", "amplitude_ratio"],
+                  "oligodendroglioma": ["malignant kept (mean)"]}.get(kind, ["mean"])
+        pairs = "\n\n".join(paired_differences(records, c) for c in paired if c in records[0])
         sections.append(f"### {kind} ({path})\n\n`{data['command']}`\n\n{summarised(records, columns)}\n\n"
-                        f"{paired_differences(records, 'mean' if kind.startswith('inject') else columns[0])}\n")
+                        f"{pairs}\n")
     return "\n".join(sections)
 
 
@@ -305,6 +308,7 @@ def oligodendroglioma_rows(records: list[dict]) -> list[dict]:
                     row[f"{group.removeprefix('malignant_')} {segment} kept"] = value / uncorrected[r["seed"]][group][segment]
                 else:
                     row[f"{group.split(' ')[0].split('/')[0]} {segment}"] = value
+        row["malignant kept (mean)"] = float(np.mean([v for k, v in row.items() if str(k).endswith(" kept")]))
         row["Total"] = r.get("Total", np.nan)
         rows.append(row)
     return rows
