@@ -131,7 +131,9 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
             key_added: str = _CORRECTION.key_added, chunk_size: int = _CORRECTION.chunk_size,
             batch_size: int = _CORRECTION.batch_size,
             max_missing_fraction: float = _CORRECTION.max_missing_fraction,
-            int8: bool = _CORRECTION.int8) -> ad.AnnData | None:
+            int8: bool = _CORRECTION.int8, regional_shift: str = _CORRECTION.regional_shift,
+            regional_window: int = _CORRECTION.regional_window, regional_order: str = _CORRECTION.regional_order,
+            regional_seed: int = _CORRECTION.regional_seed) -> ad.AnnData | None:
     """Batch-correct an in-memory AnnData with a trained model (or a checkpoint path), scanpy style.
 
     Parameters
@@ -170,6 +172,13 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
     int8
         Run the network's linear layers dynamically quantized to int8 (CPU). The corrected values move
         slightly and it was not faster on the default model (docs/benchmarks.md, INT8 inference, measures both).
+    regional_shift, regional_window, regional_order, regional_seed
+        Counterfactual output: "keep" leaves in each cell the part of its state-dependent batch shift that
+        deviates from its batch's mean shift and is smooth along the genome over `regional_window` genes
+        (copy-number-like biology); "keep_all" measures the deviation from the mean over all cells (a
+        batch-wide regional shift is kept too); "apply" removes it with the rest. regional_order="shuffled"
+        is the ablation (smoothing over a random gene order, `regional_seed`). See batchfix.correction.counterfactual
+        and docs/cnv.md.
 
     Adds layers[key_added] (float32 CSR on the log1p(expression per 10k counts) scale, values stored
     for the modelled genes only: other genes read as 0 and are False in var[f"{key_added}_modelled"]),
@@ -180,7 +189,9 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
     """
     settings = validated(dict(output_mode=output_mode, reference=reference, key_added=key_added,
                               chunk_size=chunk_size, batch_size=batch_size,
-                              max_missing_fraction=max_missing_fraction, int8=int8), CorrectionSettings)
+                              max_missing_fraction=max_missing_fraction, int8=int8,
+                              regional_shift=regional_shift, regional_window=regional_window,
+                              regional_order=regional_order, regional_seed=regional_seed), CorrectionSettings)
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
     return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,
                          progress=progress, all_batches_new=all_batches_new)

@@ -29,6 +29,8 @@ LIKELIHOODS = ("nb", "gaussian")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
 STREAM_CHOICES = ("auto", "true", "false")
 OUTPUT_MODES = ("counterfactual", "denoised")
+REGIONAL_SHIFTS = ("apply", "keep", "keep_all")  # batchfix.correction.counterfactual.RegionalShift
+REGIONAL_ORDERS = ("genome", "shuffled")
 NEIGHBOR_METHODS = ("auto", "exact", "approximate")  # how batchfix.eval.metrics finds the scores' neighbour graphs
 
 
@@ -119,6 +121,8 @@ class ModelConfig:
     # token, no coordinates). shuffled, none and learned are ablations; none and learned also switch the
     # distance bias off, so that they use no genomic coordinate at all.
     position_encoding: str = "real"
+    # The permutation of position_encoding=shuffled; null = the run's seed (so each seed draws its own).
+    shuffle_seed: Optional[int] = None
     # learned: each token has its own gene weights and a learned embedding | coordinates: one set of value
     # weights shared by every token, so the position encoding is all that tells tokens apart (with
     # position_encoding=none they are then interchangeable: the control of the ablation).
@@ -145,6 +149,8 @@ class ModelConfig:
         within("model.dropout", self.dropout, 0.0, 1.0, high_open=True)
         one_of("model.attention", self.attention, ATTENTION_BACKENDS)
         one_of("model.position_encoding", self.position_encoding, POSITION_ENCODINGS)
+        if self.shuffle_seed is not None:
+            within("model.shuffle_seed", self.shuffle_seed, 0, 2**32 - 1)
         one_of("model.token_identity", self.token_identity, TOKEN_IDENTITIES)
         at_least("model.distance_buckets", self.distance_buckets, 2)
         if self.attention_block_size is not None:
@@ -252,9 +258,23 @@ class CorrectionOptions:
     output_mode: str = "counterfactual"
     reference: Optional[str] = None  # a training batch to express every cell as; null / average = all batches
     key_added: str = "batchfix"  # writes layers[KEY], var[KEY_modelled], obsm[X_KEY], uns[KEY]
+    # Counterfactual output: what happens to the part of a cell's state-dependent batch shift that is smooth
+    # along the genome (copy-number-like: batchfix.correction.counterfactual): apply (removed with the rest) | keep (its
+    # deviation from the batch's mean shift is left in the cell) | keep_all (its deviation from the mean shift
+    # over all cells: a batch-wide regional shift, e.g. a patient whose cells all carry one CNV, is kept too)
+    regional_shift: str = "apply"
+    regional_window: int = 100  # genes of the running mean along each chromosome that defines "regional"
+    # genome (neighbours along the real coordinates) | shuffled (ablation: a random gene order drawn with
+    # regional_seed, so "neighbours" are unrelated genes)
+    regional_order: str = "genome"
+    regional_seed: int = 0
 
     def __post_init__(self):
         one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
+        one_of(f"{self.PREFIX}regional_shift", self.regional_shift, REGIONAL_SHIFTS)
+        one_of(f"{self.PREFIX}regional_order", self.regional_order, REGIONAL_ORDERS)
+        at_least(f"{self.PREFIX}regional_window", self.regional_window, 2)
+        within(f"{self.PREFIX}regional_seed", self.regional_seed, 0, 2**32 - 1)
         non_empty(f"{self.PREFIX}reference", self.reference)
         if self.key_added is None or not str(self.key_added).strip():
             raise ConfigError(f"{self.PREFIX}key_added must be a non-empty name, got {self.key_added!r}.")

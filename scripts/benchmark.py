@@ -63,12 +63,14 @@ import psutil
 import scanpy as sc
 import scipy.sparse as sp
 
-from batchfix.eval import fidelity, metrics
 from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
+from batchfix.eval import cnv, fidelity, metrics
 
 BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi"]
 ALL_METHODS = ["batchfix", *BASELINES]
 ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
+CNV_R, CNV_AMPLITUDE = "CNV profile r", "CNV amplitude ratio"  # batchfix.eval.cnv.profile_retention
+MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE]
 
 
 @dataclass
@@ -352,7 +354,7 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
                 rows.append({
                     "embedding": name, "method": method, "seed": seed, **tags.get(key, {}),
                     **table.loc[name].to_dict(),
-                    **genes.get(name, dict.fromkeys(fidelity.GENE_METRICS, np.nan)),
+                    **genes.get(name, dict.fromkeys(MATRIX_SCORES, np.nan)),
                     "fit_seconds": result.embedding_seconds.get(name, result.fit_seconds),
                     "cpu_seconds": result.cpu_seconds,
                     "peak_mb": result.peak_mb,
@@ -384,7 +386,7 @@ def ablation_table(rows: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     corrected = rows[rows["embedding"].str.endswith("(PCA)") & (rows["method"] == "batchfix")].copy()
     corrected["output"] = corrected["embedding"].str.extract(r" (\w+) \(PCA\)$", expand=False)
-    columns = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *fidelity.GENE_METRICS]
+    columns = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *MATRIX_SCORES]
     grouped = corrected.groupby(["variant", "encoding", "output"], sort=False)[[c for c in columns if c in corrected]]
     table = grouped.mean().join(grouped.std(), rsuffix=" sd")
     table.insert(0, "seeds", grouped.size())
@@ -398,15 +400,22 @@ def gene_scores(
     label_key: str | None,
 ) -> dict[str, dict[str, float]]:
     """Gene-level fidelity (batchfix.eval.fidelity) of every corrected matrix, by embedding name,
-    against the within-batch log1p(counts per 10k) of the same raw counts; NaN where not computed."""
+    against the within-batch log1p(counts per 10k) of the same raw counts, and its CNV profile retention
+    (batchfix.eval.cnv; needs labels and var chromosome/start); NaN where not computed."""
     matrices = {k: m for _, r in results.values() for k, m in r.matrices.items()}
     batch = counts.obs[batch_key].to_numpy()
     labels = counts.obs[label_key].to_numpy() if label_key else None
+    placed = label_key is not None and {"chromosome", "start"} <= set(counts.var.columns)
+    windows = cnv.windows_of(counts.var) if placed else None
     scores, notes = {}, set()
     start = time.perf_counter()
     for name, matrix in matrices.items():
         result = fidelity.gene_fidelity(counts.X, matrix, batch, labels)
         scores[name] = {k: np.nan if result[k] is None else result[k] for k in fidelity.GENE_METRICS}
+        retention = (cnv.profile_retention(log_cp10k(counts.X), matrix, batch, labels, windows) if placed
+                     else {"retention_r": None, "amplitude_ratio": None})
+        scores[name][CNV_R] = np.nan if retention["retention_r"] is None else retention["retention_r"]
+        scores[name][CNV_AMPLITUDE] = np.nan if retention["amplitude_ratio"] is None else retention["amplitude_ratio"]
         if "note" in result and result["note"] not in notes:
             notes.add(result["note"])
             print(f"gene-level scores: {result['note']}", flush=True)
@@ -419,7 +428,7 @@ def gene_scores(
 def summary(rows: pd.DataFrame) -> pd.DataFrame:
     """Mean over seeds per embedding (with the standard deviation when there are several)."""
     columns = [metrics.BATCH_SCORE, metrics.BIO_SCORE, metrics.TOTAL_SCORE,
-               *fidelity.GENE_METRICS, "fit_seconds", "cpu_seconds", "peak_mb"]
+               *MATRIX_SCORES, "fit_seconds", "cpu_seconds", "peak_mb"]
     grouped = rows.groupby("embedding", sort=False)
     table = grouped[columns].mean()
     table.insert(0, "seeds", grouped.size())
@@ -473,7 +482,11 @@ GENE_SCORES_NOTE = (
     f"{fidelity.HVG_CONSERVATION} = shared top-{fidelity.N_HVG} highest-variance genes per batch "
     f"/ {fidelity.N_HVG}, mean over batches. The uncorrected matrix (Unintegrated PCA row) is the "
     "reference itself; Scanorama's matrix is on its own scale (each cell's log values scaled to "
-    "unit L2 norm, plus its corrections), scored as returned. n/a: the method gives no matrix."
+    "unit L2 norm, plus its corrections), scored as returned. n/a: the method gives no matrix. "
+    f"{CNV_R} (batchfix.eval.cnv): per (label, batch) group, Pearson r of its CNV profile (mean log "
+    f"expression minus the mean of all cells, running mean over {cnv.WINDOW} genes in genomic order) "
+    f"with its label's uncorrected profile in the other batches, mean over groups; {CNV_AMPLITUDE}: the "
+    "profiles' slope on that truth, corrected / uncorrected (1.0 = CNV depth kept)."
 )
 
 

@@ -148,6 +148,9 @@ def test_evaluate_file_writes_report_and_leaves_input_alone(corrected_file, tmp_
     assert "| Embedding |" in markdown and metrics.LATENT in markdown
     assert "Gene-level fidelity of layers['batchfix']" in markdown
     assert f"| {genes[fidelity.DE_RANK]:.3f} |" in markdown
+    cnv = result["cnv_fidelity"]  # ComBat moves each gene per batch: lines keep their profiles along the genome
+    assert cnv["n_groups"] >= 5 and cnv["retention_r"] > 0.8 * cnv["uncorrected_r"] > 0
+    assert "CNV profile retention of layers['batchfix']" in markdown and f"| {cnv['retention_r']:.3f} |" in markdown
     png = (tmp_path / "eval" / "umap.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
 

@@ -151,6 +151,7 @@ class Corrector:
         self.n_empty_modelled = 0  # cells with no counts in the modelled genes (the empty ones among them)
         self.batches = None if batch is None else counterfactual.batch_codes(batch, trained.batch_categories)
         self.statistics = None
+        self.regional = None  # counterfactual.RegionalShift, estimated by `prepare` unless regional_shift=apply
         if settings.output_mode == "counterfactual":
             counterfactual.training_statistics(trained.net)  # refuses an uncalibrated checkpoint before any work
             self.log_batches()
@@ -172,11 +173,47 @@ class Corrector:
                         "denoised output.", counterfactual.MIN_UNSEEN_CELLS, self.batches.denoised)
 
     def prepare(self, rows, n_obs: int) -> None:
-        """Before correcting: estimate the unseen batches' location and spread (one pass over their cells)."""
+        """Before correcting: estimate the unseen batches' location and spread (one pass over their cells) and,
+        unless regional_shift=apply, every batch's mean state shift (one pass over all cells)."""
         if self.settings.output_mode != "counterfactual":
             return
         with fused_attention(self.net):
             self.estimate_unseen(rows, n_obs)
+            if self.settings.regional_shift != "apply":
+                self.estimate_mean_shift(rows, n_obs)
+
+    def estimate_mean_shift(self, rows, n_obs: int) -> None:
+        """Each batch code's mean of decoded_ref - decoded_b over its cells (counterfactual.RegionalShift)."""
+        n_codes = self.batches.n_training + len(self.batches.unseen)
+        sums = np.zeros((n_codes, len(self.trained.genes)))
+        counts = np.zeros(n_codes, dtype=np.int64)
+        for start in range(0, n_obs, self.settings.chunk_size):
+            stop = min(start + self.settings.chunk_size, n_obs)
+            x = self.model_input(rows.rows(start, stop), start)
+            for begin in range(0, stop - start, self.batch_size):
+                codes = self.batches.codes[start + begin:start + min(begin + self.batch_size, stop - start)]
+                shift = counterfactual.state_shift(self.net, x[begin:begin + len(codes)], torch.from_numpy(codes),
+                                                   self.reference, self.statistics, self.present).numpy()
+                for code in np.unique(codes[codes >= 0]):
+                    sums[code] += shift[codes == code].sum(axis=0)
+                    counts[code] += int((codes == code).sum())
+        if self.settings.regional_shift == "keep_all":  # one mean over every cell, for every batch
+            sums[:], counts[:] = sums.sum(axis=0), counts.sum()
+        estimated = counts >= counterfactual.MIN_UNSEEN_CELLS
+        if (~estimated & (counts > 0)).any():
+            log.warning("regional_shift=%s: batches with fewer than %d cells in the input keep no regional part of "
+                        "their shift: %s", self.settings.regional_shift, counterfactual.MIN_UNSEEN_CELLS,
+                        [self.batch_name(c) for c in np.flatnonzero(~estimated & (counts > 0))])
+        smoother = counterfactual.genome_smoother(list(self.trained.module.hparams.chromosome),
+                                                  self.settings.regional_order, self.settings.regional_window,
+                                                  self.settings.regional_seed)
+        self.regional = counterfactual.RegionalShift(
+            smoother, torch.as_tensor(sums / np.maximum(counts, 1)[:, None], dtype=torch.float32),
+            torch.as_tensor(estimated, dtype=torch.float32))
+
+    def batch_name(self, code: int) -> str:
+        n_training = self.batches.n_training
+        return self.trained.batch_categories[code] if code < n_training else self.batches.unseen[code - n_training]
 
     def estimate_unseen(self, rows, n_obs: int) -> None:
         n_training = self.batches.n_training
@@ -246,7 +283,8 @@ class Corrector:
                     raise RuntimeError("Corrector.prepare(rows, n_obs) must run before the counterfactual output.")
                 codes = torch.from_numpy(self.batches.codes[first_cell + start:first_cell + min(stop, x.shape[0])])
                 mu, expression, n_clipped = counterfactual.corrected(self.net, x[start:stop], codes,
-                                                                     self.reference, self.statistics, self.present)
+                                                                     self.reference, self.statistics, self.present,
+                                                                     self.regional)
                 self.n_clipped += n_clipped
             latent[start:stop] = mu.numpy()
             values[start:stop] = expression.numpy()[:, self.out_model]
@@ -303,6 +341,10 @@ def provenance(corrector: Corrector) -> dict:
             "batch_size": settings.batch_size,
             "max_missing_fraction": float(settings.max_missing_fraction),
             "int8": bool(settings.int8),
+            "regional_shift": settings.regional_shift,
+            "regional_window": int(settings.regional_window),
+            "regional_order": settings.regional_order,
+            "regional_seed": int(settings.regional_seed),
             "model": dict(trained.module.hparams["model"]),
         },
     }

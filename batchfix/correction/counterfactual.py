@@ -22,6 +22,20 @@ scale for data.scale=log):
   spread_ref the root-mean-square of their spreads; for a named reference, that batch's own.
 - Values that would go below 0 (the floor of the log1p scale) are set to 0 and counted.
 
+Regional shift (correction.regional_shift, default apply). The shift the output removes from a cell,
+delta_c = decoded_ref(z_c) - decoded_b(z_c), depends on the cell's state, so a state seen in one batch
+only (a patient's malignant clone) has part of its own biology taken for batch effect. With `keep`, the
+output's decoder term decoded_ref(z_c) - k_b decoded_b(z_c) (delta_c on the output's scale) is split
+into its batch's mean (per gene, over the batch's cells in the input: a gene-by-gene technical effect,
+as ComBat removes) and the cell's deviation from it; the deviation's running mean
+over `regional_window` neighbouring modelled genes of its chromosome (genomic order) is the regional,
+copy-number-like part, and it is not removed; the rest of delta_c is. `keep_all` takes the deviation
+from the mean over all the input's cells instead, so the regional part of a batch's own mean shift is
+kept as well (a patient whose cells all carry one CNV). correction.regional_order=shuffled runs the same
+smoothing over a random gene order (the ablation: neighbours are then unrelated genes). Unplaced genes
+have no neighbours: their whole shift is removed. A batch with fewer than MIN_UNSEEN_CELLS cells in the
+input has no estimated mean shift: its cells get the whole shift removed.
+
 Training batches are calibrated once after the fit (`calibrate`), on the training cells (at most
 CALIBRATION_CELLS_PER_BATCH per batch), and the statistics travel in the checkpoint
 (BatchfixNet.residual_location / residual_spread). A batch the model never saw has no decoder of its
@@ -194,20 +208,98 @@ class Statistics:
         self.ref_location = torch.as_tensor(reference_location, dtype=torch.float32)  # (G,)
 
 
+class GenomeSmoother:
+    """Running mean of per-gene values along each chromosome: the regional part of a (cells, genes) tensor.
+
+    chromosome: per modelled gene in the model's (genomic) order, None for unplaced genes (their regional part
+    is 0). Each gene's value is the mean over the `window` genes centred on it, cut at its chromosome's ends.
+    order: positions are filled by genes[order] before smoothing (a permutation for the shuffled ablation);
+    None = the genomic order.
+    """
+
+    def __init__(self, chromosome: list, window: int, order: np.ndarray | None = None):
+        names = np.array(["" if c is None else str(c) for c in chromosome], dtype=object)
+        n = len(names)
+        self.order = torch.as_tensor(np.arange(n) if order is None else np.asarray(order), dtype=torch.long)
+        run_start = np.zeros(n, dtype=np.int64)
+        run_end = np.full(n, n, dtype=np.int64)
+        boundaries = np.flatnonzero(names[1:] != names[:-1]) + 1
+        for first, stop in zip(np.r_[0, boundaries], np.r_[boundaries, n]):
+            run_start[first:stop], run_end[first:stop] = first, stop
+        half = window // 2
+        position = np.arange(n)
+        self.low = torch.as_tensor(np.maximum(position - half, run_start))
+        self.high = torch.as_tensor(np.minimum(position - half + window, run_end))
+        self.placed = torch.as_tensor(names != "", dtype=torch.float64)
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        ordered = values.double()[:, self.order]  # (B, G): position i holds gene order[i]
+        cumulative = torch.nn.functional.pad(ordered.cumsum(dim=1), (1, 0))  # (B, G + 1)
+        smooth = (cumulative[:, self.high] - cumulative[:, self.low]) / (self.high - self.low) * self.placed
+        regional = torch.empty_like(smooth)
+        regional[:, self.order] = smooth
+        return regional.to(values.dtype)
+
+
+def genome_smoother(chromosome: list, order: str, window: int, seed: int) -> GenomeSmoother:
+    """The smoother of correction.regional_order=genome, or =shuffled (a random gene order drawn with `seed`)."""
+    order = np.random.default_rng(seed).permutation(len(chromosome)) if order == "shuffled" else None
+    return GenomeSmoother(chromosome, window, order)
+
+
+@dataclass
+class RegionalShift:
+    """What correction.regional_shift=keep|keep_all needs: the smoother and each batch code's mean state shift.
+
+    mean_shift: (codes, G) mean of `state_shift` over the batch's input cells (keep) or over every input cell
+    (keep_all); estimated: (codes,) 1.0, or 0.0 for a batch with fewer than MIN_UNSEEN_CELLS cells (its cells
+    keep no regional part).
+    """
+
+    smoother: GenomeSmoother
+    mean_shift: torch.Tensor
+    estimated: torch.Tensor
+
+
 @torch.no_grad()
-def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference: int | None, stats: Statistics,
-              present: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(latent mean, counterfactual values (B, G), how many were raised to 0) for cells with batch `codes`."""
-    mu, _ = net.encode(x)
+def decoded_pair(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, reference: int | None,
+                 present: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decoded as the reference, decoded as each cell's own batch) for latents `mu`; the average decoder stands
+    in for batches the model never saw."""
     reference_values = net.decoded(mu, reference, present)
     seen = (codes >= 0) & (codes < net.n_batches)
     own = reference_values if reference is None else net.decoded(mu, None, present)  # unseen: the average
     if seen.any():
         own = own.clone()
         own[seen] = net.decoded(mu[seen], codes[seen].long(), present)
+    return reference_values, own
+
+
+@torch.no_grad()
+def state_shift(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference: int | None, stats: Statistics,
+                present: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, G) decoded_ref(z) - k_b decoded_b(z): the part of each cell's output that the decoder gives (the
+    batch shift the model learned for the cell's state, on the output's scale)."""
+    mu, _ = net.encode(x)
+    reference_values, own = decoded_pair(net, mu, codes, reference, present)
+    return reference_values - stats.scale[codes.clamp_min(0).long(), None] * own
+
+
+@torch.no_grad()
+def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference: int | None, stats: Statistics,
+              present: torch.Tensor | None = None,
+              regional: RegionalShift | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(latent mean, counterfactual values (B, G), how many were raised to 0) for cells with batch `codes`;
+    with `regional`, the regional part of each cell's deviation from the mean state shift is left in."""
+    mu, _ = net.encode(x)
+    reference_values, own = decoded_pair(net, mu, codes, reference, present)
     known = codes.clamp_min(0).long()
     residual = net.log_expression(x) - own - stats.location[known]  # (B, G)
     values = reference_values + stats.ref_location + stats.scale[known, None] * residual
+    if regional is not None:
+        shift = reference_values - stats.scale[known, None] * own  # as state_shift
+        deviation = (shift - regional.mean_shift[known]) * regional.estimated[known, None]
+        values = values - regional.smoother(deviation)
     values = torch.where((codes < 0)[:, None], reference_values, values)  # too few cells: denoised
     n_clipped = int((values if present is None else values[:, present]).lt(0).sum())
     return mu, values.clamp_min(0.0), n_clipped

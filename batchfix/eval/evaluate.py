@@ -79,6 +79,8 @@ def evaluate_file(
     )
     result["gene_fidelity"] = metrics.gene_level_scores(adata, OutputKeys(key_added), batch_key, label_key,
                                                         counts_layer)
+    result["cnv_fidelity"] = metrics.cnv_level_scores(adata, OutputKeys(key_added), batch_key, label_key,
+                                                      counts_layer)
     if subsample is not None:
         result["subsample"] = subsample
 
@@ -181,4 +183,10 @@ def _markdown_report(table, result: dict) -> str:
         f"Against {genes['reference']} (batchfix.eval.fidelity; 1.0 = the uncorrected values' own structure).",
         "",
         metrics.gene_markdown(genes),
+        f"## CNV profile retention of layers['{result['corrected_layer']}']",
+        "",
+        "Per (label, batch) group, Pearson r of its CNV profile with its label's uncorrected profile in the other "
+        "batches; amplitude ratio = slope on that profile, corrected / uncorrected (batchfix.eval.cnv).",
+        "",
+        metrics.cnv_markdown(result["cnv_fidelity"]),
     ])

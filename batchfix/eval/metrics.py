@@ -25,8 +25,8 @@ import scipy.sparse as sp
 from matplotlib.figure import Figure
 from scib_metrics.benchmark import BatchCorrection, Benchmarker, BioConservation
 
-from batchfix.eval import fidelity
 from batchfix.config import NEIGHBOR_METHODS, EvaluationOptions
+from batchfix.eval import cnv, fidelity
 from batchfix.errors import InputError
 from batchfix.data.io import OutputKeys
 from batchfix.data.normalize import log_cp10k
@@ -250,6 +250,44 @@ def gene_level_scores(
     result = fidelity.gene_fidelity(counts, adata.layers[keys.layer][:, genes], adata.obs[batch_key].to_numpy(),
                                     labels)
     return {"reference": f"log1p(counts per 10k) of {source}, within each batch", **result}
+
+
+def cnv_level_scores(
+    adata: ad.AnnData,
+    keys: OutputKeys,
+    batch_key: str,
+    label_key: str | None,
+    counts_layer: str | None = None,
+) -> dict:
+    """CNV profile retention (batchfix.eval.cnv) of layers[keys.layer] on the modelled genes placed by
+    var['chromosome'] and var['start'], against log1p(counts per 10k) of the raw counts of the same genes.
+
+    Needs labels, coordinates in var and raw counts; otherwise None scores with a note saying which is missing.
+    """
+    empty = {"retention_r": None, "uncorrected_r": None, "relative_r": None, "amplitude_ratio": None}
+    genes = _modelled_genes(adata, keys)
+    counts = (adata.layers[counts_layer] if counts_layer else adata.X)[:, genes]
+    if label_key is None:
+        return {**empty, "note": "no label key: CNV profile retention compares each label across batches"}
+    if not {"chromosome", "start"} <= set(adata.var.columns):
+        return {**empty, "note": f"var has no 'chromosome' and 'start' columns (it has {list(adata.var.columns)}): "
+                                 "no CNV profiles"}
+    if not _is_integer_valued(counts):
+        return {**empty, "note": f"{counts_layer or 'X'} does not hold raw counts: no CNV profiles"}
+    windows = cnv.windows_of(adata.var.iloc[np.flatnonzero(genes)])
+    result = cnv.profile_retention(log_cp10k(counts), adata.layers[keys.layer][:, genes],
+                                            adata.obs[batch_key].to_numpy(), adata.obs[label_key].to_numpy(), windows)
+    return {"profile": f"windows of {cnv.WINDOW} genes, step {cnv.STEP} (batchfix.eval.cnv)",
+            **{k: v for k, v in result.items() if k != "groups"}}
+
+
+def cnv_markdown(scores: Mapping) -> str:
+    """CNV profile retention as a one-row markdown table, or its note."""
+    if scores.get("retention_r") is None:
+        return f"{scores.get('note', 'not computed')}\n"
+    return ("| CNV profile r | uncorrected r | relative r | amplitude ratio |\n|---|---|---|---|\n"
+            f"| {scores['retention_r']:.3f} | {scores['uncorrected_r']:.3f} | {scores['relative_r']:.3f} | "
+            f"{scores['amplitude_ratio']:.3f} |\n")
 
 
 def gene_markdown(scores: Mapping) -> str:

@@ -49,7 +49,7 @@ class LocusEncoder(nn.Module):
             self.value_vectors = nn.Parameter(torch.randn(per_token, cfg.d_model) / per_token ** 0.5)
         self.coordinates = GenomicCoordinateEncoding(
             windows.position, windows.chromosome, cfg.d_model, cfg.position_encoding,
-            cfg.min_wavelength, cfg.max_wavelength,
+            cfg.min_wavelength, cfg.max_wavelength, seed=cfg.shuffle_seed or 0,
         )
         self.distance_bias = None
         if cfg.distance_bias and cfg.position_encoding in GenomicCoordinateEncoding.COORDINATE_MODES:

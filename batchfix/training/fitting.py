@@ -153,6 +153,8 @@ def build_module(cfg: TrainConfig, prepared: PreparedData, planned_steps: int) -
         log.info("model.genes_per_token=%d > %d, the most modelled genes on one chromosome: using %d (the same "
                  "windows, without slots that could only be padding).", model.genes_per_token, widest, widest)
         model = replace(model, genes_per_token=widest)
+    if model.shuffle_seed is None:
+        model = replace(model, shuffle_seed=cfg.seed)  # stored in the checkpoint: correction rebuilds the same one
     module = BatchfixModule(
         model=model.to_dict(), genes=prepared.genes, chromosome=list(coordinates.chromosome),
         start=coordinates.start.tolist(), end=coordinates.end.tolist(), batch_categories=prepared.batch_categories,

@@ -1,0 +1,346 @@
+"""CNV fidelity of batch corrections (docs/cnv.md): profile retention, injected clones, the confounded design
+and the oligodendroglioma tumours, for uncorrected data, ComBat and batchfix's counterfactual output with
+each correction.regional_shift (apply = the default, keep, keep_all; genomic and shuffled gene orders).
+
+Every method is scored on the genes batchfix modelled (its 2,000 batch-aware HVGs), on log1p(counts per
+10k) of those genes for the uncorrected data and ComBat. batchfix is trained once per (data, seed); its
+regional variants are corrections of that one model. One JSON of records per command (--out).
+
+    python scripts/cnv_benchmark.py profile data/cellbench5.h5ad --seeds 0 1 2 --out docs/results/cnv_profile.json
+    python scripts/cnv_benchmark.py inject data/cellbench5.h5ad --design confounded --seeds 0 --out ...
+    python scripts/cnv_benchmark.py confounded data/cellbench5.h5ad --seeds 0 1 2 --out ...
+    python scripts/cnv_benchmark.py oligodendroglioma --seeds 0 1 2 --out ...
+    python scripts/cnv_benchmark.py report --reports docs/results/cnv_*.json   # the tables of docs/cnv.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import scanpy as sc
+
+import batchfix
+from batchfix.eval import cnv, metrics
+from batchfix.data.normalize import log_cp10k
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import inject_clones  # noqa: E402
+
+SHUFFLE_SEEDS = (1, 2, 3)  # gene orders of correction.regional_order=shuffled
+TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False)
+
+
+OUTPUT = {}  # "path" and "command" of the JSON being written: every record is saved as soon as it is made
+
+
+def emit(records: list[dict]) -> None:
+    """Print the newest record and rewrite the output file with every record so far (a long run that is
+    stopped keeps what it measured)."""
+    print(json.dumps(records[-1]), flush=True)
+    Path(OUTPUT["path"]).write_text(json.dumps({"command": OUTPUT["command"], "records": records}, indent=1))
+
+
+def regional_variants(shuffles=SHUFFLE_SEEDS) -> dict[str, dict]:
+    """batchfix correction options by row name: the default, and regional_shift keep and keep_all over the genome
+    and over shuffled gene orders."""
+    variants = {"batchfix": {}}
+    for mode in ("keep", "keep_all"):
+        variants[f"batchfix regional={mode}"] = {"regional_shift": mode}
+        for seed in shuffles:
+            variants[f"batchfix regional={mode}_shuffled/{seed}"] = {"regional_shift": mode,
+                                                                     "regional_order": "shuffled",
+                                                                     "regional_seed": seed}
+    return variants
+
+
+def dense(matrix) -> np.ndarray:
+    return np.asarray(matrix.toarray() if hasattr(matrix, "toarray") else matrix, dtype=np.float32)
+
+
+def batchfix_matrices(adata: ad.AnnData, batch_key: str, seed: int, options: dict, variants: dict) -> tuple:
+    """(modelled-gene mask, {row name: corrected values on those genes}, train seconds)."""
+    start = time.perf_counter()
+    model = batchfix.train(adata, batch_key=batch_key, seed=seed, **TRAIN_OPTIONS, **options)
+    seconds = time.perf_counter() - start
+    out, genes = {}, None
+    for name, correction in variants.items():
+        corrected = batchfix.correct(adata, model, batch_key=batch_key, copy=True, **correction)
+        genes = corrected.var["batchfix_modelled"].to_numpy()
+        out[name] = dense(corrected.layers["batchfix"][:, genes])
+    return genes, out, seconds
+
+
+def combat(log_values: np.ndarray, obs, batch_key: str) -> np.ndarray:
+    holder = ad.AnnData(log_values.copy(), obs=obs[[batch_key]].copy())
+    sc.pp.combat(holder, key=batch_key)
+    return np.asarray(holder.X, dtype=np.float32)
+
+
+def cellanova(log_values: np.ndarray, obs, batch_key: str) -> np.ndarray:
+    """CellANOVA's integrated ('denoised') values, put back on the log scale. Every batch is a control (no batch
+    is known to hold only technical variation); its inputs are the standardised log values, as its
+    preprocess_data makes them, on the same genes as every other method."""
+    import harmonypy
+    from cellanova import model as cellanova_model
+
+    def harmony_integrate(adata, key, max_iter_harmony=10, **kwargs):
+        """scanpy's harmony_integrate transposes harmonypy's output, which harmonypy >= 2 already gives as
+        (cells, components): CellANOVA's call of it fails there, so it gets this one."""
+        result = harmonypy.run_harmony(adata.obsm["X_pca"], adata.obs, key, max_iter_harmony=max_iter_harmony,
+                                       verbose=False, **kwargs)
+        adata.obsm["X_pca_harmony"] = np.asarray(result.Z_corr, dtype=np.float32)
+
+    cellanova_model.sce.pp.harmony_integrate = harmony_integrate
+    mean, sd = log_values.mean(axis=0), log_values.std(axis=0)
+    sd[sd == 0] = 1.0
+    holder = ad.AnnData((log_values - mean) / sd, obs=obs[[batch_key]].astype(str).copy())
+    holder.layers["scale"] = holder.X.copy()
+    holder.var["highly_variable"] = True  # calc_ME reads it; every gene given is one
+    holder = cellanova_model.calc_ME(holder, integrate_key=batch_key)
+    holder = cellanova_model.calc_BE(holder, integrate_key=batch_key,
+                                     control_dict={"all": sorted(holder.obs[batch_key].unique())})
+    holder = cellanova_model.calc_TE(holder, integrate_key=batch_key)
+    return np.asarray(holder.layers["denoised"] * sd + mean, dtype=np.float32)
+
+
+def method_matrices(adata, batch_key, seed, options, variants, extra=()) -> tuple[np.ndarray, dict, float]:
+    """(genes, {method: log-scale matrix}, batchfix train seconds): uncorrected, ComBat, batchfix rows and the
+    `extra` baselines (cellanova)."""
+    genes, corrected, seconds = batchfix_matrices(adata, batch_key, seed, options, variants)
+    counts = dense(adata.X[:, genes])
+    log_values = counts if options.get("scale") == "log" else dense(log_cp10k(counts))
+    matrices = {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key), **corrected}
+    if "cellanova" in extra:
+        matrices["CellANOVA"] = cellanova(log_values, adata.obs, batch_key)
+    return genes, matrices, seconds
+
+
+def scib_totals(obs, matrices: dict, batch_key: str, label_key: str, seed: int) -> dict:
+    """{method: {Total, Batch correction, Bio conservation}} of the PCA of each matrix (scib-metrics)."""
+    embeddings = {name: metrics.pca_embedding(values, seed=seed) for name, values in matrices.items()}
+    table = metrics.score_embeddings(obs, embeddings, embeddings["uncorrected"], batch_key, label_key)
+    return {name: {column: float(table.loc[name, column]) for column in metrics.AGGREGATE_COLUMNS}
+            for name in matrices}
+
+
+def profile_run(args) -> list[dict]:
+    """Profile retention and scIB Total on the whole file, per seed."""
+    adata = ad.read_h5ad(args.input)
+    records = []
+    for seed in args.seeds:
+        genes, matrices, seconds = method_matrices(adata, args.batch_key, seed, {}, regional_variants())
+        windows = cnv.windows_of(adata.var[genes])
+        labels, batch = adata.obs[args.label_key].to_numpy(), adata.obs[args.batch_key].to_numpy()
+        totals = scib_totals(adata.obs, matrices, args.batch_key, args.label_key, seed) if args.scib else {}
+        for name, values in matrices.items():
+            retention = cnv.profile_retention(matrices["uncorrected"], values, batch, labels, windows)
+            records.append({"experiment": "profile", "seed": seed, "method": name, "train_seconds": seconds,
+                            **{k: v for k, v in retention.items() if k != "groups"}, **totals.get(name, {})})
+            emit(records)
+    return records
+
+
+def inject_run(args) -> list[dict]:
+    """Injected clones: for each seed and label in turn, inject, train, correct, score two segments (design
+    none: one training per seed on the data as they are, scored for every label)."""
+    adata = ad.read_h5ad(args.input)
+    labels = adata.obs[args.label_key].astype(str).to_numpy()
+    batch = adata.obs[args.batch_key].astype(str).to_numpy()
+    records = []
+    for seed in args.seeds:
+        as_is = None
+        for label in args.labels or sorted(set(labels)):
+            own = max(sorted(set(batch[labels == label])), key=lambda b: ((labels == label) & (batch == b)).sum())
+            clone = inject_clones.Clone(label, [own] if args.design != "shared" else None, args.gain, args.loss)
+            if args.design == "none":
+                injected = adata.copy()
+                injected.obs["clone"] = False
+                as_is = as_is or method_matrices(injected, args.batch_key, seed, {}, regional_variants(), args.extra)
+                genes, matrices, seconds = as_is
+            else:
+                injected = inject_clones.inject(adata, clone, args.label_key, args.batch_key, seed)
+                genes, matrices, seconds = method_matrices(injected, args.batch_key, seed, {}, regional_variants(),
+                                                           args.extra)
+            original = dense(log_cp10k(dense(adata.X[:, genes])))
+            scores = inject_clones.clone_scores(matrices, original, matrices["uncorrected"], injected.obs,
+                                                adata.var[genes], clone, args.design, args.label_key, args.batch_key)
+            for name, by_segment in scores.items():
+                records.append({"experiment": f"inject/{args.design}", "label": label, "batch": own, "seed": seed,
+                                "method": name, **by_segment, "mean": float(np.mean(list(by_segment.values())))})
+                emit(records)
+    return records
+
+
+def confounded_run(args) -> list[dict]:
+    """Each label kept in one batch only (its largest); its profile scored against its removed cells."""
+    adata = ad.read_h5ad(args.input)
+    labels = adata.obs[args.label_key].astype(str).to_numpy()
+    batch = adata.obs[args.batch_key].astype(str).to_numpy()
+    records = []
+    for label in args.labels or sorted(set(labels)):
+        own = max(sorted(set(batch[labels == label])), key=lambda b: ((labels == label) & (batch == b)).sum())
+        removed = (labels == label) & (batch != own)
+        kept = adata[~removed].copy()
+        for seed in args.seeds:
+            genes, matrices, seconds = method_matrices(kept, args.batch_key, seed, {}, regional_variants(), args.extra)
+            windows = cnv.windows_of(adata.var[genes])
+            truth = dense(log_cp10k(dense(adata.X[:, genes])))  # every cell of the original, uncorrected
+            for name, values in matrices.items():
+                retention = cnv.profile_retention(
+                    matrices["uncorrected"], values, batch[~removed], labels[~removed], windows, truth_log=truth,
+                    truth_batch=batch, truth_labels=labels, scored_labels=[label])
+                records.append({"experiment": "confounded", "label": label, "batch": own, "seed": seed, "method": name,
+                                "r": retention["retention_r"], "uncorrected_r": retention["uncorrected_r"],
+                                "amplitude_ratio": retention["amplitude_ratio"]})
+                emit(records)
+    return records
+
+
+OLIGO_SEGMENTS = {"1p": ("1", 0.0, 120e6), "19q": ("19", 28e6, np.inf)}  # clear of both builds' centromeres
+
+
+def oligodendroglioma_run(args) -> list[dict]:
+    """Tirosh 2016 oligodendrogliomas (infercnvpy's example), patients as batches: depth of the 1p and 19q losses
+    per malignant group (reference = the normal cells' mean), normal cells' depth.
+
+    The file holds TPM (Smart-seq2; not counts, so not the negative binomial's input): they enter as
+    log1p(TPM per 10k) with data.scale=log (Gaussian likelihood on standardised values), the scale every
+    score here reads."""
+    import infercnvpy
+
+    adata = infercnvpy.datasets.oligodendroglioma()
+    adata.X = dense(log_cp10k(dense(adata.X)))
+    adata.obs["patient"] = adata.obs_names.str.split("_").str[0]
+    adata.var["chromosome"] = adata.var["chromosome"].astype(str).str.replace("^chr", "", regex=True)
+    normal = ~adata.obs["cell_type"].astype(str).str.startswith("malignant").to_numpy()
+    records = []
+    for seed in args.seeds:
+        options = dict(scale="log", n_top_genes=None)
+        genes, matrices, seconds = method_matrices(adata, "patient", seed, options, regional_variants())
+        windows = cnv.windows_of(adata.var[genes])
+        totals = scib_totals(adata.obs, matrices, "patient", "cell_type", seed) if args.scib else {}
+        for name, values in matrices.items():
+            profiles = cnv.group_profiles(values, adata.obs["cell_type"].astype(str).to_numpy(), windows,
+                                                   reference=values[normal].mean(axis=0), min_cells=5)
+            depths = cnv.segment_depths(profiles, windows, OLIGO_SEGMENTS)
+            records.append({"experiment": "oligodendroglioma", "seed": seed, "method": name,
+                            "depths": {g: row.to_dict() for g, row in depths.iterrows()}, **totals.get(name, {})})
+            emit(records)
+    return records
+
+
+def summarised(records: list[dict], columns: list[str], by: str = "method") -> str:
+    """Markdown table: per `by` value, mean, sd and standard error (over every record) of each column."""
+    import pandas as pd
+
+    frame = pd.DataFrame(records)
+    grouped = frame.groupby(by, sort=False)[columns]
+    mean, sd, n = grouped.mean(), grouped.std(), grouped.count()
+    lines = [f"| {by} | n | " + " | ".join(f"{c} mean (sd, se)" for c in columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    for name in mean.index:
+        cells = [f"{mean.loc[name, c]:.3f} ({sd.loc[name, c]:.3f}, {sd.loc[name, c] / np.sqrt(n.loc[name, c]):.3f})"
+                 for c in columns]
+        lines.append(f"| {name} | {int(n.loc[name].max())} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(paths: list[str]) -> str:
+    """Markdown tables of the JSON files this script wrote (docs/cnv.md is made from them)."""
+    sections = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        records = data["records"]
+        kind = records[0]["experiment"]
+        if kind == "profile":
+            columns = [c for c in ["retention_r", "relative_r", "amplitude_ratio", *metrics.AGGREGATE_COLUMNS]
+                       if c in records[0]]
+        elif kind == "confounded":
+            columns = ["r", "uncorrected_r", "amplitude_ratio"]
+        elif kind == "oligodendroglioma":
+            records = oligodendroglioma_rows(records)
+            columns = [c for c in records[0] if c not in ("method", "seed")]
+        else:
+            columns = [c for c in records[0] if c.startswith(("gain", "loss")) or c == "mean"]
+        paired = {"profile": ["retention_r", "Total"], "confounded": ["r", "amplitude_ratio"],
+                  "oligodendroglioma": ["malignant kept (mean)"]}.get(kind, ["mean"])
+        pairs = "\n\n".join(paired_differences(records, c) for c in paired if c in records[0])
+        sections.append(f"### {kind} ({path})\n\n`{data['command']}`\n\n{summarised(records, columns)}\n\n"
+                        f"{pairs}\n")
+    return "\n".join(sections)
+
+
+def paired_differences(records: list[dict], column: str) -> str:
+    """regional=keep and keep_all minus each other method on `column`, paired by (label, seed) (shuffled orders
+    averaged first): mean and standard error over the pairs."""
+    import pandas as pd
+
+    frame = pd.DataFrame(records)
+    frame["method"] = frame["method"].str.replace(r"_shuffled/\d+$", "_shuffled (mean of orders)", regex=True)
+    keys = [k for k in ("label", "seed") if k in frame]
+    wide = frame.groupby([*keys, "method"])[column].mean().unstack("method")
+    lines = []
+    for mine in ("batchfix regional=keep", "batchfix regional=keep_all"):
+        if mine not in wide:
+            continue
+        lines.append(f"Paired by {' x '.join(keys)} on {column}: {mine.split(' ')[1]} minus")
+        for other in wide.columns.drop(mine):
+            d = (wide[mine] - wide[other]).dropna()
+            lines.append(f"- {other}: {d.mean():+.3f} (se {d.std() / np.sqrt(len(d)):.3f}, n {len(d)})")
+    return "\n".join(lines)
+
+
+def oligodendroglioma_rows(records: list[dict]) -> list[dict]:
+    """Per (method, seed): each malignant group's 1p and 19q depth over the uncorrected depth, the normal groups'
+    mean depth, and the scIB Total."""
+    uncorrected = {r["seed"]: r["depths"] for r in records if r["method"] == "uncorrected"}
+    rows = []
+    for r in records:
+        row = {"method": r["method"], "seed": r["seed"]}
+        for group, depth in r["depths"].items():
+            for segment, value in depth.items():
+                if group.startswith("malignant"):
+                    row[f"{group.removeprefix('malignant_')} {segment} kept"] = value / uncorrected[r["seed"]][group][segment]
+                else:
+                    row[f"{group.split(' ')[0].split('/')[0]} {segment}"] = value
+        row["malignant kept (mean)"] = float(np.mean([v for k, v in row.items() if str(k).endswith(" kept")]))
+        row["Total"] = r.get("Total", np.nan)
+        rows.append(row)
+    return rows
+
+
+RUNS = {"profile": profile_run, "inject": inject_run, "confounded": confounded_run,
+        "oligodendroglioma": oligodendroglioma_run}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("experiment", choices=[*RUNS, "report"])
+    parser.add_argument("input", nargs="?", default=str(batchfix.bundled_dataset()))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--labels", nargs="*", default=None, help="labels to run (default: every label)")
+    parser.add_argument("--design", choices=inject_clones.DESIGNS, default="confounded")
+    parser.add_argument("--gain", default="7")
+    parser.add_argument("--loss", default="17")
+    parser.add_argument("--batch-key", default="batch")
+    parser.add_argument("--label-key", default="cell_type")
+    parser.add_argument("--extra", nargs="*", default=[], choices=["cellanova"], help="baselines beside ComBat")
+    parser.add_argument("--no-scib", dest="scib", action="store_false", help="skip the scIB Totals")
+    parser.add_argument("--out", help="JSON file of the records")
+    parser.add_argument("--reports", nargs="*", default=[], help="report: the JSON files to tabulate")
+    args = parser.parse_args(argv)
+    if args.experiment == "report":
+        print(report(args.reports))
+        return
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    OUTPUT.update(path=args.out, command=" ".join(["python", "scripts/cnv_benchmark.py", *sys.argv[1:]]))
+    RUNS[args.experiment](args)
+
+
+if __name__ == "__main__":
+    main()
