@@ -226,7 +226,7 @@ def oligodendroglioma_run(args) -> list[dict]:
         totals = scib_totals(adata.obs, matrices, "patient", "cell_type", seed) if args.scib else {}
         for name, values in matrices.items():
             profiles = cnv.group_profiles(values, adata.obs["cell_type"].astype(str).to_numpy(), windows,
-                                                   reference=values[normal].mean(axis=0), min_cells=5)
+                                          reference=values[normal].mean(axis=0), min_cells=5)
             depths = cnv.segment_depths(profiles, windows, OLIGO_SEGMENTS)
             records.append({"experiment": "oligodendroglioma", "seed": seed, "method": name,
                             "depths": {g: row.to_dict() for g, row in depths.iterrows()}, **totals.get(name, {})})

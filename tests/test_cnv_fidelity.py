@@ -49,7 +49,7 @@ def test_scored_labels_restrict_the_groups_not_the_reference(placed):
     windows = cnv.windows_of(adata.var, window=30, step=10)
     every = cnv.profile_retention(log_values, log_values, batch, labels, windows, min_cells=5)
     one = cnv.profile_retention(log_values, log_values, batch, labels, windows, min_cells=5,
-                                         scored_labels=[labels[0]])
+                                scored_labels=[labels[0]])
     assert 0 < one["n_groups"] < every["n_groups"] and {g["label"] for g in one["groups"]} == {labels[0]}
     assert [g["r"] for g in one["groups"]] == [g["r"] for g in every["groups"] if g["label"] == labels[0]]
 

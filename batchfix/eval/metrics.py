@@ -252,13 +252,8 @@ def gene_level_scores(
     return {"reference": f"log1p(counts per 10k) of {source}, within each batch", **result}
 
 
-def cnv_level_scores(
-    adata: ad.AnnData,
-    keys: OutputKeys,
-    batch_key: str,
-    label_key: str | None,
-    counts_layer: str | None = None,
-) -> dict:
+def cnv_level_scores(adata: ad.AnnData, keys: OutputKeys, batch_key: str, label_key: str | None,
+                     counts_layer: str | None = None) -> dict:
     """CNV profile retention (batchfix.eval.cnv) of layers[keys.layer] on the modelled genes placed by
     var['chromosome'] and var['start'], against log1p(counts per 10k) of the raw counts of the same genes.
 
@@ -276,7 +271,7 @@ def cnv_level_scores(
         return {**empty, "note": f"{counts_layer or 'X'} does not hold raw counts: no CNV profiles"}
     windows = cnv.windows_of(adata.var.iloc[np.flatnonzero(genes)])
     result = cnv.profile_retention(log_cp10k(counts), adata.layers[keys.layer][:, genes],
-                                            adata.obs[batch_key].to_numpy(), adata.obs[label_key].to_numpy(), windows)
+                                   adata.obs[batch_key].to_numpy(), adata.obs[label_key].to_numpy(), windows)
     return {"profile": f"windows of {cnv.WINDOW} genes, step {cnv.STEP} (batchfix.eval.cnv)",
             **{k: v for k, v in result.items() if k != "groups"}}
 
