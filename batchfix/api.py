@@ -76,7 +76,7 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
             key_added: str = _CORRECTION.key_added, chunk_size: int = _CORRECTION.chunk_size,
             batch_size: int = _CORRECTION.batch_size,
             max_missing_fraction: float = _CORRECTION.max_missing_fraction,
-            int8: bool = _CORRECTION.int8) -> ad.AnnData | None:
+            int8: bool = _CORRECTION.int8, spread: str = _CORRECTION.spread) -> ad.AnnData | None:
     """Batch-correct an in-memory AnnData with a trained model (or a checkpoint path), scanpy style.
 
     Parameters
@@ -110,6 +110,9 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
     int8
         Run the network's linear layers dynamically quantized to int8 (CPU). The corrected values move
         slightly and it was not faster on the default model (the README's INT8 section measures both).
+    spread
+        The counterfactual output's residual scale: "batch" (one per batch) or "gene" (per gene and batch,
+        shrunk toward the batch's level; batchfix.correction.counterfactual.shrunk_variances).
 
     Adds layers[key_added] (float32 CSR on the log1p(expression per 10k counts) scale, values stored
     for the modelled genes only: other genes read as 0 and are False in var[f"{key_added}_modelled"]),
@@ -120,7 +123,8 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
     """
     settings = validated(dict(output_mode=output_mode, reference=reference, key_added=key_added,
                               chunk_size=chunk_size, batch_size=batch_size,
-                              max_missing_fraction=max_missing_fraction, int8=int8), CorrectionSettings)
+                              max_missing_fraction=max_missing_fraction, int8=int8, spread=spread),
+                         CorrectionSettings)
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
     return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,
                          progress=progress)

@@ -28,6 +28,7 @@ LIKELIHOODS = ("nb", "gaussian")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
 STREAM_CHOICES = ("auto", "true", "false")
 OUTPUT_MODES = ("counterfactual", "denoised")
+SPREADS = ("batch", "gene")  # the counterfactual output's residual scale: one per batch | per gene and batch, shrunk
 NEIGHBOR_METHODS = ("auto", "exact", "approximate")  # how batchfix.eval.metrics finds the scores' neighbour graphs
 
 
@@ -251,9 +252,13 @@ class CorrectionOptions:
     output_mode: str = "counterfactual"
     reference: Optional[str] = None  # a training batch to express every cell as; null / average = all batches
     key_added: str = "batchfix"  # writes layers[KEY], var[KEY_modelled], obsm[X_KEY], uns[KEY]
+    # The counterfactual output's residual scale k: batch = one spread per batch | gene = a spread per gene and
+    # batch, shrunk toward the batch's level (empirical Bayes, as ComBat's scale; docs/genewise_spread.md)
+    spread: str = "batch"
 
     def __post_init__(self):
         one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
+        one_of(f"{self.PREFIX}spread", self.spread, SPREADS)
         non_empty(f"{self.PREFIX}reference", self.reference)
         if self.key_added is None or not str(self.key_added).strip():
             raise ConfigError(f"{self.PREFIX}key_added must be a non-empty name, got {self.key_added!r}.")
