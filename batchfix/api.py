@@ -133,7 +133,8 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
             max_missing_fraction: float = _CORRECTION.max_missing_fraction,
             int8: bool = _CORRECTION.int8, regional_shift: str = _CORRECTION.regional_shift,
             regional_window: int = _CORRECTION.regional_window, regional_order: str = _CORRECTION.regional_order,
-            regional_seed: int = _CORRECTION.regional_seed) -> ad.AnnData | None:
+            regional_seed: int = _CORRECTION.regional_seed,
+            spread: str = _CORRECTION.spread) -> ad.AnnData | None:
     """Batch-correct an in-memory AnnData with a trained model (or a checkpoint path), scanpy style.
 
     Parameters
@@ -179,6 +180,9 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
         batch-wide regional shift is kept too); "apply" removes it with the rest. regional_order="shuffled"
         is the ablation (smoothing over a random gene order, `regional_seed`). See batchfix.correction.counterfactual
         and docs/cnv.md.
+    spread
+        The counterfactual output's residual scale: "batch" (one per batch) or "gene" (per gene and batch,
+        shrunk toward the batch's level; batchfix.correction.counterfactual.shrunk_variances).
 
     Adds layers[key_added] (float32 CSR on the log1p(expression per 10k counts) scale, values stored
     for the modelled genes only: other genes read as 0 and are False in var[f"{key_added}_modelled"]),
@@ -191,7 +195,8 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
                               chunk_size=chunk_size, batch_size=batch_size,
                               max_missing_fraction=max_missing_fraction, int8=int8,
                               regional_shift=regional_shift, regional_window=regional_window,
-                              regional_order=regional_order, regional_seed=regional_seed), CorrectionSettings)
+                              regional_order=regional_order, regional_seed=regional_seed, spread=spread),
+                         CorrectionSettings)
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
     return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,
                          progress=progress, all_batches_new=all_batches_new)

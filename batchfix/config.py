@@ -31,6 +31,7 @@ STREAM_CHOICES = ("auto", "true", "false")
 OUTPUT_MODES = ("counterfactual", "denoised")
 REGIONAL_SHIFTS = ("apply", "keep", "keep_all")  # batchfix.correction.counterfactual.RegionalShift
 REGIONAL_ORDERS = ("genome", "shuffled")
+SPREADS = ("batch", "gene")  # the counterfactual output's residual scale: one per batch | per gene and batch, shrunk
 NEIGHBOR_METHODS = ("auto", "exact", "approximate")  # how batchfix.eval.metrics finds the scores' neighbour graphs
 
 
@@ -268,9 +269,13 @@ class CorrectionOptions:
     # regional_seed, so "neighbours" are unrelated genes)
     regional_order: str = "genome"
     regional_seed: int = 0
+    # The counterfactual output's residual scale k: batch = one spread per batch | gene = a spread per gene and
+    # batch, shrunk toward the batch's level (empirical Bayes, as ComBat's scale; docs/genewise_spread.md)
+    spread: str = "batch"
 
     def __post_init__(self):
         one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
+        one_of(f"{self.PREFIX}spread", self.spread, SPREADS)
         one_of(f"{self.PREFIX}regional_shift", self.regional_shift, REGIONAL_SHIFTS)
         one_of(f"{self.PREFIX}regional_order", self.regional_order, REGIONAL_ORDERS)
         at_least(f"{self.PREFIX}regional_window", self.regional_window, 2)

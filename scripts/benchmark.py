@@ -100,7 +100,8 @@ def run_batchfix(
     adata_hvg: ad.AnnData, batch_key: str, seed: int, overrides: list[str]
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
     """Train batchfix on `adata_hvg` (raw counts, genes already selected) once, and correct it in
-    every output mode with the same model.
+    every output mode with the same model (and the counterfactual output with its other spread,
+    named counterfactual_SPREAD).
 
     `overrides` are Hydra-style "key=value" strings (e.g. "model.position_encoding=none").
     Returns (latent (cells, k), corrected log expression (cells, genes) by output mode, seconds by
@@ -109,7 +110,7 @@ def run_batchfix(
     from hydra import compose, initialize_config_module
 
     from batchfix import tasks
-    from batchfix.config import OUTPUT_MODES, CorrectionSettings, TrainConfig, validated
+    from batchfix.config import OUTPUT_MODES, SPREADS, CorrectionSettings, TrainConfig, validated
     from batchfix.correction.corrector import correct_file
     from batchfix.training.module import load_trained
 
@@ -126,13 +127,16 @@ def run_batchfix(
         paths = {cfg.correction.output_mode: run_dir / "corrected.h5ad"}
         # train + correct, as a user runs it (reading input, gene placement, fit, writing the file)
         seconds = {cfg.correction.output_mode: float(run["total_seconds"])}
-        for mode in set(OUTPUT_MODES) - set(paths):
+        others = {mode: CorrectionSettings(output_mode=mode) for mode in set(OUTPUT_MODES) - set(paths)}
+        others.update({f"counterfactual_{spread}": CorrectionSettings(spread=spread)  # the other scale, same model
+                       for spread in set(SPREADS) - {cfg.correction.spread}})
+        for mode, settings in others.items():
             start = time.perf_counter()
             paths[mode] = correct_file(source, Path(tmp) / f"{mode}.h5ad", load_trained(run_dir / "model.ckpt"),
-                                       CorrectionSettings(output_mode=mode), batch_key=batch_key, progress=False)
+                                       settings, batch_key=batch_key, progress=False)
             seconds[mode] = run["total_seconds"] - run["correct_seconds"] + time.perf_counter() - start
         expression = {}
-        for mode in OUTPUT_MODES:
+        for mode in paths:
             corrected = ad.read_h5ad(paths[mode])
             values = corrected.layers["batchfix"][:, corrected.var["batchfix_modelled"].to_numpy()]
             expression[mode] = values.toarray() if hasattr(values, "toarray") else np.asarray(values)

@@ -229,7 +229,8 @@ class Corrector:
                     r = counterfactual.residual(self.net, x[part], None, self.present).numpy()
                     for code in np.unique(codes[picked[part]]):
                         sums[code - n_training].add(r[codes[picked[part]] == code])
-        self.statistics = counterfactual.Statistics(self.trained.net, self.reference, sums, self.present.numpy())
+        self.statistics = counterfactual.Statistics(self.trained.net, self.reference, sums, self.present.numpy(),
+                                                    self.settings.spread)
 
     def model_input(self, chunk, first_cell: int = 0) -> torch.Tensor:
         """(cells, model genes) float32 tensor in the model's gene order; missing genes are zeros."""
@@ -335,6 +336,7 @@ def provenance(corrector: Corrector) -> dict:
                  f"var['{keys.modelled}'] are stored, other genes read as 0",
         "params": {
             "output_mode": settings.output_mode,
+            "spread": settings.spread,
             "counts": corrector.source,
             "scale": trained.scale,
             "chunk_size": settings.chunk_size,

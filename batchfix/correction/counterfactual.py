@@ -20,6 +20,9 @@ scale for data.scale=log):
   a batch; the location and scale alone change no comparison made within a batch.
 - For the average reference, location_ref is the mean of the training batches' locations and
   spread_ref the root-mean-square of their spreads; for a named reference, that batch's own.
+- correction.spread=gene: k_{b,g} = spread_ref(g) / spread_b(g), a spread per gene and batch shrunk
+  toward the batch's level (`shrunk_variances`), as ComBat's scale: a gene whose batch holds few cells
+  keeps about the batch-wide ratio, one estimated on many cells its own.
 - Values that would go below 0 (the floor of the log1p scale) are set to 0 and counted.
 
 Regional shift (correction.regional_shift, default apply). The shift the output removes from a cell,
@@ -38,7 +41,8 @@ input has no estimated mean shift: its cells get the whole shift removed.
 
 Training batches are calibrated once after the fit (`calibrate`), on the training cells (at most
 CALIBRATION_CELLS_PER_BATCH per batch), and the statistics travel in the checkpoint
-(BatchfixNet.residual_location / residual_spread). A batch the model never saw has no decoder of its
+(BatchfixNet.residual_location / residual_spread, and residual_gene_spread / residual_cells for the
+per-gene form). A batch the model never saw has no decoder of its
 own: the average decoder stands in for decoded_b, and its location and spread are estimated from its
 own cells in the input (`ResidualSums`); an unseen batch with fewer than `MIN_UNSEEN_CELLS` cells is
 given the denoised output instead.
@@ -85,12 +89,16 @@ class ResidualSums:
     def location(self) -> np.ndarray:
         return self.sum / max(self.n_cells, 1)
 
+    def variance(self) -> np.ndarray:
+        """Per-gene variance (genes,) around the location (maximum likelihood; 0.0 below two cells)."""
+        if self.n_cells < 2:
+            return np.zeros_like(self.sum)
+        return np.clip(self.sum_sq / self.n_cells - np.square(self.location()), 0.0, None)
+
     def spread(self, genes: np.ndarray | None = None) -> float:
         """Root-mean-square over genes (those of the `genes` mask) of the per-gene standard deviation (0.0
         below two cells)."""
-        if self.n_cells < 2:
-            return 0.0
-        variance = np.clip(self.sum_sq / self.n_cells - np.square(self.location()), 0.0, None)
+        variance = self.variance()
         return float(np.sqrt(variance.mean() if genes is None else variance[genes].mean()))
 
 
@@ -141,6 +149,10 @@ def calibrate(net: BatchfixNet, prepared: PreparedData) -> None:
     spreads = np.array([s.spread() for s in sums])
     fallback = np.sqrt(np.mean(np.square(spreads[spreads > 0]))) if (spreads > 0).any() else 1.0
     spreads[spreads <= 0] = fallback  # a batch of one training cell: its residuals keep their scale
+    gene_spreads = np.stack([np.sqrt(s.variance()) if s.n_cells >= 2 else np.full(net.n_genes, fallback)
+                             for s in sums])  # (batches, G)
+    net.residual_gene_spread.copy_(torch.as_tensor(gene_spreads, dtype=torch.float32))
+    net.residual_cells.copy_(torch.as_tensor([s.n_cells for s in sums], dtype=torch.float32))
     net.residual_location.copy_(torch.as_tensor(np.stack([s.location() for s in sums]), dtype=torch.float32))
     net.residual_spread.copy_(torch.as_tensor(spreads, dtype=torch.float32))
     log.info("Calibrated the counterfactual output on %d of %d cells (at most %d per batch): residual spread per "
@@ -164,6 +176,52 @@ def reference_statistics(location: np.ndarray, spread: np.ndarray, reference: in
     if reference is not None:
         return location[reference], float(spread[reference])
     return location.mean(axis=0), float(np.sqrt(np.mean(np.square(spread))))
+
+
+def inverse_gamma_posterior(ratio: np.ndarray, dof: float, genes: np.ndarray | None = None) -> np.ndarray:
+    """Posterior mean of each gene's variance ratio (genes,) estimated with `dof` degrees of freedom, under an
+    inverse-gamma prior fitted across genes (those of the `genes` mask) by moments: ComBat's scale estimator.
+
+    With prior mean m and variance s2 over genes, shape a = 2 + m^2 / s2 and rate b = m (a - 1), so the
+    posterior mean (b + dof * ratio / 2) / (a - 1 + dof / 2) moves from m (few cells) to the gene's own ratio
+    (many cells). No spread across genes, or no degrees of freedom, leaves m for every gene.
+    """
+    fitted = ratio if genes is None else ratio[genes]
+    prior_mean, prior_var = float(fitted.mean()), float(fitted.var())
+    if prior_var <= 0 or dof <= 0:
+        return np.full_like(ratio, prior_mean)
+    shape = 2.0 + prior_mean ** 2 / prior_var
+    return (prior_mean * (shape - 1.0) + dof * ratio / 2.0) / (shape - 1.0 + dof / 2.0)
+
+
+def shrunk_variances(variance: np.ndarray, cells: np.ndarray, n_training: int,
+                     genes: np.ndarray | None = None) -> np.ndarray:
+    """Each batch's per-gene residual variance (codes, G), estimated on `cells` (codes,), shrunk toward its
+    batch's level (`inverse_gamma_posterior`, n - 1 degrees of freedom).
+
+    As ComBat does, a batch's gene variances are first divided by the gene's own level (here the mean over
+    the training batches): the prior is on the ratio of a batch's variance to the gene's, which is about
+    the same for every gene of a batch, not on raw variances, which differ by orders of magnitude between
+    genes. Fully shrunk, every gene of a batch keeps the same ratio: the batch-wide form of k.
+    """
+    gene_level = np.maximum(variance[:n_training].mean(axis=0), np.finfo(np.float32).tiny)  # (G,)
+    ratio = variance / gene_level  # (codes, G)
+    shrunk = np.stack([inverse_gamma_posterior(row, n - 1, genes) for row, n in zip(ratio, cells)])
+    return shrunk * gene_level
+
+
+def gene_scales(net: BatchfixNet, reference: int | None, unseen: list[ResidualSums],
+                present: np.ndarray | None = None) -> np.ndarray:
+    """k_{b,g} = spread_ref(g) / spread_b(g) (codes, G) from the shrunk per-gene spreads (`shrunk_variances`);
+    the average reference's spread is the root-mean-square over the training batches, as for one per batch."""
+    variance = np.square(net.residual_gene_spread.numpy().astype(np.float64))  # (batches, G)
+    cells = net.residual_cells.numpy().astype(np.float64)
+    if unseen:  # prior fitted on the genes the input holds: a missing gene's residual means nothing
+        variance = np.vstack([variance, [s.variance() for s in unseen]])
+        cells = np.concatenate([cells, [s.n_cells for s in unseen]])
+    shrunk = shrunk_variances(variance, cells, net.n_batches, present)
+    reference_variance = shrunk[:net.n_batches].mean(axis=0) if reference is None else shrunk[reference]
+    return np.sqrt(reference_variance / np.maximum(shrunk, np.finfo(np.float32).tiny))
 
 
 @dataclass
@@ -194,17 +252,22 @@ def batch_codes(batch: np.ndarray, training: list[str]) -> BatchCodes:
 
 
 class Statistics:
-    """Location (per gene) and scale factor k = spread_ref / spread of every batch code, and the reference's location."""
+    """Location (per gene) and scale factor k = spread_ref / spread of every batch code (one per batch, or one per
+    gene for spread_by="gene"), and the reference's location."""
 
     def __init__(self, net: BatchfixNet, reference: int | None, unseen: list[ResidualSums],
-                 present: np.ndarray | None = None):
+                 present: np.ndarray | None = None, spread_by: str = "batch"):
         location, spread = training_statistics(net)
         reference_location, reference_spread = reference_statistics(location, spread, reference)
         if unseen:  # their spread over the genes the input holds: a missing gene's residual means nothing
             location = np.vstack([location, [s.location() for s in unseen]])
             spread = np.concatenate([spread, [s.spread(present) or reference_spread for s in unseen]])
         self.location = torch.as_tensor(location, dtype=torch.float32)  # (codes, G)
-        self.scale = torch.as_tensor(reference_spread / spread, dtype=torch.float32)  # (codes,)
+        if spread_by == "gene":
+            scale = gene_scales(net, reference, unseen, present)  # (codes, G)
+        else:
+            scale = (reference_spread / spread)[:, None]  # (codes, 1)
+        self.scale = torch.as_tensor(scale, dtype=torch.float32)
         self.ref_location = torch.as_tensor(reference_location, dtype=torch.float32)  # (G,)
 
 
@@ -282,7 +345,7 @@ def state_shift(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, referenc
     batch shift the model learned for the cell's state, on the output's scale)."""
     mu, _ = net.encode(x)
     reference_values, own = decoded_pair(net, mu, codes, reference, present)
-    return reference_values - stats.scale[codes.clamp_min(0).long(), None] * own
+    return reference_values - stats.scale[codes.clamp_min(0).long()] * own
 
 
 @torch.no_grad()
@@ -295,9 +358,9 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
     reference_values, own = decoded_pair(net, mu, codes, reference, present)
     known = codes.clamp_min(0).long()
     residual = net.log_expression(x) - own - stats.location[known]  # (B, G)
-    values = reference_values + stats.ref_location + stats.scale[known, None] * residual
+    values = reference_values + stats.ref_location + stats.scale[known] * residual
     if regional is not None:
-        shift = reference_values - stats.scale[known, None] * own  # as state_shift
+        shift = reference_values - stats.scale[known] * own  # as state_shift
         deviation = (shift - regional.mean_shift[known]) * regional.estimated[known, None]
         values = values - regional.smoother(deviation)
     values = torch.where((codes < 0)[:, None], reference_values, values)  # too few cells: denoised

@@ -144,6 +144,18 @@ class BatchfixNet(nn.Module):
         # counterfactual output's per-gene location and per-batch spread. A spread of 0 means not calibrated.
         self.register_buffer("residual_location", torch.zeros(n_batches, n_genes))
         self.register_buffer("residual_spread", torch.zeros(n_batches))
+        # Per gene: the residual's within-batch sd and the cells it was estimated on (correction.spread=gene).
+        self.register_buffer("residual_gene_spread", torch.zeros(n_batches, n_genes))
+        self.register_buffer("residual_cells", torch.zeros(n_batches))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """A checkpoint from before the per-gene spread gets the batch-wide form: its batch's spread for every
+        gene, estimated on no cells (so correction.spread=gene shrinks it fully to that batch-wide spread)."""
+        spread = state_dict.get(prefix + "residual_spread")
+        if spread is not None and prefix + "residual_gene_spread" not in state_dict:
+            state_dict[prefix + "residual_gene_spread"] = spread[:, None].expand(-1, self.n_genes).clone()
+            state_dict[prefix + "residual_cells"] = torch.zeros_like(spread)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def log_expression(self, x: torch.Tensor) -> torch.Tensor:
         """Counts -> log1p(counts per 10k); log-scale input passes through."""

@@ -1,0 +1,125 @@
+"""correction.spread=gene: the counterfactual output's scale per gene and batch, shrunk toward the batch's level.
+
+The estimator on known inputs, then a tiny model trained on real counts (the 200-cell subset, four of its five
+batches; the fifth is a batch the model never saw) corrected with both spreads, and a checkpoint from before the
+per-gene statistics.
+"""
+from __future__ import annotations
+
+import anndata as ad
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import batchfix
+from batchfix.config import CorrectionSettings, TrainConfig, validated
+from batchfix.correction import counterfactual
+from batchfix.errors import ConfigError
+
+UNSEEN = "sc_dropseq"
+TINY = dict(n_top_genes=200, genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8,
+            decoder_hidden=32, batch_size=64, max_epochs=10, threads=1, enable_progress_bar=False)
+
+
+def dense(matrix) -> np.ndarray:
+    return matrix.toarray() if sp.issparse(matrix) else np.asarray(matrix)
+
+
+def test_few_cells_pull_a_gene_toward_its_batch_and_many_keep_its_own():
+    ratio = np.random.default_rng(0).gamma(20.0, 1 / 20.0, size=500)  # variance ratios around 1
+    ratio[0] = 3.0  # one gene far from its batch's level
+    few = counterfactual.inverse_gamma_posterior(ratio, dof=2)
+    many = counterfactual.inverse_gamma_posterior(ratio, dof=100_000)
+    assert abs(few[0] - ratio.mean()) < 0.2 * abs(ratio[0] - ratio.mean())  # pulled most of the way
+    assert abs(many[0] - 3.0) < 0.01  # keeps its own
+    np.testing.assert_allclose(counterfactual.inverse_gamma_posterior(ratio, dof=0), ratio.mean())
+    np.testing.assert_allclose(counterfactual.inverse_gamma_posterior(np.full(5, 2.0), dof=50), 2.0)
+
+
+def test_shrunk_variances_pull_a_small_batch_toward_its_own_level_not_the_others():
+    rng = np.random.default_rng(1)
+    gene_level = rng.lognormal(0.0, 1.0, size=300)  # genes differ by orders of magnitude
+    noise = rng.gamma(20.0, 1 / 20.0, size=(2, 300))
+    variance = np.array([[1.0], [4.0]]) * gene_level * noise  # batch 1: four times noisier in every gene
+    variance[1, 0] = 40.0 * gene_level[0]  # one outlying gene in batch 1
+    small = counterfactual.shrunk_variances(variance, np.array([1000, 3]), n_training=2)
+    large = counterfactual.shrunk_variances(variance, np.array([1000, 100_000]), n_training=2)
+    assert large[1, 0] == pytest.approx(variance[1, 0], rel=0.01)
+    level = np.mean(variance[1] / variance.mean(axis=0))  # batch 1's ratio to the genes' level
+    assert small[1, 0] / variance.mean(axis=0)[0] == pytest.approx(level, rel=0.2)
+    np.testing.assert_allclose(small[0, 1:], variance[0, 1:], rtol=0.05)  # 1000 cells: its own (gene 0's level
+    # is raised by batch 1's outlier, which makes it an outlier of batch 0 too)
+
+
+def test_spread_is_validated_where_it_is_defined():
+    for make in (lambda: CorrectionSettings(spread="cell"),
+                 lambda: validated({"correction": {"spread": "cell"}}, TrainConfig)):
+        with pytest.raises(ConfigError, match=r"spread must be one of \['batch', 'gene'\]"):
+            make()
+    assert CorrectionSettings().spread == TrainConfig().correction.spread == "batch"
+
+
+@pytest.fixture(scope="module")
+def model(subset) -> batchfix.BatchfixModel:
+    torch.set_num_threads(1)
+    return batchfix.train(subset[subset.obs["batch"] != UNSEEN].copy(), seed=0, **TINY)
+
+
+@pytest.fixture(scope="module")
+def outputs(subset, model) -> dict[str, ad.AnnData]:
+    """The counterfactual output of the whole subset (the unseen batch included) with each spread."""
+    done = {}
+    for spread in ("batch", "gene"):
+        corrected = batchfix.correct(subset, model, spread=spread, copy=True)
+        done[spread] = corrected[:, corrected.var["batchfix_modelled"].to_numpy()].copy()
+    return done
+
+
+def test_gene_spread_equalizes_each_genes_scaled_spread_across_training_batches(model):
+    """k_{b,g} * sd_b(g) is each batch's residual sd after scaling: per gene nearly the same in every training
+    batch with spread=gene (up to shrinkage), while one k per batch leaves the genes' own differences."""
+    raw_sd = model.net.residual_gene_spread.numpy().astype(np.float64)  # (batches, G)
+    kept = (raw_sd > 0).all(axis=0)
+    dispersion = {}
+    for spread in ("batch", "gene"):
+        scale = counterfactual.Statistics(model.net, None, [], spread_by=spread).scale.numpy()  # (batches, 1 or G)
+        scaled = np.log(scale * raw_sd)[:, kept]
+        dispersion[spread] = float(np.mean(scaled.std(axis=0)))
+    assert dispersion["gene"] < 0.5 * dispersion["batch"], dispersion
+
+
+def test_gene_spread_rescales_each_cells_own_residual_per_gene_and_batch(subset, model, outputs):
+    """Both spreads add k times the cell's own residual to the same denoised value and reference location, so
+    where neither was floored at 0 their ratio to it is k_gene / k_batch: one number per gene and batch (the
+    within-batch order of cells kept), on seen and unseen batches."""
+    denoised = batchfix.correct(subset, model, output_mode="denoised", copy=True)
+    denoised = dense(denoised.layers["batchfix"][:, denoised.var["batchfix_modelled"].to_numpy()])
+    in_model_order = [model.genes.index(g) for g in outputs["batch"].var_names]  # output columns -> model genes
+    reference_location = model.net.residual_location.numpy().mean(axis=0)[in_model_order]
+    by_batch, by_gene = (dense(outputs[s].layers["batchfix"]) - denoised - reference_location for s in ("batch", "gene"))
+    batch = subset.obs["batch"].astype(str).to_numpy()
+    kept = (np.abs(by_batch) > 0.05) & (dense(outputs["batch"].layers["batchfix"]) > 0) & (
+        dense(outputs["gene"].layers["batchfix"]) > 0)
+    ratio = np.where(kept, by_gene / np.where(kept, by_batch, 1.0), np.nan)  # (cells, G)
+    for b in np.unique(batch):
+        per_gene = ratio[batch == b]
+        assert (np.nanmax(per_gene, axis=0) - np.nanmin(per_gene, axis=0) < 1e-3 * np.nanmax(per_gene, axis=0)
+                )[np.isfinite(per_gene).sum(axis=0) > 1].all(), b
+        assert np.nanmin(per_gene) > 0 and np.nanstd(np.nanmedian(per_gene, axis=0)) > 0.01, b
+    assert outputs["gene"].uns["batchfix"]["params"]["spread"] == "gene"
+    assert list(outputs["gene"].uns["batchfix"]["unseen_batches_estimated"]) == [UNSEEN]
+
+
+def test_a_checkpoint_without_gene_spreads_corrects_with_its_batch_wide_form(subset, model, outputs, tmp_path):
+    state = torch.load(model.save(tmp_path / "model.ckpt"), weights_only=True)
+    del state["state_dict"]["net.residual_gene_spread"], state["state_dict"]["net.residual_cells"]
+    torch.save(state, tmp_path / "older.ckpt")
+    older = batchfix.BatchfixModel.load(tmp_path / "older.ckpt")
+    spread = older.net.residual_spread
+    torch.testing.assert_close(older.net.residual_gene_spread, spread[:, None].expand(-1, older.net.n_genes))
+    corrected = batchfix.correct(subset, older, spread="gene", copy=True)
+    seen = (subset.obs["batch"] != UNSEEN).to_numpy()
+    values = dense(corrected.layers["batchfix"][:, corrected.var["batchfix_modelled"].to_numpy()])
+    np.testing.assert_allclose(values[seen], dense(outputs["batch"].layers["batchfix"])[seen], rtol=1e-5,
+                               atol=1e-5)
