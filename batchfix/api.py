@@ -17,12 +17,22 @@ from pathlib import Path
 
 import anndata as ad
 
-from batchfix.config import (CorrectionSettings, DataConfig, EvaluationOptions, FitConfig, ModelConfig, TrainConfig,
-                             TrainerConfig, flat_option_names, option_descriptions, validated)
+from batchfix.config import (
+    CorrectionSettings,
+    DataConfig,
+    EvaluationOptions,
+    FitConfig,
+    ModelConfig,
+    TrainConfig,
+    TrainerConfig,
+    flat_option_names,
+    option_descriptions,
+    validated,
+)
 from batchfix.correction.corrector import correct_adata
 from batchfix.correction.counterfactual import calibrated_model
-from batchfix.training import fitting
 from batchfix.errors import ConfigError
+from batchfix.training import fitting
 from batchfix.training.module import BatchfixModel, load_trained
 
 # Options of the command line that have no meaning for an in-memory AnnData.

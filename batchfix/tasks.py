@@ -12,13 +12,13 @@ import anndata as ad
 import torch
 
 from batchfix import runfolder, signals
-from batchfix.training import fitting
 from batchfix.config import AttentionConfig, CorrectConfig, CorrectionSettings, TrainConfig
 from batchfix.correction.corrector import correct_adata, correct_file, reference_index
 from batchfix.correction.counterfactual import calibrated_model
+from batchfix.data.io import atomic_output, input_path
 from batchfix.data.prepare import PreparedData
 from batchfix.errors import Interrupted
-from batchfix.data.io import atomic_output, input_path
+from batchfix.training import fitting
 from batchfix.training.module import ENTROPY_PREFIX, BatchfixModel, load_trained
 
 log = logging.getLogger(__name__)

@@ -54,8 +54,8 @@ def child(args) -> None:
     """Run the correction as the CLI does, printing progress lines for the parent."""
     import torch
 
-    from batchfix.correction import corrector
     from batchfix.config import CorrectionSettings
+    from batchfix.correction import corrector
     from batchfix.training.module import load_trained
 
     torch.set_num_threads(args.threads)

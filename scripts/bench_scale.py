@@ -48,7 +48,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from resampled import generate  # scripts/resampled.py, beside this script
 
 REPO = Path(__file__).resolve().parents[1]

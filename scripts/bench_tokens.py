@@ -87,8 +87,8 @@ def child(name: str, phase: str, args: argparse.Namespace) -> dict:
     """One configuration and phase, in this process: the json line the parent reads."""
     import torch
 
-    from batchfix.training import fitting
     from batchfix.api import train_config
+    from batchfix.training import fitting
 
     genes, options = CONFIGS[name]
     cfg = train_config(n_top_genes=genes, threads=args.threads, seed=0, **options)

@@ -25,8 +25,8 @@ import numpy as np
 import scanpy as sc
 
 import batchfix
-from batchfix.eval import cnv, metrics
 from batchfix.data.normalize import log_cp10k
+from batchfix.eval import cnv, metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import inject_clones  # noqa: E402

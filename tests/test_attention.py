@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from batchfix.data.genome import CHROMOSOME_CODE, UNPLACED
 from batchfix.nn.attention import (
     EntropyMeter,
     GenomicCoordinateEncoding,
@@ -21,7 +22,6 @@ from batchfix.nn.attention import (
     sdpa_attention,
     sinusoidal_genomic_encoding,
 )
-from batchfix.data.genome import CHROMOSOME_CODE, UNPLACED
 
 BACKENDS = {"guarded": guarded_attention, "sdpa": sdpa_attention}
 FP16_MAX = torch.finfo(torch.float16).max

@@ -5,8 +5,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from batchfix.eval import cnv
 from batchfix.data.normalize import log_cp10k
+from batchfix.eval import cnv
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from batchfix import config
-from batchfix.training import fitting
 from batchfix.config import AttentionConfig, CorrectConfig, EvaluateConfig, ModelConfig, TrainConfig, validated
-from batchfix.errors import ConfigError
 from batchfix.data.genome import GeneCoordinates, make_windows
+from batchfix.errors import ConfigError
 from batchfix.nn.network import BatchfixNet
+from batchfix.training import fitting
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 PRESETS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))

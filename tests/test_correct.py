@@ -25,10 +25,10 @@ import scipy.sparse as sp
 import torch
 
 import batchfix
-from batchfix.correction import corrector
-from batchfix.data import ondisk
 from batchfix.config import CorrectConfig, CorrectionSettings, validated
+from batchfix.correction import corrector
 from batchfix.correction.corrector import correct_file
+from batchfix.data import ondisk
 from batchfix.errors import CheckpointError, InputError
 from batchfix.training.module import load_trained
 

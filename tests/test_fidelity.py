@@ -12,8 +12,8 @@ import scipy.sparse as sp
 import torch
 from scipy.stats import spearmanr
 
-from batchfix.eval import fidelity
 from batchfix.data.normalize import log_cp10k
+from batchfix.eval import fidelity
 from batchfix.eval.fidelity import DE_RANK, GENE_METRICS, HVG_CONSERVATION, MARKER_RECALL, WITHIN_TYPE
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "cellbench5.h5ad"

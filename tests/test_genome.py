@@ -9,7 +9,6 @@ import pandas as pd
 import pytest
 
 from batchfix.data import genome
-from batchfix.errors import InputError
 from batchfix.data.genome import (
     CHROMOSOME_CODE,
     UNPLACED,
@@ -17,6 +16,7 @@ from batchfix.data.genome import (
     make_windows,
     place_genes,
 )
+from batchfix.errors import InputError
 
 MIN_PLACED = 0.85
 TP53 = ("17", 7661779, 7687550)  # GRCh38, as in the bundled table

@@ -19,9 +19,9 @@ from hydra import compose, initialize_config_module
 
 import batchfix
 from batchfix import tasks
-from batchfix.eval.attention_maps import attention_maps
 from batchfix.config import AttentionConfig, CorrectionSettings, TrainConfig, validated
 from batchfix.errors import InputError, OutputExistsError
+from batchfix.eval.attention_maps import attention_maps
 from batchfix.training.module import ENTROPY_PREFIX, load_trained
 
 ROOT = Path(__file__).resolve().parents[1]

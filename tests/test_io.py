@@ -14,10 +14,10 @@ import pandas as pd
 import pytest
 import scipy.sparse as sp
 
-from batchfix.data import io
 from batchfix.config import DataConfig, DataKeys
-from batchfix.errors import ConfigError, InputError
+from batchfix.data import io
 from batchfix.data.io import atomic_output, read_h5ad
+from batchfix.errors import ConfigError, InputError
 
 
 def load_expression(path, scale: str = "counts", **keys) -> io.ExpressionInput:

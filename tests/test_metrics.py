@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import scanpy as sc
 
-from batchfix.eval import fidelity, metrics
-from batchfix.eval.evaluate import evaluate_file
 from batchfix.data.io import OutputKeys
 from batchfix.data.normalize import log_cp10k
+from batchfix.eval import fidelity, metrics
+from batchfix.eval.evaluate import evaluate_file
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "cellbench5.h5ad"
 N_CELLS = 300
@@ -222,8 +222,8 @@ def test_evaluate_file_scores_a_stratified_subsample_of_a_large_file(corrected_f
 
 def test_subsample_read_from_disk_matches_the_file(corrected_file):
     """The cells read row by row from disk are those of the file, every stratum represented in proportion."""
-    from batchfix.eval.evaluate import read_for_scoring
     from batchfix.data.subsample import stratified_rows
+    from batchfix.eval.evaluate import read_for_scoring
 
     full = ad.read_h5ad(corrected_file)
     adata, info = read_for_scoring(corrected_file, "batch", "cell_type", 100, OutputKeys("batchfix"), None)

@@ -8,11 +8,11 @@ import torch
 from torch.distributions import NegativeBinomial
 
 from batchfix.config import DataConfig, DataKeys, ModelConfig
-from batchfix.data.prepare import prepare
 from batchfix.data.genome import GeneCoordinates, make_windows
 from batchfix.data.io import load_expression
-from batchfix.nn.network import BatchfixNet, GradientReversal, LocusEncoder, negative_binomial_log_likelihood
 from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
+from batchfix.data.prepare import prepare
+from batchfix.nn.network import BatchfixNet, GradientReversal, LocusEncoder, negative_binomial_log_likelihood
 
 
 def test_negative_binomial_log_likelihood_matches_torch_distributions():

@@ -24,13 +24,13 @@ import torch
 from scipy.stats import spearmanr
 
 import batchfix
-from batchfix.nn import attention
-from batchfix.correction import counterfactual
 from batchfix.config import CorrectConfig, CorrectionSettings, TrainConfig, validated
+from batchfix.correction import counterfactual
 from batchfix.correction.corrector import correct_file
+from batchfix.data.normalize import log_cp10k
 from batchfix.data.prepare import PreparedData
 from batchfix.errors import ConfigError, InputError
-from batchfix.data.normalize import log_cp10k
+from batchfix.nn import attention
 
 N_TOP_GENES = 200
 UNSEEN = "sc_dropseq"

@@ -16,8 +16,8 @@ import batchfix
 from batchfix.api import train_config
 from batchfix.correction import counterfactual
 from batchfix.correction.counterfactual import GenomeSmoother, genome_smoother
-from batchfix.errors import ConfigError
 from batchfix.data.normalize import log_cp10k
+from batchfix.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import inject_clones  # noqa: E402

@@ -35,16 +35,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import batchfix
-from batchfix.data import io, ondisk
 from batchfix import runfolder, signals, tasks
-from batchfix.cli import folder_check
-from batchfix.training import fitting
 from batchfix.api import train_config
+from batchfix.cli import folder_check
 from batchfix.config import CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
 from batchfix.correction.corrector import correct_file
+from batchfix.data import io, ondisk
 from batchfix.data.prepare import CellDataModule
-from batchfix.errors import (CheckpointError, ConfigError, InputError, Interrupted, OutputError,
-                             OutputExistsError, TrainingError)
+from batchfix.errors import (
+    CheckpointError,
+    ConfigError,
+    InputError,
+    Interrupted,
+    OutputError,
+    OutputExistsError,
+    TrainingError,
+)
+from batchfix.training import fitting
 from batchfix.training.module import load_trained
 
 TINY = ["data.n_top_genes=200", "model.genes_per_token=16", "model.d_model=16", "model.n_heads=2", "model.n_layers=1",

@@ -16,11 +16,11 @@ from hydra import compose, initialize_config_module
 
 from batchfix import tasks
 from batchfix.config import DataConfig, TrainConfig, validated
-from batchfix.data.prepare import CellDataModule, StreamedCells, in_order, prepare
-from batchfix.errors import ConfigError
 from batchfix.data.io import load_expression
-from batchfix.training.module import load_trained
+from batchfix.data.prepare import CellDataModule, StreamedCells, in_order, prepare
 from batchfix.data.streaming import prepare_streamed, use_streaming
+from batchfix.errors import ConfigError
+from batchfix.training.module import load_trained
 
 N_TOP_GENES = 200
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from batchfix.correction import counterfactual
 from batchfix import tasks
-from batchfix.training import fitting
 from batchfix.config import TrainConfig, validated
+from batchfix.correction import counterfactual
 from batchfix.errors import InputError
+from batchfix.training import fitting
 from batchfix.training.module import BatchfixModule, load_trained
 
 N_TOP_GENES = 200

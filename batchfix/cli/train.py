@@ -6,8 +6,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from batchfix.cli.common import require_inputs, run, user_errors_reported
-from batchfix.config import TrainConfig, validated
 from batchfix.cli.summary import run_summary
+from batchfix.config import TrainConfig, validated
 from batchfix.runfolder import RUN_OUTPUTS, remove_if_unused
 
 

@@ -54,14 +54,22 @@ import torch
 from tqdm.auto import tqdm
 
 import batchfix
-from batchfix.nn.attention import fused_attention
-from batchfix.correction import counterfactual
-from batchfix.data import ondisk
 from batchfix import signals
 from batchfix.config import CorrectionSettings
+from batchfix.correction import counterfactual
+from batchfix.data import ondisk
+from batchfix.data.io import (
+    OutputKeys,
+    atomic_output,
+    check_h5ad_path,
+    check_values,
+    duplicate_genes_error,
+    output_exists,
+    repeated,
+    select_matrix,
+)
 from batchfix.errors import InputError
-from batchfix.data.io import (OutputKeys, atomic_output, check_h5ad_path, check_values, duplicate_genes_error,
-                         output_exists, repeated, select_matrix)
+from batchfix.nn.attention import fused_attention
 from batchfix.training.module import BatchfixModel
 
 log = logging.getLogger(__name__)

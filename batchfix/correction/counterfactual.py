@@ -56,9 +56,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from batchfix.nn.attention import fused_attention
 from batchfix.data.prepare import PreparedData, in_order
 from batchfix.errors import CheckpointError
+from batchfix.nn.attention import fused_attention
 from batchfix.nn.network import BatchfixNet
 from batchfix.training.module import BatchfixModel, load_trained
 

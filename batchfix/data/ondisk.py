@@ -27,8 +27,8 @@ try:  # anndata >= 0.11
 except ImportError:  # pragma: no cover - older anndata
     from anndata.experimental import read_elem, write_elem
 
-from batchfix.errors import InputError
 from batchfix.data.io import missing_matrix
+from batchfix.errors import InputError
 
 log = logging.getLogger(__name__)
 

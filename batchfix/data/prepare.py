@@ -15,13 +15,13 @@ import scipy.sparse as sp
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 
-from batchfix.data import ondisk
 from batchfix.config import DataConfig
-from batchfix.errors import ConfigError
+from batchfix.data import ondisk
 from batchfix.data.genome import GeneCoordinates, place_genes
 from batchfix.data.io import ExpressionInput
 from batchfix.data.normalize import log_cp10k
 from batchfix.data.select import highly_variable_genes
+from batchfix.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

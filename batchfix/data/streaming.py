@@ -30,16 +30,23 @@ try:  # anndata >= 0.11
 except ImportError:  # pragma: no cover - older anndata
     from anndata.experimental import read_elem
 
-from batchfix.data import ondisk
 from batchfix import signals
 from batchfix.config import DataConfig
-from batchfix.data.prepare import DiskCells, PreparedData, model_genes, standardization
-from batchfix.errors import InputError
-from batchfix.data.io import (check_batches, check_h5ad_path, check_values, duplicate_genes_error, missing_obs_column,
-                         obs_strings, repeated)
+from batchfix.data import ondisk
+from batchfix.data.io import (
+    check_batches,
+    check_h5ad_path,
+    check_values,
+    duplicate_genes_error,
+    missing_obs_column,
+    obs_strings,
+    repeated,
+)
 from batchfix.data.normalize import log_cp10k
+from batchfix.data.prepare import DiskCells, PreparedData, model_genes, standardization
 from batchfix.data.select import highly_variable_genes
 from batchfix.data.subsample import stratified_rows
+from batchfix.errors import InputError
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ import pandas as pd
 import torch
 from PIL import Image
 
-from batchfix.data import ondisk
 from batchfix.config import CorrectionSettings
 from batchfix.correction.corrector import Corrector
-from batchfix.errors import InputError
+from batchfix.data import ondisk
 from batchfix.data.genome import CHROMOSOMES
 from batchfix.data.io import atomic_output, check_h5ad_path, output_exists
+from batchfix.errors import InputError
 from batchfix.training.module import BatchfixModel
 
 log = logging.getLogger(__name__)

@@ -15,14 +15,14 @@ try:  # anndata >= 0.11
 except ImportError:  # pragma: no cover - older anndata
     from anndata.experimental import read_elem
 
-from batchfix.eval import caches, metrics
-from batchfix.data import ondisk
 from batchfix import runfolder
 from batchfix.config import CorrectionOptions, EvaluateConfig, EvaluationOptions
-from batchfix.errors import InputError
+from batchfix.data import ondisk
 from batchfix.data.io import OutputKeys, atomic_output, check_h5ad_path, input_path, obs_strings, read_h5ad
-from batchfix.runfolder import METRICS_JSON, METRICS_MD, UMAP_PNG
 from batchfix.data.subsample import SEED, stratified_rows
+from batchfix.errors import InputError
+from batchfix.eval import caches, metrics
+from batchfix.runfolder import METRICS_JSON, METRICS_MD, UMAP_PNG
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from matplotlib.figure import Figure
 from scib_metrics.benchmark import BatchCorrection, Benchmarker, BioConservation
 
 from batchfix.config import NEIGHBOR_METHODS, EvaluationOptions
-from batchfix.eval import cnv, fidelity
-from batchfix.errors import InputError
 from batchfix.data.io import OutputKeys
 from batchfix.data.normalize import log_cp10k
+from batchfix.errors import InputError
+from batchfix.eval import cnv, fidelity
 
 BATCH_SCORE = "Batch correction"
 BIO_SCORE = "Bio conservation"

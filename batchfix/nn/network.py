@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from batchfix.nn.attention import GenomicCoordinateEncoding, GenomicDistanceBias, TransformerBlock
 from batchfix.config import ModelConfig
 from batchfix.data.genome import LocusWindows
 from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
+from batchfix.nn.attention import GenomicCoordinateEncoding, GenomicDistanceBias, TransformerBlock
 
 
 class GradientReversal(torch.autograd.Function):

@@ -16,11 +16,11 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 
-from batchfix.nn.attention import EntropyMeter
 from batchfix.config import ModelConfig
-from batchfix.errors import CheckpointError, TrainingError
 from batchfix.data.genome import GeneCoordinates, LocusWindows, make_windows
 from batchfix.data.io import atomic_output
+from batchfix.errors import CheckpointError, TrainingError
+from batchfix.nn.attention import EntropyMeter
 from batchfix.nn.network import BatchfixNet
 
 log = logging.getLogger(__name__)
