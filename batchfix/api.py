@@ -13,11 +13,13 @@ from __future__ import annotations
 import difflib
 import inspect
 import tempfile
+from dataclasses import fields
 from pathlib import Path
 
 import anndata as ad
 
 from batchfix.config import (
+    CorrectionOptions,
     CorrectionSettings,
     DataConfig,
     EvaluationOptions,
@@ -67,7 +69,7 @@ def train_config(**options) -> TrainConfig:
 
 
 # Options of `train` that belong to correction: the Python API trains, and batchfix.correct takes them.
-CORRECTION_ONLY = ("output_mode", "reference", "key_added")
+CORRECTION_ONLY = tuple(option.name for option in fields(CorrectionOptions))
 
 
 def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: str | None = DataConfig.label_key,
@@ -78,7 +80,8 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
           n_heads: int = ModelConfig.n_heads, n_layers: int = ModelConfig.n_layers,
           dropout: float = ModelConfig.dropout, latent_dim: int = ModelConfig.latent_dim,
           decoder_hidden: int = ModelConfig.decoder_hidden, attention: str = ModelConfig.attention,
-          position_encoding: str = ModelConfig.position_encoding, token_identity: str = ModelConfig.token_identity,
+          position_encoding: str = ModelConfig.position_encoding, shuffle_seed: int | None = ModelConfig.shuffle_seed,
+          token_identity: str = ModelConfig.token_identity,
           distance_bias: bool = ModelConfig.distance_bias, distance_buckets: int = ModelConfig.distance_buckets,
           min_wavelength: float = ModelConfig.min_wavelength, max_wavelength: float = ModelConfig.max_wavelength,
           attention_block_size: int | None = ModelConfig.attention_block_size,

@@ -268,7 +268,7 @@ class CorrectionOptions:
     # genome (neighbours along the real coordinates) | shuffled (ablation: a random gene order drawn with
     # regional_seed, so "neighbours" are unrelated genes)
     regional_order: str = "genome"
-    regional_seed: int = 0
+    regional_seed: int = 0  # the random gene order of regional_order=shuffled
     # The counterfactual output's residual scale k: batch = one spread per batch | gene = a spread per gene and
     # batch, shrunk toward the batch's level (empirical Bayes, as ComBat's scale; docs/genewise_spread.md)
     spread: str = "batch"
