@@ -194,7 +194,7 @@ def test_checkpoint_reload_reproduces_in_memory_model(subset_h5ad, tmp_path, cap
     assert float(state["best_model_score"]) == pytest.approx(val_elbo.min(), rel=1e-6)
     # model.ckpt is the best checkpoint plus the training batches' residual statistics.
     best, final = (load_trained(run_dir / name).module.state_dict() for name in ("checkpoints/best.ckpt", "model.ckpt"))
-    calibration = {"net.residual_location", "net.residual_spread"}
+    calibration = {"net.residual_location", "net.residual_spread", "net.residual_gene_spread", "net.residual_cells"}
     assert best.keys() == final.keys() and calibration <= set(final)
     assert all(torch.equal(best[k], final[k]) for k in best if k not in calibration)
     assert not best["net.residual_spread"].any() and (final["net.residual_spread"] > 0).all()
