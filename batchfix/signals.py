@@ -46,6 +46,11 @@ def _handler(signum: int, frame) -> None:
     raise Interrupted(_state["pending"])
 
 
+def pending() -> int | None:
+    """The signal received and not yet handled, if any."""
+    return _state["pending"]
+
+
 def raise_pending() -> None:
     """Raise a received signal as `Interrupted` (call only where the program runs normally, not in cleanup)."""
     signum = _state["pending"]

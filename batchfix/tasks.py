@@ -130,11 +130,15 @@ def correct(cfg: CorrectConfig) -> Path:
         written = correct_file(source, output, load_trained(cfg.checkpoint), cfg, counts_layer=cfg.counts_layer,
                                batch_key=cfg.batch_key, overwrite=cfg.overwrite, progress=cfg.progress,
                                all_batches_new=cfg.all_batches_new)
-    except Interrupted as err:
+    except (Interrupted, OSError) as err:
+        # A signal that lands inside h5py's C code can surface as an OSError of the interrupted read or write.
+        signum = err.signum if isinstance(err, Interrupted) else signals.pending()
+        if signum is None:
+            raise
         now = file_identity(output)
         state = ("was not written" if now is None else "is unchanged" if now == earlier
                  else "was complete before the signal came")
-        raise Interrupted(err.signum, f"; {output} {state}") from None
+        raise Interrupted(signum, f"; {output} {state}") from None
     return written
 
 

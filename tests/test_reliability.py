@@ -38,7 +38,7 @@ import batchfix
 from batchfix import runfolder, signals, tasks
 from batchfix.api import train_config
 from batchfix.cli import folder_check
-from batchfix.config import CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
+from batchfix.config import CorrectConfig, CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
 from batchfix.correction.corrector import correct_file
 from batchfix.data import io, ondisk
 from batchfix.data.prepare import CellDataModule
@@ -315,6 +315,24 @@ def test_signal_stops_correct_without_output(signalled, signum):
     assert last_line(result["stderr"]) == (f"batchfix correct: error: interrupted by {signum.name}; "
                                            f"{signum.name}.h5ad was not written")
     assert not any(signalled["work"].glob(f"*{signum.name}.h5ad*")), "an output or a temporary file is left"
+
+
+def test_an_h5py_error_while_a_signal_is_pending_is_reported_as_the_signal(files, tmp_path, monkeypatch):
+    """A signal landing inside h5py's C code can come out as an OSError of the interrupted read or write: with the
+    signal pending, correct reports the interruption; without one, the OSError stays what it is."""
+    def interrupted_write(*args, **kwargs):
+        raise OSError("Can't write data (interrupted)")
+
+    monkeypatch.setattr(tasks, "correct_file", interrupted_write)
+    cfg = validated(dict(input=str(files["small"]), checkpoint=str(files["ckpt"]),
+                         output=str(tmp_path / "out.h5ad")), CorrectConfig)
+    with signals.interrupts_raised():
+        with pytest.raises(OSError, match="Can't write data"):
+            tasks.correct(cfg)
+        monkeypatch.setitem(signals._state, "pending", signal.SIGTERM)
+        with pytest.raises(Interrupted) as err:
+            tasks.correct(cfg)
+    assert err.value.exit_status == 128 + signal.SIGTERM and str(err.value).endswith("out.h5ad was not written")
 
 
 def test_a_killed_correct_leaves_a_temporary_file_the_next_run_removes(signalled, files, caplog):
