@@ -68,12 +68,10 @@ def model(subset) -> batchfix.BatchfixModel:
 
 @pytest.fixture(scope="module")
 def outputs(subset, model) -> dict[str, ad.AnnData]:
-    """The counterfactual output of the whole subset (the unseen batch included) with each spread."""
-    done = {}
-    for spread in ("batch", "gene"):
-        corrected = batchfix.correct(subset, model, spread=spread, copy=True)
-        done[spread] = corrected[:, corrected.var["batchfix_modelled"].to_numpy()].copy()
-    return done
+    """The counterfactual output of the whole subset (the unseen batch included) with each spread, on the
+    modelled genes."""
+    corrected = {spread: batchfix.correct(subset, model, spread=spread, copy=True) for spread in ("batch", "gene")}
+    return {spread: out[:, out.var["batchfix_modelled"].to_numpy()].copy() for spread, out in corrected.items()}
 
 
 def test_gene_spread_equalizes_each_genes_scaled_spread_across_training_batches(model):
