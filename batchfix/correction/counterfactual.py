@@ -121,7 +121,6 @@ def calibration_cells(batch_index: np.ndarray, n_batches: int, per_batch: int, s
     return np.sort(np.concatenate(kept))
 
 
-@torch.no_grad()
 def calibrated_model(checkpoint: Path, prepared: PreparedData) -> BatchfixModel:
     """A fit's best checkpoint, with its training batches' residual statistics (`calibrate`)."""
     model = load_trained(checkpoint)
@@ -129,6 +128,7 @@ def calibrated_model(checkpoint: Path, prepared: PreparedData) -> BatchfixModel:
     return model
 
 
+@torch.no_grad()
 def calibrate(net: BatchfixNet, prepared: PreparedData) -> None:
     """Store each training batch's residual location and spread in the net (its checkpoint carries them).
 
@@ -345,7 +345,12 @@ def state_shift(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, referenc
     batch shift the model learned for the cell's state, on the output's scale)."""
     mu, _ = net.encode(x)
     reference_values, own = decoded_pair(net, mu, codes, reference, present)
-    return reference_values - stats.scale[codes.clamp_min(0).long()] * own
+    return decoder_term(reference_values, own, stats.scale[codes.clamp_min(0).long()])
+
+
+def decoder_term(reference_values: torch.Tensor, own: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(B, G) decoded_ref(z) - k_b decoded_b(z), with `scale` each cell's k ((B, 1) or (B, G))."""
+    return reference_values - scale * own
 
 
 @torch.no_grad()
@@ -360,7 +365,7 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
     residual = net.log_expression(x) - own - stats.location[known]  # (B, G)
     values = reference_values + stats.ref_location + stats.scale[known] * residual
     if regional is not None:
-        shift = reference_values - stats.scale[known] * own  # as state_shift
+        shift = decoder_term(reference_values, own, stats.scale[known])
         deviation = (shift - regional.mean_shift[known]) * regional.estimated[known, None]
         values = values - regional.smoother(deviation)
     values = torch.where((codes < 0)[:, None], reference_values, values)  # too few cells: denoised
