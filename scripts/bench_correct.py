@@ -18,6 +18,7 @@ input's other groups, memory is flat: every chunk needs the same).
 
     python scripts/bench_correct.py --cells 100000 1000000 --max-seconds 300 --threads 1
     python scripts/bench_correct.py --cells 100000 --checkpoint RUN/model.ckpt --workdir bench_work
+    python scripts/bench_correct.py --cells 20000 --regional-shift apply keep   # the regional option's cost
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ import time
 from pathlib import Path
 
 from resampled import generate  # scripts/resampled.py, beside this script
+
+from batchfix.config import REGIONAL_SHIFTS, CorrectionSettings
 
 
 def train_checkpoint(workdir: Path, threads: int) -> Path:
@@ -54,7 +57,6 @@ def child(args) -> None:
     """Run the correction as the CLI does, printing progress lines for the parent."""
     import torch
 
-    from batchfix.config import CorrectionSettings
     from batchfix.correction import corrector
     from batchfix.training.module import load_trained
 
@@ -71,7 +73,8 @@ def child(args) -> None:
 
     corrector.corrected_chunks = reporting_chunks
     try:
-        settings = CorrectionSettings(chunk_size=args.chunk_size, batch_size=args.batch_size)
+        settings = CorrectionSettings(chunk_size=args.chunk_size, batch_size=args.batch_size,
+                                      regional_shift=args.regional_shift[0])
         corrector.correct_file(args.child[0], args.child[1], load_trained(args.child[2]), settings, overwrite=True,
                                 progress=False)
         print(f"DONE {time.perf_counter() - started:.3f}", flush=True)
@@ -87,7 +90,8 @@ def measure(input_path: Path, output_path: Path, checkpoint: Path, args) -> dict
 
     command = [sys.executable, str(Path(__file__).resolve()), "--child", str(input_path), str(output_path),
                str(checkpoint), "--threads", str(args.threads), "--chunk-size", str(args.chunk_size),
-               "--batch-size", str(args.batch_size), "--launched", repr(time.time())]
+               "--batch-size", str(args.batch_size), "--regional-shift", args.regional_shift[0],
+               "--launched", repr(time.time())]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     launched = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
@@ -131,7 +135,7 @@ def measure(input_path: Path, output_path: Path, checkpoint: Path, args) -> dict
     return records
 
 
-def report(n_cells: int, n_genes: int, input_path: Path, output_path: Path, records: dict) -> dict:
+def report(n_cells: int, n_genes: int, input_path: Path, output_path: Path, records: dict, shift: str) -> dict:
     progress = records["progress"]
     done = progress[-1][0] if progress else 0
     first_cells, first_time = progress[0] if progress else (0, 0.0)
@@ -161,11 +165,12 @@ def report(n_cells: int, n_genes: int, input_path: Path, output_path: Path, reco
         "output_file_mb": round(output_path.stat().st_size / 2**20) if output_path.exists() else None,
         "leftover_temp_files": records["leftover_temp_files"],
     }
-    print(f"\n{n_cells:,} cells x {n_genes:,} genes: "
+    print(f"\n{n_cells:,} cells x {n_genes:,} genes, regional_shift={shift}: "
           f"{'finished' if finished else f'interrupted after {done:,} cells'}\n"
           f"  throughput        {steady:,.0f} cells/s steady state ({overall:,.0f} cells/s over the correction loop)\n"
           f"  wall time         {row['total_s']:,.0f} s{' (extrapolated)' if not finished else ''}, "
-          f"of which {loop_started:.1f} s loading the model + copying the input's other groups "
+          f"of which {loop_started:.1f} s before the loop (loading the model, copying the input's other groups; "
+          f"for regional_shift keep|keep_all, the pass that encodes every cell and estimates the batch means) "
           f"(+ {row['imports_s']:.0f} s of Python imports before)\n"
           f"  peak RSS          {row['peak_rss_mb']:,} MB (kernel high-water mark; sampled: "
           f"{row['sampled_peak_rss_mb']:,} MB)\n"
@@ -187,6 +192,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="interrupt a correction after this many seconds of its loop and extrapolate")
+    parser.add_argument("--regional-shift", nargs="+", default=[CorrectionSettings.regional_shift],
+                        choices=REGIONAL_SHIFTS, help="correction.regional_shift: each one given is timed on each file")
     parser.add_argument("--keep", action="store_true", help="keep the generated inputs and outputs")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--child", nargs=3, metavar=("INPUT", "OUTPUT", "CHECKPOINT"), help=argparse.SUPPRESS)
@@ -209,9 +216,12 @@ def main() -> None:
             generate(input_path, n_cells, genes)
             print(f"Generated {input_path} ({input_path.stat().st_size / 2**20:,.0f} MB) in "
                   f"{time.perf_counter() - began:.0f} s.", flush=True)
-        output_path.unlink(missing_ok=True)
-        records = measure(input_path, output_path, checkpoint, args)
-        rows.append(report(n_cells, len(genes), input_path, output_path, records))
+        for shift in args.regional_shift:
+            output_path.unlink(missing_ok=True)
+            records = measure(input_path, output_path, checkpoint, argparse.Namespace(**{**vars(args),
+                                                                                       "regional_shift": [shift]}))
+            rows.append({"regional_shift": shift,
+                         **report(n_cells, len(genes), input_path, output_path, records, shift)})
         if not args.keep:
             output_path.unlink(missing_ok=True)
             input_path.unlink(missing_ok=True)

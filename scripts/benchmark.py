@@ -101,7 +101,7 @@ def run_batchfix(
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
     """Train batchfix on `adata_hvg` (raw counts, genes already selected) once, and correct it in
     every output mode with the same model (and the counterfactual output with its other spread,
-    named counterfactual_SPREAD).
+    named counterfactual_SPREAD, and its other regional shifts, named counterfactual_regional_MODE).
 
     `overrides` are Hydra-style "key=value" strings (e.g. "model.position_encoding=none").
     Returns (latent (cells, k), corrected log expression (cells, genes) by output mode, seconds by
@@ -110,7 +110,7 @@ def run_batchfix(
     from hydra import compose, initialize_config_module
 
     from batchfix import tasks
-    from batchfix.config import OUTPUT_MODES, SPREADS, CorrectionSettings, TrainConfig, validated
+    from batchfix.config import OUTPUT_MODES, REGIONAL_SHIFTS, SPREADS, CorrectionSettings, TrainConfig, validated
     from batchfix.correction.corrector import correct_file
     from batchfix.training.module import load_trained
 
@@ -130,6 +130,8 @@ def run_batchfix(
         others = {mode: CorrectionSettings(output_mode=mode) for mode in set(OUTPUT_MODES) - set(paths)}
         others.update({f"counterfactual_{spread}": CorrectionSettings(spread=spread)  # the other scale, same model
                        for spread in set(SPREADS) - {cfg.correction.spread}})
+        others.update({f"counterfactual_regional_{shift}": CorrectionSettings(regional_shift=shift)
+                       for shift in set(REGIONAL_SHIFTS) - {cfg.correction.regional_shift}})
         for mode, settings in others.items():
             start = time.perf_counter()
             paths[mode] = correct_file(source, Path(tmp) / f"{mode}.h5ad", load_trained(run_dir / "model.ckpt"),

@@ -46,9 +46,9 @@ def emit(records: list[dict]) -> None:
 
 
 def regional_variants(shuffles=SHUFFLE_SEEDS) -> dict[str, dict]:
-    """batchfix correction options by row name: the default, and regional_shift keep and keep_all over the genome
-    and over shuffled gene orders."""
-    variants = {"batchfix": {}}
+    """batchfix correction options by row name: regional_shift apply, keep and keep_all over the genome, and keep and
+    keep_all over shuffled gene orders."""
+    variants = {"batchfix regional=apply": {"regional_shift": "apply"}}
     for mode in ("keep", "keep_all"):
         variants[f"batchfix regional={mode}"] = {"regional_shift": mode}
         for seed in shuffles:
@@ -250,13 +250,21 @@ def summarised(records: list[dict], columns: list[str], by: str = "method") -> s
     return "\n".join(lines)
 
 
+LEGACY_NAMES = {"batchfix": "batchfix regional=apply"}  # row names of records made before the name said the mode
+
+
 def report(paths: list[str]) -> str:
-    """Markdown tables of the JSON files this script wrote (docs/cnv.md is made from them)."""
-    sections = []
+    """Markdown tables of the JSON files this script wrote (docs/cnv.md is made from them); the records of files of
+    one experiment are pooled into one table."""
+    by_kind: dict[str, tuple[list[str], list[dict]]] = {}
     for path in paths:
         data = json.loads(Path(path).read_text())
-        records = data["records"]
-        kind = records[0]["experiment"]
+        records = [{**r, "method": LEGACY_NAMES.get(r["method"], r["method"])} for r in data["records"]]
+        commands, pooled = by_kind.setdefault(records[0]["experiment"], ([], []))
+        commands.append(data["command"])
+        pooled.extend(records)
+    sections = []
+    for kind, (commands, records) in by_kind.items():
         if kind == "profile":
             columns = [c for c in ["retention_r", "relative_r", "amplitude_ratio", *metrics.AGGREGATE_COLUMNS]
                        if c in records[0]]
@@ -270,8 +278,8 @@ def report(paths: list[str]) -> str:
         paired = {"profile": ["retention_r", "Total"], "confounded": ["r", "amplitude_ratio"],
                   "oligodendroglioma": ["malignant kept (mean)"]}.get(kind, ["mean"])
         pairs = "\n\n".join(paired_differences(records, c) for c in paired if c in records[0])
-        sections.append(f"### {kind} ({path})\n\n`{data['command']}`\n\n{summarised(records, columns)}\n\n"
-                        f"{pairs}\n")
+        runs = "\n".join(f"    {command}" for command in commands)
+        sections.append(f"#### {kind}\n\n{runs}\n\n{summarised(records, columns)}\n\n{pairs}\n")
     return "\n".join(sections)
 
 

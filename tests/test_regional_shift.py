@@ -105,6 +105,33 @@ def test_a_regional_shift_of_one_state_is_kept_and_a_gene_wise_one_removed(subse
         assert np.allclose(changes[mode][1], -scale * changes[mode][2], atol=0.02)
 
 
+def test_the_regional_correction_encodes_each_cell_once(subset, tiny_model, monkeypatch):
+    """`keep` needs every batch's mean shift before the first cell is corrected: the pass that estimates it keeps
+    the cells' latents, so the correction only decodes them, and gives the values a second encoding would."""
+    calls = []
+    encode = type(tiny_model.net).encode
+
+    def counted(net, x):
+        calls.append(len(x))
+        return encode(net, x)
+
+    kept = batchfix.correct(subset, tiny_model, regional_shift="keep", batch_size=64, copy=True)
+    monkeypatch.setattr(type(tiny_model.net), "encode", counted)
+    again = batchfix.correct(subset, tiny_model, regional_shift="keep", batch_size=64, copy=True)
+    assert sum(calls) == subset.n_obs
+    assert np.array_equal(kept.layers["batchfix"].toarray(), again.layers["batchfix"].toarray())
+    calls.clear()
+    unpatched = counterfactual.corrected
+
+    def without_latents(*args, mu=None, **kwargs):
+        return unpatched(*args, **kwargs)  # encodes the cells again
+
+    monkeypatch.setattr(counterfactual, "corrected", without_latents)
+    recomputed = batchfix.correct(subset, tiny_model, regional_shift="keep", batch_size=64, copy=True)
+    assert sum(calls) == 2 * subset.n_obs
+    assert np.allclose(recomputed.layers["batchfix"].toarray(), kept.layers["batchfix"].toarray(), atol=1e-5)
+
+
 @pytest.mark.slow
 def test_keeping_the_regional_shift_keeps_a_confounded_clone(bundled_adata):
     """A default model on the bundled data with a clone (gain chr7, loss chr17) in H2228 of sc_celseq2 only:

@@ -160,6 +160,7 @@ class Corrector:
         self.batches = None if batch is None else counterfactual.batch_codes(batch, trained.batch_categories)
         self.statistics = None
         self.regional = None  # counterfactual.RegionalShift, estimated by `prepare` unless regional_shift=apply
+        self.latents = None  # (cells, latent) encoded by that estimate, reused by the correction
         if settings.output_mode == "counterfactual":
             counterfactual.training_statistics(trained.net)  # refuses an uncalibrated checkpoint before any work
             self.log_batches()
@@ -190,18 +191,23 @@ class Corrector:
             if self.settings.regional_shift != "apply":
                 self.estimate_mean_shift(rows, n_obs)
 
+    @torch.no_grad()
     def estimate_mean_shift(self, rows, n_obs: int) -> None:
-        """Each batch code's mean of decoded_ref - decoded_b over its cells (counterfactual.RegionalShift)."""
+        """Each batch code's mean of decoded_ref - decoded_b over its cells (counterfactual.RegionalShift); the
+        cells' latents are kept (`latents`), so the correction decodes them without encoding again."""
         n_codes = self.batches.n_training + len(self.batches.unseen)
         sums = np.zeros((n_codes, len(self.trained.genes)))
         counts = np.zeros(n_codes, dtype=np.int64)
+        self.latents = np.empty((n_obs, self.latent_dim), dtype=np.float32)
         for start in range(0, n_obs, self.settings.chunk_size):
             stop = min(start + self.settings.chunk_size, n_obs)
             x = self.model_input(rows.rows(start, stop), start)
             for begin in range(0, stop - start, self.batch_size):
                 codes = self.batches.codes[start + begin:start + min(begin + self.batch_size, stop - start)]
-                shift = counterfactual.state_shift(self.net, x[begin:begin + len(codes)], torch.from_numpy(codes),
-                                                   self.reference, self.statistics, self.present).numpy()
+                mu, _ = self.net.encode(x[begin:begin + len(codes)])  # (B, latent)
+                self.latents[start + begin:start + begin + len(codes)] = mu.numpy()
+                shift = counterfactual.state_shift(self.net, mu, torch.from_numpy(codes), self.reference,
+                                                   self.statistics, self.present).numpy()
                 for code in np.unique(codes[codes >= 0]):
                     sums[code] += shift[codes == code].sum(axis=0)
                     counts[code] += int((codes == code).sum())
@@ -290,10 +296,12 @@ class Corrector:
             else:
                 if self.statistics is None:
                     raise RuntimeError("Corrector.prepare(rows, n_obs) must run before the counterfactual output.")
-                codes = torch.from_numpy(self.batches.codes[first_cell + start:first_cell + min(stop, x.shape[0])])
+                cells = slice(first_cell + start, first_cell + min(stop, x.shape[0]))
+                codes = torch.from_numpy(self.batches.codes[cells])
+                mu = None if self.latents is None else torch.from_numpy(self.latents[cells])
                 mu, expression, n_clipped = counterfactual.corrected(self.net, x[start:stop], codes,
                                                                      self.reference, self.statistics, self.present,
-                                                                     self.regional)
+                                                                     self.regional, mu=mu)
                 self.n_clipped += n_clipped
             latent[start:stop] = mu.numpy()
             values[start:stop] = expression.numpy()[:, self.out_model]

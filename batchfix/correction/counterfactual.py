@@ -339,11 +339,10 @@ def decoded_pair(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, refere
 
 
 @torch.no_grad()
-def state_shift(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference: int | None, stats: Statistics,
+def state_shift(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, reference: int | None, stats: Statistics,
                 present: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, G) decoded_ref(z) - k_b decoded_b(z): the part of each cell's output that the decoder gives (the
-    batch shift the model learned for the cell's state, on the output's scale)."""
-    mu, _ = net.encode(x)
+    """(B, G) decoded_ref(z) - k_b decoded_b(z) for latents `mu` (B, latent): the part of each cell's output that
+    the decoder gives (the batch shift the model learned for the cell's state, on the output's scale)."""
     reference_values, own = decoded_pair(net, mu, codes, reference, present)
     return decoder_term(reference_values, own, stats.scale[codes.clamp_min(0).long()])
 
@@ -355,11 +354,13 @@ def decoder_term(reference_values: torch.Tensor, own: torch.Tensor, scale: torch
 
 @torch.no_grad()
 def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference: int | None, stats: Statistics,
-              present: torch.Tensor | None = None,
-              regional: RegionalShift | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+              present: torch.Tensor | None = None, regional: RegionalShift | None = None,
+              mu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(latent mean, counterfactual values (B, G), how many were raised to 0) for cells with batch `codes`;
-    with `regional`, the regional part of each cell's deviation from the mean state shift is left in."""
-    mu, _ = net.encode(x)
+    with `regional`, the regional part of each cell's deviation from the mean state shift is left in. `mu`: the
+    cells' latent means if already encoded (the encoder, the costly part, then does not run again)."""
+    if mu is None:
+        mu, _ = net.encode(x)
     reference_values, own = decoded_pair(net, mu, codes, reference, present)
     known = codes.clamp_min(0).long()
     residual = net.log_expression(x) - own - stats.location[known]  # (B, G)
