@@ -14,6 +14,9 @@ Methods (their own packages, default settings):
                 scored, and its corrected expression matrix for the gene-level scores
   scvi          scvi-tools SCVI on raw counts: latent, and batch-corrected expression
                 (get_normalized_expression over all batches, library size 1e4) -> log1p -> PCA
+  cellanova     CellANOVA (scripts/baselines.py) on the standardised log-normalized expression, every
+                batch in its one control pool, Harmony inside it seeded with the run's seed; its
+                integrated values put back on the log scale with the gene means and sds -> PCA
   batchfix      `run_batchfix`: trained once; latent, and PCA of the corrected log expression in
                 each output mode (counterfactual and denoised: two rows)
 With `--ablation`, batchfix runs once per position encoding (model.position_encoding =
@@ -30,9 +33,9 @@ the reference up to float32 rounding: a sanity row that scores ~1.0), "ComBat" (
 log matrix), "Scanorama" (its corrected expression: Scanorama scales each cell's log values to
 unit L2 norm before adding its correction vectors, and the matrix is scored on that scale as
 returned, genes put back in the input order), "scVI corrected expression (PCA)" (the log1p of the
-decoded expression above) and "batchfix counterfactual (PCA)" / "batchfix denoised (PCA)" (the
-two output modes of one trained model). Methods that give no matrix
-(Harmony, the latents) get n/a. Without labels only HVG conservation is computed.
+decoded expression above), "CellANOVA" (its integrated values on the log scale) and "batchfix
+counterfactual (PCA)" / "batchfix denoised (PCA)" (the two output modes of one trained model).
+Methods that give no matrix (Harmony, the latents) get n/a. Without labels only HVG conservation is computed.
 
 fit seconds: wall-clock time of the method's own work (for batchfix: as `run_batchfix` reports,
 train + that output mode's correction, plus the PCA of its corrected expression; for its latent
@@ -66,7 +69,10 @@ import scipy.sparse as sp
 from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
 from batchfix.eval import cnv, fidelity, metrics
 
-BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import baselines  # noqa: E402
+
+BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi", "cellanova"]
 ALL_METHODS = ["batchfix", *BASELINES]
 ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
 CNV_R, CNV_AMPLITUDE = "CNV profile r", "CNV amplitude ratio"  # batchfix.eval.cnv.profile_retention
@@ -259,6 +265,14 @@ def fit_scvi(data: Prepared) -> MethodResult:
     return measured(fit)
 
 
+def fit_cellanova(data: Prepared) -> MethodResult:
+    def fit():
+        corrected = baselines.cellanova(data.log_expression, data.counts.obs, data.batch_key, data.seed)
+        return {"CellANOVA": metrics.pca_embedding(corrected, seed=data.seed)}, {"CellANOVA": corrected}
+
+    return measured(fit)
+
+
 def fit_batchfix(data: Prepared, overrides: list[str], name: str = "batchfix") -> MethodResult:
     """batchfix trained once; its latent and the PCA of its corrected expression in each output mode."""
     with PeakMemory() as memory:
@@ -283,7 +297,10 @@ BASELINE_FITS = {
     "harmony": fit_harmony,
     "scanorama": fit_scanorama,
     "scvi": fit_scvi,
+    "cellanova": fit_cellanova,
 }
+# the module each method needs beyond the package's own dependencies (the bench extra)
+OPTIONAL_MODULES = {"harmony": "harmonypy", "scanorama": "scanorama", "scvi": "scvi", "cellanova": "cellanova"}
 
 
 def load(path, batch_key: str, label_key: str | None, subset: int | None,
@@ -522,6 +539,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.variant and any("=" in name for name, *_ in args.variant):
         parser.error("--variant: give a NAME first, then its KEY=VALUE overrides")
+    for method in [m for m in args.methods if m in OPTIONAL_MODULES]:
+        if missing := baselines.missing_module(OPTIONAL_MODULES[method]):
+            parser.error(f"--methods {method}: {missing}")
     args.variant = [(name, extra) for name, *extra in args.variant or []]
     return args
 

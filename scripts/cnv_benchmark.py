@@ -30,6 +30,7 @@ from batchfix.eval import cnv, metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import inject_clones  # noqa: E402
+from baselines import cellanova, missing_module  # noqa: E402
 
 SHUFFLE_SEEDS = (1, 2, 3)  # gene orders of correction.regional_order=shuffled
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False)
@@ -81,33 +82,6 @@ def combat(log_values: np.ndarray, obs, batch_key: str) -> np.ndarray:
     return np.asarray(holder.X, dtype=np.float32)
 
 
-def cellanova(log_values: np.ndarray, obs, batch_key: str) -> np.ndarray:
-    """CellANOVA's integrated ('denoised') values, put back on the log scale. Every batch is a control (no batch
-    is known to hold only technical variation); its inputs are the standardised log values, as its
-    preprocess_data makes them, on the same genes as every other method."""
-    import harmonypy
-    from cellanova import model as cellanova_model
-
-    def harmony_integrate(adata, key, max_iter_harmony=10, **kwargs):
-        """scanpy's harmony_integrate transposes harmonypy's output, which harmonypy >= 2 already gives as
-        (cells, components): CellANOVA's call of it fails there, so it gets this one."""
-        result = harmonypy.run_harmony(adata.obsm["X_pca"], adata.obs, key, max_iter_harmony=max_iter_harmony,
-                                       verbose=False, **kwargs)
-        adata.obsm["X_pca_harmony"] = np.asarray(result.Z_corr, dtype=np.float32)
-
-    cellanova_model.sce.pp.harmony_integrate = harmony_integrate
-    mean, sd = log_values.mean(axis=0), log_values.std(axis=0)
-    sd[sd == 0] = 1.0
-    holder = ad.AnnData((log_values - mean) / sd, obs=obs[[batch_key]].astype(str).copy())
-    holder.layers["scale"] = holder.X.copy()
-    holder.var["highly_variable"] = True  # calc_ME reads it; every gene given is one
-    holder = cellanova_model.calc_ME(holder, integrate_key=batch_key)
-    holder = cellanova_model.calc_BE(holder, integrate_key=batch_key,
-                                     control_dict={"all": sorted(holder.obs[batch_key].unique())})
-    holder = cellanova_model.calc_TE(holder, integrate_key=batch_key)
-    return np.asarray(holder.layers["denoised"] * sd + mean, dtype=np.float32)
-
-
 def method_matrices(adata, batch_key, seed, options, variants, extra=()) -> tuple[np.ndarray, dict, float]:
     """(genes, {method: log-scale matrix}, batchfix train seconds): uncorrected, ComBat, batchfix rows and the
     `extra` baselines (cellanova)."""
@@ -116,7 +90,7 @@ def method_matrices(adata, batch_key, seed, options, variants, extra=()) -> tupl
     log_values = counts if options.get("scale") == "log" else dense(log_cp10k(counts))
     matrices = {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key), **corrected}
     if "cellanova" in extra:
-        matrices["CellANOVA"] = cellanova(log_values, adata.obs, batch_key)
+        matrices["CellANOVA"] = cellanova(log_values, adata.obs, batch_key, seed)
     return genes, matrices, seconds
 
 
@@ -342,6 +316,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", help="JSON file of the records")
     parser.add_argument("--reports", nargs="*", default=[], help="report: the JSON files to tabulate")
     args = parser.parse_args(argv)
+    if "cellanova" in args.extra and missing_module("cellanova"):
+        parser.error(f"--extra cellanova: {missing_module('cellanova')}")
     if args.experiment == "report":
         print(report(args.reports))
         return

@@ -81,3 +81,47 @@ def test_batches_keep_a_sub_problem_and_unknown_ones_are_named(monkeypatch):
     assert pair.n_obs == 450 and pair.n_vars == 11533
     with pytest.raises(SystemExit, match=r"\['nowhere'\] not in obs\['batch'\].*sc_celseq2_5cl_p1"):
         benchmark.load(data, "batch", "cell_type", None, ["sc_celseq2", "nowhere"])
+
+
+def test_cellanova_returns_log_scale_values_of_the_input_shape(monkeypatch):
+    pytest.importorskip("cellanova", reason="the CellANOVA baseline is in the bench extra: pip install -e '.[bench]'")
+    import anndata as ad
+    import numpy as np
+    import scanpy.external as sce
+
+    from batchfix.data.normalize import log_cp10k
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import baselines
+
+    data = ad.read_h5ad(ROOT / "data" / "cellbench5.h5ad")
+    data = data[data.obs["batch"].isin(["sc_celseq2", "sc_dropseq"]).to_numpy()]  # 450 cells, 2 platforms
+    counts = np.asarray(data.X.toarray() if hasattr(data.X, "toarray") else data.X)
+    counts = counts[:, np.sort(np.argsort(-counts.sum(axis=0))[:300])]
+    log_values = np.asarray(log_cp10k(counts), dtype=np.float32)
+    scanpy_harmony = sce.pp.harmony_integrate
+
+    corrected = baselines.cellanova(log_values, data.obs, "batch", seed=0)
+    assert corrected.shape == log_values.shape and corrected.dtype == np.float32
+    assert np.isfinite(corrected).all()
+    # back on the log scale: the genes' means kept, each value near its uncorrected one
+    assert np.abs(corrected.mean(axis=0) - log_values.mean(axis=0)).max() < 0.1
+    assert np.corrcoef(corrected.ravel(), log_values.ravel())[0, 1] > 0.9
+    assert sce.pp.harmony_integrate is scanpy_harmony  # scanpy's own is put back after the call
+    again = baselines.cellanova(log_values, data.obs, "batch", seed=0)
+    assert np.abs(again - corrected).max() < 0.05  # same seed, same values (up to ARPACK's start vectors)
+
+
+def test_a_method_whose_package_is_missing_names_the_bench_extra(monkeypatch, capsys):
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import benchmark
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cellanova" else find_spec(name, *a))
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["data.h5ad", "--methods", "unintegrated", "cellanova"])
+    error = capsys.readouterr().err
+    assert "--methods cellanova: cellanova is not installed" in error and 'pip install -e ".[bench]"' in error
+    assert benchmark.parse_args(["data.h5ad", "--methods", "unintegrated", "combat"]).methods == ["unintegrated", "combat"]
