@@ -260,10 +260,11 @@ class CorrectionOptions:
     reference: Optional[str] = None  # a training batch to express every cell as; null / average = all batches
     key_added: str = "batchfix"  # writes layers[KEY], var[KEY_modelled], obsm[X_KEY], uns[KEY]
     # Counterfactual output: what happens to the part of a cell's state-dependent batch shift that is smooth
-    # along the genome (copy-number-like: batchfix.correction.counterfactual): apply (removed with the rest) | keep (its
-    # deviation from the batch's mean shift is left in the cell) | keep_all (its deviation from the mean shift
-    # over all cells: a batch-wide regional shift, e.g. a patient whose cells all carry one CNV, is kept too)
-    regional_shift: str = "apply"
+    # along the genome (copy-number-like: batchfix.correction.counterfactual): keep (its deviation from the
+    # batch's mean shift is left in the cell: a clone found in one batch keeps its CNVs) | apply (removed with
+    # the rest) | keep_all (its deviation from the mean shift over all cells: a batch-wide regional shift, e.g.
+    # a patient whose cells all carry one CNV, is kept too)
+    regional_shift: str = "keep"
     regional_window: int = 100  # genes of the running mean along each chromosome that defines "regional"
     # genome (neighbours along the real coordinates) | shuffled (ablation: a random gene order drawn with
     # regional_seed, so "neighbours" are unrelated genes)

@@ -114,7 +114,8 @@ def test_cli_train_writes_run_folder(cli_run, subset_h5ad):
 
 
 def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad):
-    """The written correction equals what the reloaded model.ckpt computes on the same cells."""
+    """The written correction equals what the reloaded model.ckpt computes on the same cells (the default
+    regional_shift=keep: each batch's mean state shift over its cells, smoothed along the genome)."""
     trained = load_trained(cli_run / "model.ckpt")
     source = ad.read_h5ad(subset_h5ad)
     columns = source.var_names.get_indexer(trained.genes)
@@ -122,7 +123,14 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad):
     x = torch.from_numpy(np.asarray(source.X[:, columns], dtype=np.float32))
     codes = torch.from_numpy(np.searchsorted(trained.batch_categories, source.obs["batch"].astype(str).to_numpy()))
     statistics = counterfactual.Statistics(trained.net, None, [])
-    latent, expression, _ = counterfactual.corrected(trained.net, x, codes, None, statistics)
+    mu, _ = trained.net.encode(x)
+    shift = counterfactual.state_shift(trained.net, mu, codes, None, statistics)  # (cells, G)
+    mean_shift = torch.stack([shift[codes == b].mean(dim=0) for b in range(len(trained.batch_categories))])
+    assert all((codes == b).sum() >= counterfactual.MIN_UNSEEN_CELLS for b in range(len(trained.batch_categories)))
+    regional = counterfactual.RegionalShift(
+        counterfactual.GenomeSmoother(list(trained.module.hparams.chromosome), 100), mean_shift,
+        torch.ones(len(trained.batch_categories)))
+    latent, expression, _ = counterfactual.corrected(trained.net, x, codes, None, statistics, regional=regional)
     corrected = ad.read_h5ad(cli_run / "corrected.h5ad")
     layer = corrected.layers["batchfix"]
     layer = layer.toarray() if hasattr(layer, "toarray") else np.asarray(layer)

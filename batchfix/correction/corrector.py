@@ -183,13 +183,19 @@ class Corrector:
 
     def prepare(self, rows, n_obs: int) -> None:
         """Before correcting: estimate the unseen batches' location and spread (one pass over their cells) and,
-        unless regional_shift=apply, every batch's mean state shift (one pass over all cells)."""
+        unless regional_shift=apply or no modelled gene is placed on the genome, every batch's mean state shift
+        (one pass over all cells)."""
         if self.settings.output_mode != "counterfactual":
             return
         with fused_attention(self.net):
             self.estimate_unseen(rows, n_obs)
             if self.settings.regional_shift != "apply":
-                self.estimate_mean_shift(rows, n_obs)
+                if any(c is not None for c in self.trained.module.hparams.chromosome):
+                    self.estimate_mean_shift(rows, n_obs)
+                else:
+                    log.info("regional_shift=%s: no modelled gene has genomic coordinates, so no part of the shift "
+                             "is regional: all of it is removed (as with regional_shift=apply).",
+                             self.settings.regional_shift)
 
     @torch.no_grad()
     def estimate_mean_shift(self, rows, n_obs: int) -> None:

@@ -25,15 +25,15 @@ scale for data.scale=log):
   keeps about the batch-wide ratio, one estimated on many cells its own.
 - Values that would go below 0 (the floor of the log1p scale) are set to 0 and counted.
 
-Regional shift (correction.regional_shift, default apply). The shift the output removes from a cell,
+Regional shift (correction.regional_shift, default keep). The shift the output removes from a cell,
 delta_c = decoded_ref(z_c) - decoded_b(z_c), depends on the cell's state, so a state seen in one batch
 only (a patient's malignant clone) has part of its own biology taken for batch effect. With `keep`, the
 output's decoder term decoded_ref(z_c) - k_b decoded_b(z_c) (delta_c on the output's scale) is split
 into its batch's mean (per gene, over the batch's cells in the input: a gene-by-gene technical effect,
-as ComBat removes) and the cell's deviation from it; the deviation's running mean
-over `regional_window` neighbouring modelled genes of its chromosome (genomic order) is the regional,
-copy-number-like part, and it is not removed; the rest of delta_c is. `keep_all` takes the deviation
-from the mean over all the input's cells instead, so the regional part of a batch's own mean shift is
+as ComBat removes) and the cell's deviation from it; the deviation's running mean over `regional_window`
+neighbouring modelled genes of its chromosome (genomic order) is the regional, copy-number-like part, and
+it is not removed; the rest of delta_c is. `apply` removes the whole of delta_c. `keep_all` takes the
+deviation from the mean over all the input's cells instead, so the regional part of a batch's own mean shift is
 kept as well (a patient whose cells all carry one CNV). correction.regional_order=shuffled runs the same
 smoothing over a random gene order (the ablation: neighbours are then unrelated genes). Unplaced genes
 have no neighbours: their whole shift is removed. A batch with fewer than MIN_UNSEEN_CELLS cells in the
