@@ -1,0 +1,240 @@
+"""Where the counterfactual output loses marker genes against ComBat: its terms switched off one at a time.
+
+For cell c of batch b the counterfactual output (batchfix/correction/counterfactual.py) is
+
+    corrected = max(0, D(c) + location_ref + k_b * (observed(c) - location_b)),
+    D(c)      = decoded_ref(z_c) - k_b * decoded_b(z_c)     (the decoder term, `counterfactual.decoder_term`)
+
+batchfix is trained once per seed, and every variant below is built from that one model's terms, on the
+modelled genes:
+
+    shipped          batchfix.correct's layer, as it is (the re-implementation is checked against it)
+    no clip          the same values without the floor at 0
+    k=1              k_b = 1 for every batch: decoded_ref - decoded_b + location_ref + observed - location_b
+    gene-wise shift  D(c) replaced by its mean over the cell's batch: one shift per gene and batch, as ComBat's
+    gene-wise, no clip
+    shrunk L         mean_b(D) + L * (D(c) - mean_b(D)), L in SHRINKS
+
+They are scored with ComBat (scanpy's combat on log1p(counts per 10k) of the same genes) and the uncorrected
+log1p(counts per 10k): the gene-level scores of batchfix.eval.fidelity against each batch's own
+log1p(counts per 10k), and scib-metrics' Total of each matrix's PCA (batchfix.eval.metrics, exact neighbours).
+"marker diff RMS" is how far the label-vs-rest differences those scores rank move (root-mean-square over each
+label's top-50 reference markers): a continuous view of what marker recall counts in whole genes. "below 0 %" is
+the share of values under 0 before any floor (ComBat's output has no floor).
+The gene scores compare cells within one batch only, so a per-batch shift of a gene changes none of them:
+the uncorrected values score 1.0, and so would the gene-wise shift if nothing were clipped and k_b were 1.
+
+Printed: a line per (seed, variant), then mean and sd over seeds per variant, then how much of the marker-recall
+and DE-rank gap between the shipped output and ComBat (and between the shipped output and the uncorrected
+values) each single change closes.
+
+    nice python scripts/marker_loss.py data/cellbench5.h5ad --seeds 0 1 2 \\
+        --batches sc_celseq2_5cl_p1 sc_celseq2_5cl_p2 sc_celseq2_5cl_p3
+    nice python scripts/marker_loss.py data/cellbench5.h5ad --seeds 0 1 2 --batches sc_celseq2 sc_dropseq
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import torch
+
+import batchfix
+from batchfix.correction import counterfactual
+from batchfix.data.normalize import log_cp10k
+from batchfix.eval import fidelity, metrics
+from batchfix.nn.attention import fused_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark import load  # noqa: E402
+from cnv_benchmark import combat  # noqa: E402
+
+TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False)
+SHRINKS = (0.25, 0.5)
+BATCH_SIZE = 128  # cells per forward pass, as batchfix.correct's default
+SHIPPED, NO_CLIP, UNIT_K, GENEWISE = "shipped", "no clip", "k=1", "gene-wise shift"
+SINGLE_CHANGES = (NO_CLIP, UNIT_K, GENEWISE)  # the decomposition's rows
+MARKER_SHIFT = "marker diff RMS"
+SCORES = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *fidelity.GENE_METRICS, MARKER_SHIFT,
+          "below 0 %"]
+
+
+@dataclass
+class Terms:
+    """The counterfactual formula's parts for every cell (rows) and modelled gene (columns, the model's order)."""
+
+    reference: np.ndarray  # decoded_ref(z_c)
+    own: np.ndarray  # decoded_b(z_c)
+    observed: np.ndarray  # log1p(counts per 10k) of the cell
+    location: np.ndarray  # location_b of the cell's batch
+    scale: np.ndarray  # k_b of the cell's batch, (cells, 1)
+    ref_location: np.ndarray  # location_ref, (genes,)
+    codes: np.ndarray  # the cell's batch code
+
+    def unclipped(self, decoder: np.ndarray | None = None, scale: np.ndarray | None = None) -> np.ndarray:
+        """decoder + location_ref + k (observed - location_b), D(c) and k_b unless given."""
+        scale = self.scale if scale is None else scale
+        decoder = self.reference - scale * self.own if decoder is None else decoder
+        return decoder + self.ref_location + scale * (self.observed - self.location)
+
+    def batch_mean(self, values: np.ndarray) -> np.ndarray:
+        """Each cell's row replaced by the mean of its batch's rows."""
+        means = np.empty_like(values)
+        for code in np.unique(self.codes):
+            rows = self.codes == code
+            means[rows] = values[rows].mean(axis=0)
+        return means
+
+
+@torch.no_grad()
+def counterfactual_terms(adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str) -> Terms:
+    """The model's terms for every cell, as batchfix.correct computes them (average reference, spread per batch)."""
+    net = model.net
+    counts = np.asarray(adata[:, model.genes].X, dtype=np.float32)  # the model's gene order
+    codes = counterfactual.batch_codes(adata.obs[batch_key].astype(str).to_numpy(), model.batch_categories).codes
+    stats = counterfactual.Statistics(net, None, [])
+    present = torch.ones(len(model.genes), dtype=torch.bool)
+    parts = {"reference": [], "own": [], "observed": []}
+    with fused_attention(net):
+        for start in range(0, len(counts), BATCH_SIZE):
+            x = torch.from_numpy(counts[start:start + BATCH_SIZE])
+            mu, _ = net.encode(x)
+            reference, own = counterfactual.decoded_pair(net, mu, torch.from_numpy(codes[start:start + len(x)]),
+                                                         None, present)
+            for name, values in zip(parts, (reference, own, net.log_expression(x))):
+                parts[name].append(values.numpy())
+    return Terms(**{name: np.concatenate(blocks).astype(np.float64) for name, blocks in parts.items()},
+                 location=stats.location.numpy()[codes].astype(np.float64),
+                 scale=stats.scale.numpy()[codes].astype(np.float64),
+                 ref_location=stats.ref_location.numpy().astype(np.float64), codes=codes)
+
+
+def variant_matrices(terms: Terms) -> dict[str, np.ndarray]:
+    """Unclipped values of every variant (the name says whether the floor at 0 applies)."""
+    decoder = counterfactual.decoder_term(torch.from_numpy(terms.reference), torch.from_numpy(terms.own),
+                                          torch.from_numpy(terms.scale)).numpy()
+    mean = terms.batch_mean(decoder)
+    unclipped = {SHIPPED: terms.unclipped(), UNIT_K: terms.unclipped(scale=np.ones_like(terms.scale)),
+                 GENEWISE: terms.unclipped(decoder=mean)}
+    unclipped.update({f"shrunk {shrink:g}": terms.unclipped(decoder=mean + shrink * (decoder - mean))
+                      for shrink in SHRINKS})
+    clipped = {name: np.maximum(values, 0.0) for name, values in unclipped.items()}
+    return {SHIPPED: clipped.pop(SHIPPED), NO_CLIP: unclipped[SHIPPED], UNIT_K: clipped.pop(UNIT_K),
+            GENEWISE: clipped.pop(GENEWISE), f"{GENEWISE}, no clip": unclipped[GENEWISE], **clipped}
+
+
+def shipped_values(adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str) -> np.ndarray:
+    """batchfix.correct's layer on the modelled genes, in the model's gene order."""
+    corrected = batchfix.correct(adata, model, batch_key=batch_key, copy=True)
+    assert corrected.var["batchfix_modelled"].to_numpy().sum() == len(model.genes)
+    columns = corrected.var_names.get_indexer(model.genes)
+    return np.asarray(corrected.layers["batchfix"][:, columns].toarray(), dtype=np.float64)
+
+
+def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(counts on the modelled genes, {row: log-scale matrix}) for one trained model."""
+    model = batchfix.train(adata, batch_key=batch_key, seed=seed, **TRAIN_OPTIONS)
+    terms = counterfactual_terms(adata, model, batch_key)
+    variants = variant_matrices(terms)
+    difference = np.abs(variants[SHIPPED] - shipped_values(adata, model, batch_key)).max()
+    print(f"seed {seed}: re-implemented shipped output vs batchfix.correct, largest difference {difference:.2e}",
+          flush=True)
+    if difference > 1e-4:
+        raise SystemExit("The re-implementation does not reproduce batchfix.correct: the variants mean nothing.")
+    counts = np.asarray(adata[:, model.genes].X, dtype=np.float32)
+    log_values = np.asarray(log_cp10k(counts), dtype=np.float64)
+    uncorrected = {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key).astype(np.float64)}
+    return counts, {**uncorrected, **variants}
+
+
+def label_differences(values: np.ndarray, batch: np.ndarray, labels: np.ndarray) -> dict[str, np.ndarray]:
+    """Per label, mean(label) - mean(rest) of every gene within each batch with enough cells of both, averaged over
+    those batches: the differences batchfix.eval.fidelity ranks."""
+    sums, n = {}, {}
+    for b in pd.unique(batch):
+        rows = batch == b
+        for label in pd.unique(labels[rows]):
+            inside = rows & (labels == label)
+            outside = rows & (labels != label)
+            if inside.sum() >= fidelity.MIN_CELLS_DE and outside.sum() >= fidelity.MIN_CELLS_DE:
+                sums[label] = sums.get(label, 0.0) + values[inside].mean(axis=0) - values[outside].mean(axis=0)
+                n[label] = n.get(label, 0) + 1
+    return {label: sums[label] / n[label] for label in sums}
+
+
+def marker_shift(reference: dict[str, np.ndarray], corrected: dict[str, np.ndarray]) -> float:
+    """Root-mean-square change of the label-vs-rest differences on each label's top N_MARKERS reference genes."""
+    moved = [(corrected[label] - diff)[np.argsort(-diff, kind="stable")[:fidelity.N_MARKERS]]
+             for label, diff in reference.items()]
+    return float(np.sqrt(np.mean(np.square(moved))))
+
+
+def seed_scores(adata: ad.AnnData, batch_key: str, label_key: str, seed: int) -> pd.DataFrame:
+    """Every row's scores for one seed (rows: uncorrected, ComBat, the variants)."""
+    counts, matrices = seed_matrices(adata, batch_key, seed)
+    embeddings = {name: metrics.pca_embedding(values.astype(np.float32), seed=seed)
+                  for name, values in matrices.items()}
+    scib = metrics.score_embeddings(adata.obs, embeddings, embeddings["uncorrected"], batch_key, label_key)
+    batch, labels = adata.obs[batch_key].to_numpy(), adata.obs[label_key].to_numpy()
+    reference, rows = label_differences(matrices["uncorrected"], batch, labels), {}
+    for name, values in matrices.items():
+        genes = fidelity.gene_fidelity(counts, values, batch, labels)
+        rows[name] = {**{column: float(scib.loc[name, column]) for column in metrics.AGGREGATE_COLUMNS},
+                      **{metric: genes[metric] for metric in fidelity.GENE_METRICS},
+                      MARKER_SHIFT: marker_shift(reference, label_differences(values, batch, labels)),
+                      "below 0 %": 100 * float((values < 0).mean())}
+    table = pd.DataFrame.from_dict(rows, orient="index")[SCORES]
+    print(table.round(4).to_string(), flush=True)
+    return table.assign(seed=seed)
+
+
+def summary(scores: pd.DataFrame) -> pd.DataFrame:
+    """Mean ± sd over seeds per row, in the rows' first order."""
+    grouped = scores.groupby(level=0, sort=False)[SCORES]
+    mean, sd = grouped.mean(), grouped.std().fillna(0.0)
+    return pd.DataFrame({column: [f"{m:.4f} ± {s:.4f}" for m, s in zip(mean[column], sd[column])]
+                         for column in SCORES}, index=mean.index)
+
+
+def decomposition(scores: pd.DataFrame) -> pd.DataFrame:
+    """Share of the gap between the shipped output and ComBat (and the uncorrected values) that each single change
+    closes: (variant - shipped) / (target - shipped), on the seed means of each gene score."""
+    mean = scores.groupby(level=0, sort=False)[SCORES].mean()
+    table = {}
+    for metric in (fidelity.MARKER_RECALL, fidelity.DE_RANK, MARKER_SHIFT):
+        for target in ("ComBat", "uncorrected"):
+            gap = mean.loc[target, metric] - mean.loc[SHIPPED, metric]
+            table[f"{metric}: {target} - shipped = {gap:+.4f}"] = [
+                f"{(mean.loc[name, metric] - mean.loc[SHIPPED, metric]) / gap:+.2f}" if abs(gap) > 1e-9 else "n/a"
+                for name in SINGLE_CHANGES]
+    return pd.DataFrame(table, index=list(SINGLE_CHANGES)).T
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("data", help=".h5ad with raw counts in X")
+    parser.add_argument("--batches", nargs="+", help="keep only these batches")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--batch-key", default="batch")
+    parser.add_argument("--label-key", default="cell_type")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    adata = load(args.data, args.batch_key, args.label_key, None, args.batches)
+    print(f"{adata.n_obs} cells, batches {sorted(adata.obs[args.batch_key].unique())}, seeds {args.seeds}", flush=True)
+    scores = pd.concat([seed_scores(adata, args.batch_key, args.label_key, seed) for seed in args.seeds])
+    with pd.option_context("display.width", 250, "display.max_columns", None):
+        print(f"\nMean ± sd over seeds {args.seeds}:\n{summary(scores).to_string()}")
+        print(f"\nShare of the gap closed by each single change (seed means):\n{decomposition(scores).to_string()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
