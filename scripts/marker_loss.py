@@ -8,7 +8,7 @@ For cell c of batch b the counterfactual output (batchfix/correction/counterfact
 batchfix is trained once per seed, and every variant below is built from that one model's terms, on the
 modelled genes:
 
-    shipped          batchfix.correct's layer, as it is (the re-implementation is checked against it)
+    shipped          batchfix.correct's layer with regional_shift=apply (the re-implementation is checked against it)
     no clip          the same values without the floor at 0
     k=1              k_b = 1 for every batch: decoded_ref - decoded_b + location_ref + observed - location_b
     gene-wise shift  D(c) replaced by its mean over the cell's batch: one shift per gene and batch, as ComBat's
@@ -129,8 +129,9 @@ def variant_matrices(terms: Terms) -> dict[str, np.ndarray]:
 
 
 def shipped_values(adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str) -> np.ndarray:
-    """batchfix.correct's layer on the modelled genes, in the model's gene order."""
-    corrected = batchfix.correct(adata, model, batch_key=batch_key, copy=True)
+    """batchfix.correct's layer on the modelled genes, in the model's gene order, with the whole state shift removed
+    (regional_shift=apply: the variants take that form apart; the default `keep` adds back a regional part)."""
+    corrected = batchfix.correct(adata, model, batch_key=batch_key, copy=True, regional_shift="apply")
     assert corrected.var["batchfix_modelled"].to_numpy().sum() == len(model.genes)
     columns = corrected.var_names.get_indexer(model.genes)
     return np.asarray(corrected.layers["batchfix"][:, columns].toarray(), dtype=np.float64)
