@@ -180,7 +180,8 @@ OLIGO_SEGMENTS = {"1p": ("1", 0.0, 120e6), "19q": ("19", 28e6, np.inf)}  # clear
 
 def oligodendroglioma_run(args) -> list[dict]:
     """Tirosh 2016 oligodendrogliomas (infercnvpy's example), patients as batches: depth of the 1p and 19q losses
-    per malignant group (reference = the normal cells' mean), normal cells' depth.
+    per malignant group and of normal cells per (type, patient); the reference is the two normal types' means,
+    taken as infercnvpy takes several (`cnv.relative_to`).
 
     The file holds TPM (Smart-seq2; not counts, so not the negative binomial's input): they enter as
     log1p(TPM per 10k) with data.scale=log (Gaussian likelihood on standardised values), the scale every
@@ -191,7 +192,13 @@ def oligodendroglioma_run(args) -> list[dict]:
     adata.X = dense(log_cp10k(dense(adata.X)))
     adata.obs["patient"] = adata.obs_names.str.split("_").str[0]
     adata.var["chromosome"] = adata.var["chromosome"].astype(str).str.replace("^chr", "", regex=True)
-    normal = ~adata.obs["cell_type"].astype(str).str.startswith("malignant").to_numpy()
+    cell_type = adata.obs["cell_type"].astype(str).to_numpy()
+    normal = ~np.char.startswith(cell_type.astype(str), "malignant")
+    # Malignant groups as they are; normal cells per (type, patient): a correction that moves one patient's CNVs
+    # into its normal cells shows there, against the reference of every patient's normal cells.
+    groups = np.where(normal, np.char.add(np.char.add(cell_type.astype(str), " @"), adata.obs["patient"].to_numpy()
+                                          .astype(str)), cell_type)
+    normal_types = sorted(set(cell_type[normal]))
     records = []
     for seed in args.seeds:
         options = dict(scale="log", n_top_genes=None)
@@ -199,8 +206,8 @@ def oligodendroglioma_run(args) -> list[dict]:
         windows = cnv.windows_of(adata.var[genes])
         totals = scib_totals(adata.obs, matrices, "patient", "cell_type", seed) if args.scib else {}
         for name, values in matrices.items():
-            profiles = cnv.group_profiles(values, adata.obs["cell_type"].astype(str).to_numpy(), windows,
-                                          reference=values[normal].mean(axis=0), min_cells=5)
+            reference = np.stack([values[cell_type == t].mean(axis=0) for t in normal_types])  # (types, genes)
+            profiles = cnv.group_profiles(values, groups, windows, reference=reference, min_cells=5)
             depths = cnv.segment_depths(profiles, windows, OLIGO_SEGMENTS)
             records.append({"experiment": "oligodendroglioma", "seed": seed, "method": name,
                             "depths": {g: row.to_dict() for g, row in depths.iterrows()}, **totals.get(name, {})})
@@ -278,19 +285,22 @@ def paired_differences(records: list[dict], column: str) -> str:
 
 
 def oligodendroglioma_rows(records: list[dict]) -> list[dict]:
-    """Per (method, seed): each malignant group's 1p and 19q depth over the uncorrected depth, the normal groups'
-    mean depth, and the scIB Total."""
+    """Per (method, seed): each malignant group's 1p and 19q depth over the uncorrected depth, each normal group's
+    depth (type and patient), the largest absolute normal depth, and the scIB Total."""
     uncorrected = {r["seed"]: r["depths"] for r in records if r["method"] == "uncorrected"}
     rows = []
     for r in records:
-        row = {"method": r["method"], "seed": r["seed"]}
+        row, normal = {"method": r["method"], "seed": r["seed"]}, []
         for group, depth in r["depths"].items():
             for segment, value in depth.items():
                 if group.startswith("malignant"):
                     row[f"{group.removeprefix('malignant_')} {segment} kept"] = value / uncorrected[r["seed"]][group][segment]
                 else:
-                    row[f"{group.split(' ')[0].split('/')[0]} {segment}"] = value
+                    cell_type, _, patient = group.partition(" @")
+                    row[f"{cell_type.split(' ')[0].split('/')[0]} {patient} {segment}".replace("  ", " ")] = value
+                    normal.append(abs(value))
         row["malignant kept (mean)"] = float(np.mean([v for k, v in row.items() if str(k).endswith(" kept")]))
+        row["normal |depth| max"] = float(max(normal))
         row["Total"] = r.get("Total", np.nan)
         rows.append(row)
     return rows
