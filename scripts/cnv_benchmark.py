@@ -15,6 +15,7 @@ regional variants are corrections of that one model. One JSON of records per com
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
 import time
@@ -215,28 +216,52 @@ def oligodendroglioma_run(args) -> list[dict]:
     return records
 
 
-def summarised(records: list[dict], columns: list[str], by: str = "method") -> str:
-    """Markdown table: per `by` value, mean, sd and standard error (over every record) of each column."""
+def summary_rows(records: list[dict], columns: list[str], by: str = "method") -> list[list[str]]:
+    """Table rows (header first): per `by` value, mean, sd and standard error (over every record) of each column."""
     import pandas as pd
 
     frame = pd.DataFrame(records)
     grouped = frame.groupby(by, sort=False)[columns]
     mean, sd, n = grouped.mean(), grouped.std(), grouped.count()
-    lines = [f"| {by} | n | " + " | ".join(f"{c} mean (sd, se)" for c in columns) + " |",
-             "|---|---|" + "---|" * len(columns)]
+    rows = [[by, "n", *(f"{c} mean (sd, se)" for c in columns)]]
     for name in mean.index:
-        cells = [f"{mean.loc[name, c]:.3f} ({sd.loc[name, c]:.3f}, {sd.loc[name, c] / np.sqrt(n.loc[name, c]):.3f})"
-                 for c in columns]
-        lines.append(f"| {name} | {int(n.loc[name].max())} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([name, str(int(n.loc[name].max())), *(
+            f"{mean.loc[name, c]:.3f} ({sd.loc[name, c]:.3f}, {sd.loc[name, c] / np.sqrt(n.loc[name, c]):.3f})"
+            for c in columns)])
+    return rows
+
+
+def paired_rows(records: list[dict], columns: list[str]) -> list[list[str]]:
+    """Table rows (header first): regional=keep and keep_all minus each other method on each column, paired by
+    (label, seed) (shuffled orders averaged first): mean, standard error and number of pairs."""
+    import pandas as pd
+
+    frame = pd.DataFrame(records)
+    frame["method"] = frame["method"].str.replace(r"_shuffled/\d+$", "_shuffled (mean of orders)", regex=True)
+    keys = [k for k in ("label", "seed") if k in frame]
+    rows = [["score", "method", "minus", "mean", "se", "pairs (" + " x ".join(keys) + ")"]]
+    for column in columns:
+        wide = frame.groupby([*keys, "method"])[column].mean().unstack("method")
+        for mine in ("batchfix regional=keep", "batchfix regional=keep_all"):
+            for other in wide.columns.drop(mine) if mine in wide else []:
+                d = (wide[mine] - wide[other]).dropna()
+                rows.append([column, mine.split(" ")[1], other, f"{d.mean():+.3f}", f"{d.std() / np.sqrt(len(d)):.3f}",
+                             str(len(d))])
+    return rows
+
+
+def markdown(rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0]),
+                      *("| " + " | ".join(row) + " |" for row in rows[1:])])
 
 
 LEGACY_NAMES = {"batchfix": "batchfix regional=apply"}  # row names of records made before the name said the mode
 
 
-def report(paths: list[str]) -> str:
-    """Markdown tables of the JSON files this script wrote (docs/cnv.md is made from them); the records of files of
-    one experiment are pooled into one table."""
+def report(paths: list[str], csv_dir: Path | None = None) -> str:
+    """Markdown tables of the JSON files this script wrote; the records of files of one experiment are pooled into
+    one table. With `csv_dir`, each table is also written there as cnv-KIND.csv and cnv-KIND-paired.csv, the
+    results files of docs/cnv.md's tables (scripts/make_docs_tables.py)."""
     by_kind: dict[str, tuple[list[str], list[dict]]] = {}
     for path in paths:
         data = json.loads(Path(path).read_text())
@@ -258,30 +283,15 @@ def report(paths: list[str]) -> str:
             columns = [c for c in records[0] if c.startswith(("gain", "loss")) or c == "mean"]
         paired = {"profile": ["retention_r", "Total"], "confounded": ["r", "amplitude_ratio"],
                   "oligodendroglioma": ["malignant kept (mean)"]}.get(kind, ["mean"])
-        pairs = "\n\n".join(paired_differences(records, c) for c in paired if c in records[0])
+        tables = {"": summary_rows(records, columns), "-paired": paired_rows(records, [c for c in paired
+                                                                                       if c in records[0]])}
+        if csv_dir is not None:
+            for suffix, rows in tables.items():
+                with open(Path(csv_dir) / f"cnv-{kind.replace('/', '-')}{suffix}.csv", "w", newline="") as fh:
+                    csv.writer(fh).writerows(rows)
         runs = "\n".join(f"    {command}" for command in commands)
-        sections.append(f"#### {kind}\n\n{runs}\n\n{summarised(records, columns)}\n\n{pairs}\n")
+        sections.append(f"#### {kind}\n\n{runs}\n\n{markdown(tables[''])}\n\n{markdown(tables['-paired'])}\n")
     return "\n".join(sections)
-
-
-def paired_differences(records: list[dict], column: str) -> str:
-    """regional=keep and keep_all minus each other method on `column`, paired by (label, seed) (shuffled orders
-    averaged first): mean and standard error over the pairs."""
-    import pandas as pd
-
-    frame = pd.DataFrame(records)
-    frame["method"] = frame["method"].str.replace(r"_shuffled/\d+$", "_shuffled (mean of orders)", regex=True)
-    keys = [k for k in ("label", "seed") if k in frame]
-    wide = frame.groupby([*keys, "method"])[column].mean().unstack("method")
-    lines = []
-    for mine in ("batchfix regional=keep", "batchfix regional=keep_all"):
-        if mine not in wide:
-            continue
-        lines.append(f"Paired by {' x '.join(keys)} on {column}: {mine.split(' ')[1]} minus")
-        for other in wide.columns.drop(mine):
-            d = (wide[mine] - wide[other]).dropna()
-            lines.append(f"- {other}: {d.mean():+.3f} (se {d.std() / np.sqrt(len(d)):.3f}, n {len(d)})")
-    return "\n".join(lines)
 
 
 def oligodendroglioma_rows(records: list[dict]) -> list[dict]:
@@ -325,11 +335,12 @@ def main(argv=None) -> None:
     parser.add_argument("--no-scib", dest="scib", action="store_false", help="skip the scIB Totals")
     parser.add_argument("--out", help="JSON file of the records")
     parser.add_argument("--reports", nargs="*", default=[], help="report: the JSON files to tabulate")
+    parser.add_argument("--csv-dir", type=Path, help="report: also write each table as a CSV here (docs/results)")
     args = parser.parse_args(argv)
     if "cellanova" in args.extra and missing_module("cellanova"):
         parser.error(f"--extra cellanova: {missing_module('cellanova')}")
     if args.experiment == "report":
-        print(report(args.reports))
+        print(report(args.reports, args.csv_dir))
         return
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     OUTPUT.update(path=args.out, command=" ".join(["python", "scripts/cnv_benchmark.py", *sys.argv[1:]]))
