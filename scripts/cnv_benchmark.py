@@ -282,15 +282,16 @@ def report(paths: list[str], csv_dir: Path | None = None) -> str:
         else:
             columns = [c for c in records[0] if c.startswith(("gain", "loss")) or c == "mean"]
         paired = {"profile": ["retention_r", "Total"], "confounded": ["r", "amplitude_ratio"],
-                  "oligodendroglioma": ["malignant kept (mean)"]}.get(kind, ["mean"])
-        tables = {"": summary_rows(records, columns), "-paired": paired_rows(records, [c for c in paired
-                                                                                       if c in records[0]])}
+                  "oligodendroglioma": ["malignant kept (mean)"], "inject/confounded": ["mean"]}.get(kind, [])
+        tables = {"": summary_rows(records, columns)}
+        if paired:  # the designs where keeping a regional shift is at stake (shared and none: every row alike)
+            tables["-paired"] = paired_rows(records, [c for c in paired if c in records[0]])
         if csv_dir is not None:
             for suffix, rows in tables.items():
                 with open(Path(csv_dir) / f"cnv-{kind.replace('/', '-')}{suffix}.csv", "w", newline="") as fh:
                     csv.writer(fh).writerows(rows)
         runs = "\n".join(f"    {command}" for command in commands)
-        sections.append(f"#### {kind}\n\n{runs}\n\n{markdown(tables[''])}\n\n{markdown(tables['-paired'])}\n")
+        sections.append(f"#### {kind}\n\n{runs}\n\n" + "\n\n".join(markdown(t) for t in tables.values()) + "\n")
     return "\n".join(sections)
 
 
