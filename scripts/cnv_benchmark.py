@@ -23,6 +23,7 @@ from pathlib import Path
 
 import anndata as ad
 import numpy as np
+import pandas as pd
 import scanpy as sc
 
 import batchfix
@@ -181,8 +182,7 @@ OLIGO_SEGMENTS = {"1p": ("1", 0.0, 120e6), "19q": ("19", 28e6, np.inf)}  # clear
 
 def oligodendroglioma_run(args) -> list[dict]:
     """Tirosh 2016 oligodendrogliomas (infercnvpy's example), patients as batches: depth of the 1p and 19q losses
-    per malignant group and of normal cells per (type, patient); the reference is the two normal types' means,
-    taken as infercnvpy takes several (`cnv.relative_to`).
+    per malignant group (reference = the normal cells' mean), normal cells' depth per type and per (type, patient).
 
     The file holds TPM (Smart-seq2; not counts, so not the negative binomial's input): they enter as
     log1p(TPM per 10k) with data.scale=log (Gaussian likelihood on standardised values), the scale every
@@ -194,12 +194,10 @@ def oligodendroglioma_run(args) -> list[dict]:
     adata.obs["patient"] = adata.obs_names.str.split("_").str[0]
     adata.var["chromosome"] = adata.var["chromosome"].astype(str).str.replace("^chr", "", regex=True)
     cell_type = adata.obs["cell_type"].astype(str).to_numpy()
-    normal = ~np.char.startswith(cell_type.astype(str), "malignant")
-    # Malignant groups as they are; normal cells per (type, patient): a correction that moves one patient's CNVs
-    # into its normal cells shows there, against the reference of every patient's normal cells.
-    groups = np.where(normal, np.char.add(np.char.add(cell_type.astype(str), " @"), adata.obs["patient"].to_numpy()
-                                          .astype(str)), cell_type)
-    normal_types = sorted(set(cell_type[normal]))
+    normal = ~np.char.startswith(cell_type, "malignant")
+    # Normal cells per type and per (type, patient): a correction that moves a patient's tumour CNVs into its
+    # normal cells shows in the latter, as a change from the uncorrected depth.
+    per_patient = np.char.add(np.char.add(cell_type, " @"), adata.obs["patient"].to_numpy().astype(str))
     records = []
     for seed in args.seeds:
         options = dict(scale="log", n_top_genes=None)
@@ -207,8 +205,10 @@ def oligodendroglioma_run(args) -> list[dict]:
         windows = cnv.windows_of(adata.var[genes])
         totals = scib_totals(adata.obs, matrices, "patient", "cell_type", seed) if args.scib else {}
         for name, values in matrices.items():
-            reference = np.stack([values[cell_type == t].mean(axis=0) for t in normal_types])  # (types, genes)
-            profiles = cnv.group_profiles(values, groups, windows, reference=reference, min_cells=5)
+            reference = values[normal].mean(axis=0)
+            profiles = pd.concat([cnv.group_profiles(values, cell_type, windows, reference=reference, min_cells=5),
+                                  cnv.group_profiles(values[normal], per_patient[normal], windows,
+                                                     reference=reference, min_cells=5)])
             depths = cnv.segment_depths(profiles, windows, OLIGO_SEGMENTS)
             records.append({"experiment": "oligodendroglioma", "seed": seed, "method": name,
                             "depths": {g: row.to_dict() for g, row in depths.iterrows()}, **totals.get(name, {})})
@@ -218,8 +218,6 @@ def oligodendroglioma_run(args) -> list[dict]:
 
 def summary_rows(records: list[dict], columns: list[str], by: str = "method") -> list[list[str]]:
     """Table rows (header first): per `by` value, mean, sd and standard error (over every record) of each column."""
-    import pandas as pd
-
     frame = pd.DataFrame(records)
     grouped = frame.groupby(by, sort=False)[columns]
     mean, sd, n = grouped.mean(), grouped.std(), grouped.count()
@@ -234,8 +232,6 @@ def summary_rows(records: list[dict], columns: list[str], by: str = "method") ->
 def paired_rows(records: list[dict], columns: list[str]) -> list[list[str]]:
     """Table rows (header first): regional=keep and keep_all minus each other method on each column, paired by
     (label, seed) (shuffled orders averaged first): mean, standard error and number of pairs."""
-    import pandas as pd
-
     frame = pd.DataFrame(records)
     frame["method"] = frame["method"].str.replace(r"_shuffled/\d+$", "_shuffled (mean of orders)", regex=True)
     keys = [k for k in ("label", "seed") if k in frame]
@@ -297,21 +293,25 @@ def report(paths: list[str], csv_dir: Path | None = None) -> str:
 
 def oligodendroglioma_rows(records: list[dict]) -> list[dict]:
     """Per (method, seed): each malignant group's 1p and 19q depth over the uncorrected depth, each normal group's
-    depth (type and patient), the largest absolute normal depth, and the scIB Total."""
+    depth (per type, and per type and patient), the largest absolute depth of a normal type, the largest change
+    of a (type, patient) group's depth from the uncorrected one, and the scIB Total."""
     uncorrected = {r["seed"]: r["depths"] for r in records if r["method"] == "uncorrected"}
     rows = []
     for r in records:
-        row, normal = {"method": r["method"], "seed": r["seed"]}, []
+        row, pooled, moved = {"method": r["method"], "seed": r["seed"]}, [], []
         for group, depth in r["depths"].items():
             for segment, value in depth.items():
+                before = uncorrected[r["seed"]][group][segment]
                 if group.startswith("malignant"):
-                    row[f"{group.removeprefix('malignant_')} {segment} kept"] = value / uncorrected[r["seed"]][group][segment]
-                else:
-                    cell_type, _, patient = group.partition(" @")
-                    row[f"{cell_type.split(' ')[0].split('/')[0]} {patient} {segment}".replace("  ", " ")] = value
-                    normal.append(abs(value))
+                    row[f"{group.removeprefix('malignant_')} {segment} kept"] = value / before
+                    continue
+                cell_type, _, patient = group.partition(" @")
+                row[" ".join(filter(None, [cell_type.split(" ")[0].split("/")[0], patient, segment]))] = value
+                (moved if patient else pooled).append(abs(value - before) if patient else abs(value))
         row["malignant kept (mean)"] = float(np.mean([v for k, v in row.items() if str(k).endswith(" kept")]))
-        row["normal |depth| max"] = float(max(normal))
+        row["normal type |depth| max"] = float(max(pooled))
+        if moved:
+            row["normal per patient |change| max"] = float(max(moved))
         row["Total"] = r.get("Total", np.nan)
         rows.append(row)
     return rows

@@ -91,12 +91,3 @@ def test_segment_mask_names_the_chromosomes_there_are(placed):
     windows = cnv.windows_of(placed[0].var, window=30, step=10)
     with pytest.raises(ValueError, match="windows exist on"):
         cnv.segment_mask(windows, "Y")
-
-
-def test_several_references_bound_the_zero_as_infercnvpy_does():
-    """With two normal types as references, a group mean between their means is 0 (a type's own program), one
-    above the higher or below the lower is measured from that bound; one reference is plainly subtracted."""
-    references = np.array([[1.0, 2.0, 0.0], [3.0, 2.5, 0.5]])  # (types, genes)
-    means = np.array([[2.0, 3.0, -1.0], [1.0, 2.5, 0.25]])
-    np.testing.assert_allclose(cnv.relative_to(means, references), [[0.0, 0.5, -1.0], [0.0, 0.0, 0.0]])
-    np.testing.assert_allclose(cnv.relative_to(means, references[0]), means - references[0])

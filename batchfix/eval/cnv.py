@@ -111,9 +111,8 @@ def group_profiles(log_values, groups: Sequence, windows: GenomicWindows, refere
                    min_cells: int = MIN_CELLS) -> pd.DataFrame:
     """CNV profile of every group with >= min_cells cells: rows = groups, columns = windows.
 
-    log_values: (cells, genes) log-expression; groups: (cells,) group of each cell; reference: (genes,), default
-    the mean over all cells, or (k, genes), the means of k reference groups (e.g. normal cell types), taken as
-    infercnvpy takes several: a group mean between the references' lowest and highest is 0 (`relative_to`).
+    log_values: (cells, genes) log-expression; groups: (cells,) group of each cell; reference: (genes,),
+    default the mean over all cells.
     """
     values = dense(log_values)
     groups = np.asarray(groups)
@@ -123,17 +122,7 @@ def group_profiles(log_values, groups: Sequence, windows: GenomicWindows, refere
     names, inverse, counts = np.unique(groups, return_inverse=True, return_counts=True)
     kept = np.flatnonzero(counts >= min_cells)
     means = np.stack([values[inverse == k].mean(axis=0) for k in kept]) if len(kept) else np.empty((0, values.shape[1]))
-    return pd.DataFrame(windows.average(relative_to(means, reference)), index=names[kept])
-
-
-def relative_to(means: np.ndarray, reference: np.ndarray) -> np.ndarray:
-    """(groups, genes) means minus a (genes,) reference; for (k, genes) references, minus the highest of them
-    above it, minus the lowest below it, and 0 in between (infercnvpy's rule for several reference groups: the
-    normal types' own expression programs are not called copy-number changes)."""
-    if reference.ndim == 1:
-        return means - reference
-    low, high = reference.min(axis=0), reference.max(axis=0)
-    return np.where(means > high, means - high, np.where(means < low, means - low, 0.0))
+    return pd.DataFrame(windows.average(means - reference), index=names[kept])
 
 
 def _pearson(a: np.ndarray, b: np.ndarray) -> float:
