@@ -193,7 +193,7 @@ def oligodendroglioma_run(args) -> list[dict]:
     adata.X = dense(log_cp10k(dense(adata.X)))
     adata.obs["patient"] = adata.obs_names.str.split("_").str[0]
     adata.var["chromosome"] = adata.var["chromosome"].astype(str).str.replace("^chr", "", regex=True)
-    cell_type = adata.obs["cell_type"].astype(str).to_numpy()
+    cell_type = np.asarray(adata.obs["cell_type"], dtype=str)
     normal = ~np.char.startswith(cell_type, "malignant")
     # Normal cells per type and per (type, patient): a correction that moves a patient's tumour CNVs into its
     # normal cells shows in the latter, as a change from the uncorrected depth.
