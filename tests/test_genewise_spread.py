@@ -69,8 +69,10 @@ def model(subset) -> batchfix.BatchfixModel:
 @pytest.fixture(scope="module")
 def outputs(subset, model) -> dict[str, ad.AnnData]:
     """The counterfactual output of the whole subset (the unseen batch included) with each spread, on the
-    modelled genes."""
-    corrected = {spread: batchfix.correct(subset, model, spread=spread, copy=True) for spread in ("batch", "gene")}
+    modelled genes; with the whole state shift removed (regional_shift=apply), the form in which k multiplies
+    only the cell's residual (the regional part kept by default is tested in test_regional_shift.py)."""
+    corrected = {spread: batchfix.correct(subset, model, spread=spread, regional_shift="apply", copy=True)
+                 for spread in ("batch", "gene")}
     return {spread: out[:, out.var["batchfix_modelled"].to_numpy()].copy() for spread, out in corrected.items()}
 
 
@@ -116,7 +118,7 @@ def test_a_checkpoint_without_gene_spreads_corrects_with_its_batch_wide_form(sub
     older = batchfix.BatchfixModel.load(tmp_path / "older.ckpt")
     spread = older.net.residual_spread
     torch.testing.assert_close(older.net.residual_gene_spread, spread[:, None].expand(-1, older.net.n_genes))
-    corrected = batchfix.correct(subset, older, spread="gene", copy=True)
+    corrected = batchfix.correct(subset, older, spread="gene", regional_shift="apply", copy=True)
     seen = (subset.obs["batch"] != UNSEEN).to_numpy()
     values = dense(corrected.layers["batchfix"][:, corrected.var["batchfix_modelled"].to_numpy()])
     np.testing.assert_allclose(values[seen], dense(outputs["batch"].layers["batchfix"])[seen], rtol=1e-5,
