@@ -309,9 +309,9 @@ def oligodendroglioma_rows(records: list[dict]) -> list[dict]:
                 row[" ".join(filter(None, [cell_type.split(" ")[0].split("/")[0], patient, segment]))] = value
                 (moved if patient else pooled).append(abs(value - before) if patient else abs(value))
         row["malignant kept (mean)"] = float(np.mean([v for k, v in row.items() if str(k).endswith(" kept")]))
-        row["normal type |depth| max"] = float(max(pooled))
+        row["normal type max abs depth"] = float(max(pooled))
         if moved:
-            row["normal per patient |change| max"] = float(max(moved))
+            row["normal per patient max abs change"] = float(max(moved))
         row["Total"] = r.get("Total", np.nan)
         rows.append(row)
     return rows
