@@ -37,6 +37,14 @@ decoded expression above), "CellANOVA" (its integrated values on the log scale) 
 counterfactual (PCA)" / "batchfix denoised (PCA)" (the two output modes of one trained model).
 Methods that give no matrix (Harmony, the latents) get n/a. Without labels only HVG conservation is computed.
 
+Truth error (`--truth-layer truth`, for a stress set written by scripts/stress_set.py: stressed counts in X,
+the untouched counts in that layer): every method that gives a corrected matrix is fitted a second time per
+seed, with the same seed, on the layer's counts of the same cells and genes (the genes selected on X), and
+each matrix gets stress_set.truth_error (RMS difference, log1p scale) against its counterpart from the truth
+run (batchfix: every output mode of the model trained on the truth). The Unintegrated PCA row, log1p(counts
+per 10k) of X against that of the layer, is the level without correction; the stress's counting noise is
+part of every error. The scIB and gene-level scores stay those of the run on X.
+
 fit seconds: wall-clock time of the method's own work (for batchfix: as `run_batchfix` reports,
 train + that output mode's correction, plus the PCA of its corrected expression; for its latent
 the train run with the faster correction), scoring excluded; it depends on what else the
@@ -47,6 +55,7 @@ can be reused unseen, and allocations shorter than a sample can be missed, so it
 bound of what the method needs.
 
     python scripts/benchmark.py data/cellbench5.h5ad --methods unintegrated combat harmony
+    python scripts/benchmark.py stress_sd1.h5ad --truth-layer truth --methods unintegrated combat batchfix
 """
 from __future__ import annotations
 
@@ -71,12 +80,15 @@ from batchfix.eval import cnv, fidelity, metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402
+from stress_set import truth_error  # noqa: E402
 
 BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi", "cellanova"]
 ALL_METHODS = ["batchfix", *BASELINES]
 ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
 CNV_R, CNV_AMPLITUDE = "CNV profile r", "CNV amplitude ratio"  # batchfix.eval.cnv.profile_retention
 MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE]
+TRUTH_ERROR = "Truth error"  # with --truth-layer: stress_set.truth_error of the matrix
+NO_MATRIX = frozenset({"harmony"})  # methods that give no corrected matrix (not refitted on the truth)
 
 
 @dataclass
@@ -320,9 +332,12 @@ def load(path, batch_key: str, label_key: str | None, subset: int | None,
     if subset is not None and subset < adata.n_obs:
         keep = np.sort(np.random.default_rng(0).choice(adata.n_obs, subset, replace=False))
         adata = adata[keep].copy()
-    adata.X = adata.X.toarray() if hasattr(adata.X, "toarray") else np.asarray(adata.X)
-    adata.X = adata.X.astype(np.float32)
+    adata.X = dense_float32(adata.X)
     return adata
+
+
+def dense_float32(matrix) -> np.ndarray:
+    return (matrix.toarray() if hasattr(matrix, "toarray") else np.asarray(matrix)).astype(np.float32)
 
 
 def select_genes(adata: ad.AnnData, batch_key: str, n_top_genes: int) -> ad.AnnData:
@@ -344,24 +359,22 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
     """Fit and score every method for every seed; one row per (embedding, seed)."""
     labels = labels_from_args(args)
     adata = load(args.data, args.batch_key, labels, args.subset, args.batches)
+    if args.truth_layer and args.truth_layer not in adata.layers:
+        raise SystemExit(f"--truth-layer: no layer '{args.truth_layer}' in {args.data}; layers there: "
+                         f"{sorted(adata.layers)}")
+    truth = adata.layers.pop(args.truth_layer) if args.truth_layer else None
     counts = select_genes(adata, args.batch_key, args.n_top_genes)
+    if truth is not None:  # the untouched counts of the same cells and genes (selected on X)
+        columns = adata.var_names.get_indexer(counts.var_names)
+        truth = ad.AnnData(dense_float32(truth[:, columns]), obs=counts.obs, var=counts.var)
     n_batches = counts.obs[args.batch_key].nunique()
     print(f"{counts.n_obs} cells x {counts.n_vars} genes, {n_batches} batches", flush=True)
 
     rows = []
     for seed in args.seeds:
         data = prepare(counts, args.batch_key, seed)
-        results: dict[str, tuple[str, MethodResult]] = {}
-        for method in args.methods:
-            if method == "batchfix":
-                continue
-            print(f"seed {seed}: {method} ...", flush=True)
-            results[method] = (method, BASELINE_FITS[method](data))
-        tags: dict[str, dict[str, str]] = {}
-        for name, variant, encoding, overrides in batchfix_runs(args):
-            print(f"seed {seed}: {name} ...", flush=True)
-            results[name] = ("batchfix", fit_batchfix(data, overrides, name))
-            tags[name] = {"variant": variant, "encoding": encoding}
+        results, tags = fit_methods(data, args)
+        errors = truth_errors(results, prepare(truth, args.batch_key, seed), args) if truth is not None else {}
 
         embeddings = {k: e for _, r in results.values() for k, e in r.embeddings.items()}
         start = time.perf_counter()
@@ -378,12 +391,44 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
                     "embedding": name, "method": method, "seed": seed, **tags.get(key, {}),
                     **table.loc[name].to_dict(),
                     **genes.get(name, dict.fromkeys(MATRIX_SCORES, np.nan)),
+                    **({TRUTH_ERROR: errors.get(name, np.nan)} if truth is not None else {}),
                     "fit_seconds": result.embedding_seconds.get(name, result.fit_seconds),
                     "cpu_seconds": result.cpu_seconds,
                     "peak_mb": result.peak_mb,
                     "scoring_seconds_each": scoring / len(embeddings),
                 })
     return pd.DataFrame(rows)
+
+
+def fit_methods(
+    data: Prepared, args: argparse.Namespace, skip: frozenset[str] = frozenset(),
+) -> tuple[dict[str, tuple[str, MethodResult]], dict[str, dict[str, str]]]:
+    """Fit every method of `args.methods` but `skip` on `data` (batchfix: each of `batchfix_runs`).
+    Returns ({result name: (method, result)}, {batchfix result name: its variant and encoding})."""
+    results: dict[str, tuple[str, MethodResult]] = {}
+    for method in args.methods:
+        if method == "batchfix" or method in skip:
+            continue
+        print(f"seed {data.seed}: {method} ...", flush=True)
+        results[method] = (method, BASELINE_FITS[method](data))
+    tags: dict[str, dict[str, str]] = {}
+    if "batchfix" not in skip:
+        for name, variant, encoding, overrides in batchfix_runs(args):
+            print(f"seed {data.seed}: {name} ...", flush=True)
+            results[name] = ("batchfix", fit_batchfix(data, overrides, name))
+            tags[name] = {"variant": variant, "encoding": encoding}
+    return results, tags
+
+
+def truth_errors(
+    results: dict[str, tuple[str, MethodResult]], truth: Prepared, args: argparse.Namespace,
+) -> dict[str, float]:
+    """stress_set.truth_error of every corrected matrix in `results` (fitted on the stressed counts) against
+    the same method's matrix fitted on `truth` (the untouched counts of the same cells and genes), by name."""
+    print(f"seed {truth.seed}: the same methods on the truth layer", flush=True)
+    truth_results, _ = fit_methods(truth, args, skip=NO_MATRIX)
+    return {name: truth_error(matrix, truth_results[key][1].matrices[name])
+            for key, (_, result) in results.items() for name, matrix in result.matrices.items()}
 
 
 def batchfix_runs(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
@@ -409,7 +454,7 @@ def ablation_table(rows: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     corrected = rows[rows["embedding"].str.endswith("(PCA)") & (rows["method"] == "batchfix")].copy()
     corrected["output"] = corrected["embedding"].str.extract(r" (\w+) \(PCA\)$", expand=False)
-    columns = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *MATRIX_SCORES]
+    columns = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *MATRIX_SCORES, TRUTH_ERROR]
     grouped = corrected.groupby(["variant", "encoding", "output"], sort=False)[[c for c in columns if c in corrected]]
     table = grouped.mean().join(grouped.std(), rsuffix=" sd")
     table.insert(0, "seeds", grouped.size())
@@ -450,8 +495,8 @@ def gene_scores(
 
 def summary(rows: pd.DataFrame) -> pd.DataFrame:
     """Mean over seeds per embedding (with the standard deviation when there are several)."""
-    columns = [metrics.BATCH_SCORE, metrics.BIO_SCORE, metrics.TOTAL_SCORE,
-               *MATRIX_SCORES, "fit_seconds", "cpu_seconds", "peak_mb"]
+    columns = [metrics.BATCH_SCORE, metrics.BIO_SCORE, metrics.TOTAL_SCORE, *MATRIX_SCORES,
+               *([TRUTH_ERROR] if TRUTH_ERROR in rows else []), "fit_seconds", "cpu_seconds", "peak_mb"]
     grouped = rows.groupby("embedding", sort=False)
     table = grouped[columns].mean()
     table.insert(0, "seeds", grouped.size())
@@ -478,6 +523,7 @@ def markdown(rows: pd.DataFrame, table: pd.DataFrame, args: argparse.Namespace) 
         "",
         GENE_SCORES_NOTE,
         "",
+        *([truth_error_note(args.truth_layer), ""] if args.truth_layer else []),
         *([metrics.LABEL_FREE_NOTE, fidelity.NO_LABELS_NOTE, ""]
           if labels_from_args(args) is None else []),
         "## Summary (mean over seeds)",
@@ -513,6 +559,23 @@ GENE_SCORES_NOTE = (
 )
 
 
+def truth_error_note(layer: str) -> str:
+    return (
+        f"{TRUTH_ERROR} (stress set, scripts/stress_set.py): each method giving a corrected matrix was fitted "
+        f"twice per seed, with the same seed, on X (the stressed counts) and on layers['{layer}'] (the untouched "
+        "counts of the same cells and genes, the genes selected on X); the error is the root-mean-square "
+        "difference of the two matrices (cells x genes, log1p scale; stress_set.truth_error). The data's own "
+        "batch effects, corrected alike in both, cancel: what is left is the added effect the method did not "
+        "remove, biology it moved, and the counting noise of the stress (which a method keeping each cell's "
+        "values cannot remove, and a smoothing one removes in both runs). The Unintegrated PCA row (log1p counts per 10k of X against those of "
+        "the truth) is the level without correction; 0 = the added effects removed exactly. batchfix's two "
+        "matrices come from two trainings (same seed, different data), so its error also holds the difference "
+        "between trainings; Scanorama's matrices are on its own scale (each cell's log values scaled to unit "
+        "L2 norm), not that of the others. The scIB and gene-level scores are those of the run on X: the "
+        "gene-level reference is then the stressed counts, which hold the added effects."
+    )
+
+
 def labels_from_args(args: argparse.Namespace) -> str | None:
     return None if args.label_key.lower() in ("", "none") else args.label_key
 
@@ -534,6 +597,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", nargs="+", default=None, metavar="BATCH",
                         help="keep only the cells of these batches (a sub-problem of the file)")
     parser.add_argument("--subset", type=int, default=None, help="keep N random cells (seed 0)")
+    parser.add_argument("--truth-layer", default=None, metavar="LAYER",
+                        help="a stress set's layer of untouched counts (scripts/stress_set.py writes 'truth'): "
+                             "fit each method with a matrix on it too and add its Truth error")
     parser.add_argument("--out", default="benchmark_results.csv",
                         help="CSV of every row; a markdown report is written beside it (.md)")
     args = parser.parse_args(argv)

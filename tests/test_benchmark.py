@@ -125,3 +125,27 @@ def test_a_method_whose_package_is_missing_names_the_bench_extra(monkeypatch, ca
     error = capsys.readouterr().err
     assert "--methods cellanova: cellanova is not installed" in error and 'pip install -e ".[bench]"' in error
     assert benchmark.parse_args(["data.h5ad", "--methods", "unintegrated", "combat"]).methods == ["unintegrated", "combat"]
+
+
+def test_truth_errors_of_a_stress_set_fit_each_method_on_both_counts(subset, monkeypatch):
+    import numpy as np
+
+    from batchfix.data.normalize import log_cp10k
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import benchmark
+    from stress_set import Stress, stress_set, truth_error
+
+    stressed = stress_set(subset, "batch", Stress(sd=1.0, seed=0))
+    truth = stressed.copy()
+    truth.X = benchmark.dense_float32(stressed.layers.pop("truth"))
+    stressed.X = benchmark.dense_float32(stressed.X)
+    args = benchmark.parse_args(["stress.h5ad", "--methods", "unintegrated", "combat"])
+    results, _ = benchmark.fit_methods(benchmark.prepare(stressed, "batch", 0), args)
+    errors = benchmark.truth_errors(results, benchmark.prepare(truth, "batch", 0), args)
+
+    assert set(errors) == {"Unintegrated PCA", "ComBat"}
+    # the uncorrected level: log1p(counts per 10k) of the stressed counts against that of the truth
+    assert errors["Unintegrated PCA"] == pytest.approx(truth_error(log_cp10k(stressed.X), log_cp10k(truth.X)))
+    # ComBat's per-gene, per-batch location and scale take out part of the added gene-wise effects
+    assert 0 < errors["ComBat"] < errors["Unintegrated PCA"]
