@@ -128,7 +128,6 @@ def test_a_method_whose_package_is_missing_names_the_bench_extra(monkeypatch, ca
 
 
 def test_truth_errors_of_a_stress_set_fit_each_method_on_both_counts(subset, monkeypatch):
-    import numpy as np
 
     from batchfix.data.normalize import log_cp10k
 
