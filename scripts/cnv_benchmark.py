@@ -292,9 +292,9 @@ def report(paths: list[str], csv_dir: Path | None = None) -> str:
 
 
 def oligodendroglioma_rows(records: list[dict]) -> list[dict]:
-    """Per (method, seed): each malignant group's 1p and 19q depth over the uncorrected depth, each normal group's
-    depth (per type, and per type and patient), the largest absolute depth of a normal type, the largest change
-    of a (type, patient) group's depth from the uncorrected one, and the scIB Total."""
+    """Per (method, seed): each malignant group's 1p and 19q depth over the uncorrected depth, each normal type's
+    depth and the largest absolute one, the largest change of a (type, patient) group's depth from the
+    uncorrected one, and the scIB Total."""
     uncorrected = {r["seed"]: r["depths"] for r in records if r["method"] == "uncorrected"}
     rows = []
     for r in records:
@@ -306,8 +306,11 @@ def oligodendroglioma_rows(records: list[dict]) -> list[dict]:
                     row[f"{group.removeprefix('malignant_')} {segment} kept"] = value / before
                     continue
                 cell_type, _, patient = group.partition(" @")
-                row[" ".join(filter(None, [cell_type.split(" ")[0].split("/")[0], patient, segment]))] = value
-                (moved if patient else pooled).append(abs(value - before) if patient else abs(value))
+                if patient:  # summarised by the largest change (a column each would fill the table)
+                    moved.append(abs(value - before))
+                else:
+                    row[f"{cell_type.split(' ')[0].split('/')[0]} {segment}"] = value
+                    pooled.append(abs(value))
         row["malignant kept (mean)"] = float(np.mean([v for k, v in row.items() if str(k).endswith(" kept")]))
         row["normal type max abs depth"] = float(max(pooled))
         if moved:
