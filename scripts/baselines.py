@@ -48,3 +48,21 @@ def cellanova(log_values: np.ndarray, obs, batch_key: str, seed: int = 0) -> np.
     finally:
         external.harmony_integrate = original
     return np.asarray(holder.layers["denoised"] * sd + mean, dtype=np.float32)
+
+
+def scvi_fit(counts: ad.AnnData, batch_key: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """scVI (scvi-tools defaults) trained on raw counts: (latent (cells, k), decoded expression averaged over every
+    batch as log1p(counts per 10k) (cells, genes))."""
+    import scvi
+
+    from batchfix.data.normalize import LIBRARY_SIZE
+
+    scvi.settings.seed = seed
+    adata = counts.copy()
+    scvi.model.SCVI.setup_anndata(adata, batch_key=batch_key)
+    model = scvi.model.SCVI(adata)
+    model.train(enable_progress_bar=False)
+    decoded = model.get_normalized_expression(
+        transform_batch=list(adata.obs[batch_key].astype("category").cat.categories), library_size=LIBRARY_SIZE,
+        return_numpy=True)
+    return np.asarray(model.get_latent_representation(), dtype=np.float32), np.log1p(decoded)

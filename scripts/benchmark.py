@@ -75,7 +75,7 @@ import psutil
 import scanpy as sc
 import scipy.sparse as sp
 
-from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
+from batchfix.data.normalize import log_cp10k
 from batchfix.eval import cnv, fidelity, metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -253,26 +253,10 @@ def fit_scanorama(data: Prepared) -> MethodResult:
 
 
 def fit_scvi(data: Prepared) -> MethodResult:
-    import scvi
-
     def fit():
-        scvi.settings.seed = data.seed
-        adata = data.counts.copy()
-        scvi.model.SCVI.setup_anndata(adata, batch_key=data.batch_key)
-        model = scvi.model.SCVI(adata)
-        model.train(enable_progress_bar=False)
-        latent = model.get_latent_representation()
-        corrected = model.get_normalized_expression(
-            transform_batch=list(adata.obs[data.batch_key].astype("category").cat.categories),
-            library_size=LIBRARY_SIZE,
-            return_numpy=True,
-        )
-        log_corrected = np.log1p(corrected)
+        latent, log_corrected = baselines.scvi_fit(data.counts, data.batch_key, data.seed)
         name = "scVI corrected expression (PCA)"
-        return {
-            "scVI latent": np.asarray(latent, dtype=np.float32),
-            name: metrics.pca_embedding(log_corrected, seed=data.seed),
-        }, {name: log_corrected}
+        return {"scVI latent": latent, name: metrics.pca_embedding(log_corrected, seed=data.seed)}, {name: log_corrected}
 
     return measured(fit)
 

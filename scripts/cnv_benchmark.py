@@ -32,7 +32,7 @@ from batchfix.eval import cnv, metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import inject_clones  # noqa: E402
-from baselines import cellanova, missing_module  # noqa: E402
+from baselines import cellanova, missing_module, scvi_fit  # noqa: E402
 
 SHUFFLE_SEEDS = (1, 2, 3)  # gene orders of correction.regional_order=shuffled
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False)
@@ -86,13 +86,15 @@ def combat(log_values: np.ndarray, obs, batch_key: str) -> np.ndarray:
 
 def method_matrices(adata, batch_key, seed, options, variants, extra=()) -> tuple[np.ndarray, dict, float]:
     """(genes, {method: log-scale matrix}, batchfix train seconds): uncorrected, ComBat, batchfix rows and the
-    `extra` baselines (cellanova)."""
+    `extra` baselines (cellanova, scvi)."""
     genes, corrected, seconds = batchfix_matrices(adata, batch_key, seed, options, variants)
     counts = dense(adata.X[:, genes])
     log_values = counts if options.get("scale") == "log" else dense(log_cp10k(counts))
     matrices = {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key), **corrected}
     if "cellanova" in extra:
         matrices["CellANOVA"] = cellanova(log_values, adata.obs, batch_key, seed)
+    if "scvi" in extra:  # trained on the same genes' raw counts
+        matrices["scVI decoded"] = scvi_fit(ad.AnnData(counts, obs=adata.obs[[batch_key]].copy()), batch_key, seed)[1]
     return genes, matrices, seconds
 
 
@@ -254,6 +256,11 @@ def markdown(rows: list[list[str]]) -> str:
 LEGACY_NAMES = {"batchfix": "batchfix regional=apply"}  # row names of records made before the name said the mode
 
 
+def record_key(record: dict) -> tuple:
+    """What one record measures: its experiment, line, seed and method."""
+    return record["experiment"], record.get("label"), record["seed"], record["method"]
+
+
 def report(paths: list[str], csv_dir: Path | None = None) -> str:
     """Markdown tables of the JSON files this script wrote; the records of files of one experiment are pooled into
     one table. With `csv_dir`, each table is also written there as cnv-KIND.csv and cnv-KIND-paired.csv, the
@@ -264,7 +271,8 @@ def report(paths: list[str], csv_dir: Path | None = None) -> str:
         records = [{**r, "method": LEGACY_NAMES.get(r["method"], r["method"])} for r in data["records"]]
         commands, pooled = by_kind.setdefault(records[0]["experiment"], ([], []))
         commands.append(data["command"])
-        pooled.extend(records)
+        seen = {record_key(r) for r in pooled}  # a file run for one more baseline repeats the others' records
+        pooled.extend(r for r in records if record_key(r) not in seen)
     sections = []
     for kind, (commands, records) in by_kind.items():
         if kind == "profile":
@@ -335,14 +343,16 @@ def main(argv=None) -> None:
     parser.add_argument("--loss", default="17")
     parser.add_argument("--batch-key", default="batch")
     parser.add_argument("--label-key", default="cell_type")
-    parser.add_argument("--extra", nargs="*", default=[], choices=["cellanova"], help="baselines beside ComBat")
+    parser.add_argument("--extra", nargs="*", default=[], choices=["cellanova", "scvi"],
+                        help="baselines beside ComBat (scvi: its decoded expression; counts in X only)")
     parser.add_argument("--no-scib", dest="scib", action="store_false", help="skip the scIB Totals")
     parser.add_argument("--out", help="JSON file of the records")
     parser.add_argument("--reports", nargs="*", default=[], help="report: the JSON files to tabulate")
     parser.add_argument("--csv-dir", type=Path, help="report: also write each table as a CSV here (docs/results)")
     args = parser.parse_args(argv)
-    if "cellanova" in args.extra and missing_module("cellanova"):
-        parser.error(f"--extra cellanova: {missing_module('cellanova')}")
+    for module in args.extra:
+        if missing_module(module):
+            parser.error(f"--extra {module}: {missing_module(module)}")
     if args.experiment == "report":
         print(report(args.reports, args.csv_dir))
         return
