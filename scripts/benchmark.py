@@ -43,7 +43,8 @@ seed, with the same seed, on the layer's counts of the same cells and genes (the
 each matrix gets stress_set.truth_error (RMS difference, log1p scale) against its counterpart from the truth
 run (batchfix: every output mode of the model trained on the truth). The Unintegrated PCA row, log1p(counts
 per 10k) of X against that of the layer, is the level without correction; the stress's counting noise is
-part of every error. The scIB and gene-level scores stay those of the run on X.
+part of every error. Truth error (group means) compares (batch, label) group means instead, where that noise
+averages out. The scIB and gene-level scores stay those of the run on X.
 
 fit seconds: wall-clock time of the method's own work (for batchfix: as `run_batchfix` reports,
 train + that output mode's correction, plus the PCA of its corrected expression; for its latent
@@ -80,7 +81,7 @@ from batchfix.eval import cnv, fidelity, metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402
-from stress_set import truth_error  # noqa: E402
+from stress_set import group_truth_error, truth_error  # noqa: E402
 
 BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi", "cellanova"]
 ALL_METHODS = ["batchfix", *BASELINES]
@@ -88,6 +89,7 @@ ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
 CNV_R, CNV_AMPLITUDE = "CNV profile r", "CNV amplitude ratio"  # batchfix.eval.cnv.profile_retention
 MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE]
 TRUTH_ERROR = "Truth error"  # with --truth-layer: stress_set.truth_error of the matrix
+TRUTH_GROUP_ERROR = "Truth error (group means)"  # stress_set.group_truth_error over (batch, label) groups
 NO_MATRIX = frozenset({"harmony"})  # methods that give no corrected matrix (not refitted on the truth)
 
 
@@ -358,7 +360,7 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
     for seed in args.seeds:
         data = prepare(counts, args.batch_key, seed)
         results, tags = fit_methods(data, args)
-        errors = truth_errors(results, prepare(truth, args.batch_key, seed), args) if truth is not None else {}
+        errors = truth_errors(results, prepare(truth, args.batch_key, seed), args, labels) if truth is not None else {}
 
         embeddings = {k: e for _, r in results.values() for k, e in r.embeddings.items()}
         start = time.perf_counter()
@@ -375,7 +377,8 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
                     "embedding": name, "method": method, "seed": seed, **tags.get(key, {}),
                     **table.loc[name].to_dict(),
                     **genes.get(name, dict.fromkeys(MATRIX_SCORES, np.nan)),
-                    **({TRUTH_ERROR: errors.get(name, np.nan)} if truth is not None else {}),
+                    **(errors.get(name, dict.fromkeys([TRUTH_ERROR, TRUTH_GROUP_ERROR], np.nan))
+                       if truth is not None else {}),
                     "fit_seconds": result.embedding_seconds.get(name, result.fit_seconds),
                     "cpu_seconds": result.cpu_seconds,
                     "peak_mb": result.peak_mb,
@@ -405,14 +408,24 @@ def fit_methods(
 
 
 def truth_errors(
-    results: dict[str, tuple[str, MethodResult]], truth: Prepared, args: argparse.Namespace,
-) -> dict[str, float]:
-    """stress_set.truth_error of every corrected matrix in `results` (fitted on the stressed counts) against
-    the same method's matrix fitted on `truth` (the untouched counts of the same cells and genes), by name."""
+    results: dict[str, tuple[str, MethodResult]], truth: Prepared, args: argparse.Namespace, labels: str | None,
+) -> dict[str, dict[str, float]]:
+    """By matrix name: stress_set.truth_error and group_truth_error ((batch, label) groups; batches without
+    labels) of every corrected matrix in `results` (fitted on the stressed counts) against the same method's
+    matrix fitted on `truth` (the untouched counts of the same cells and genes)."""
     print(f"seed {truth.seed}: the same methods on the truth layer", flush=True)
     truth_results, _ = fit_methods(truth, args, skip=NO_MATRIX)
-    return {name: truth_error(matrix, truth_results[key][1].matrices[name])
-            for key, (_, result) in results.items() for name, matrix in result.matrices.items()}
+    obs = truth.counts.obs
+    groups = obs[args.batch_key].astype(str).to_numpy()
+    if labels:
+        groups = np.char.add(np.char.add(groups.astype(str), "/"), obs[labels].astype(str).to_numpy().astype(str))
+    errors = {}
+    for key, (_, result) in results.items():
+        for name, matrix in result.matrices.items():
+            on_truth = truth_results[key][1].matrices[name]
+            errors[name] = {TRUTH_ERROR: truth_error(matrix, on_truth),
+                            TRUTH_GROUP_ERROR: group_truth_error(matrix, on_truth, groups)}
+    return errors
 
 
 def batchfix_runs(args: argparse.Namespace) -> list[tuple[str, str, str, list[str]]]:
@@ -438,7 +451,8 @@ def ablation_table(rows: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     corrected = rows[rows["embedding"].str.endswith("(PCA)") & (rows["method"] == "batchfix")].copy()
     corrected["output"] = corrected["embedding"].str.extract(r" (\w+) \(PCA\)$", expand=False)
-    columns = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *MATRIX_SCORES, TRUTH_ERROR]
+    columns = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *MATRIX_SCORES, TRUTH_ERROR,
+               TRUTH_GROUP_ERROR]
     grouped = corrected.groupby(["variant", "encoding", "output"], sort=False)[[c for c in columns if c in corrected]]
     table = grouped.mean().join(grouped.std(), rsuffix=" sd")
     table.insert(0, "seeds", grouped.size())
@@ -480,7 +494,8 @@ def gene_scores(
 def summary(rows: pd.DataFrame) -> pd.DataFrame:
     """Mean over seeds per embedding (with the standard deviation when there are several)."""
     columns = [metrics.BATCH_SCORE, metrics.BIO_SCORE, metrics.TOTAL_SCORE, *MATRIX_SCORES,
-               *([TRUTH_ERROR] if TRUTH_ERROR in rows else []), "fit_seconds", "cpu_seconds", "peak_mb"]
+               *([TRUTH_ERROR, TRUTH_GROUP_ERROR] if TRUTH_ERROR in rows else []), "fit_seconds", "cpu_seconds",
+               "peak_mb"]
     grouped = rows.groupby("embedding", sort=False)
     table = grouped[columns].mean()
     table.insert(0, "seeds", grouped.size())
@@ -556,7 +571,10 @@ def truth_error_note(layer: str) -> str:
         "matrices come from two trainings (same seed, different data), so its error also holds the difference "
         "between trainings; Scanorama's matrices are on its own scale (each cell's log values scaled to unit "
         "L2 norm), not that of the others. The scIB and gene-level scores are those of the run on X: the "
-        "gene-level reference is then the stressed counts, which hold the added effects."
+        "gene-level reference is then the stressed counts, which hold the added effects. "
+        f"{TRUTH_GROUP_ERROR}: the same comparison on the mean of each (batch, label) group "
+        "(stress_set.group_truth_error): the counting noise averages out within a group, so it ranks what the "
+        "methods left of the added effects and what biology they moved."
     )
 
 

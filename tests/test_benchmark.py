@@ -133,7 +133,7 @@ def test_truth_errors_of_a_stress_set_fit_each_method_on_both_counts(subset, mon
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import benchmark
-    from stress_set import Stress, stress_set, truth_error
+    from stress_set import Stress, group_truth_error, stress_set, truth_error
 
     stressed = stress_set(subset, "batch", Stress(sd=1.0, seed=0))
     truth = stressed.copy()
@@ -141,10 +141,18 @@ def test_truth_errors_of_a_stress_set_fit_each_method_on_both_counts(subset, mon
     stressed.X = benchmark.dense_float32(stressed.X)
     args = benchmark.parse_args(["stress.h5ad", "--methods", "unintegrated", "combat"])
     results, _ = benchmark.fit_methods(benchmark.prepare(stressed, "batch", 0), args)
-    errors = benchmark.truth_errors(results, benchmark.prepare(truth, "batch", 0), args)
+    errors = benchmark.truth_errors(results, benchmark.prepare(truth, "batch", 0), args, "cell_type")
 
     assert set(errors) == {"Unintegrated PCA", "ComBat"}
     # the uncorrected level: log1p(counts per 10k) of the stressed counts against that of the truth
-    assert errors["Unintegrated PCA"] == pytest.approx(truth_error(log_cp10k(stressed.X), log_cp10k(truth.X)))
-    # ComBat's per-gene, per-batch location and scale take out part of the added gene-wise effects
-    assert 0 < errors["ComBat"] < errors["Unintegrated PCA"]
+    uncorrected = log_cp10k(stressed.X), log_cp10k(truth.X)
+    assert errors["Unintegrated PCA"][benchmark.TRUTH_ERROR] == pytest.approx(truth_error(*uncorrected))
+    groups = (subset.obs["batch"].astype(str) + "/" + subset.obs["cell_type"].astype(str)).to_numpy()
+    assert errors["Unintegrated PCA"][benchmark.TRUTH_GROUP_ERROR] == pytest.approx(
+        group_truth_error(*uncorrected, groups))
+    # ComBat's per-gene, per-batch location and scale take out part of the added gene-wise effects; in group
+    # means, where the counting noise averages out, far more of the error is gone
+    for error in (benchmark.TRUTH_ERROR, benchmark.TRUTH_GROUP_ERROR):
+        assert 0 < errors["ComBat"][error] < errors["Unintegrated PCA"][error]
+    assert (errors["ComBat"][benchmark.TRUTH_GROUP_ERROR] / errors["Unintegrated PCA"][benchmark.TRUTH_GROUP_ERROR]
+            < errors["ComBat"][benchmark.TRUTH_ERROR] / errors["Unintegrated PCA"][benchmark.TRUTH_ERROR])
