@@ -49,8 +49,10 @@ def test_benchmark_runs_batchfix_in_both_output_modes(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = pd.read_csv(out).set_index("embedding")
-    # and the counterfactual output with its other spread (correction.spread=gene), from the same model
-    modes = ["batchfix counterfactual (PCA)", "batchfix denoised (PCA)", "batchfix counterfactual_gene (PCA)"]
+    # and the counterfactual output with its other spread (correction.spread=gene) and its other regional shifts,
+    # from the same model
+    modes = ["batchfix counterfactual (PCA)", "batchfix denoised (PCA)", "batchfix counterfactual_gene (PCA)",
+             "batchfix counterfactual_regional_apply (PCA)", "batchfix counterfactual_regional_keep_all (PCA)"]
     assert set(modes + ["batchfix latent", "Unintegrated PCA"]) == set(rows.index)
     # 200 cells leave no (batch, label) group of 30 cells: within-type neighbours are not scored.
     genes = ["DE-rank agreement", "Marker recall", "HVG conservation"]
