@@ -16,6 +16,15 @@ def missing_module(module: str) -> str | None:
     return f"{module} is not installed; it comes with the bench extra: {BENCH_EXTRA}"
 
 
+def combat(log_values: np.ndarray, obs, batch_key: str) -> np.ndarray:
+    """scanpy's ComBat on log-scale values (cells, genes), batches from obs[batch_key] (float64, as it returns)."""
+    import scanpy as sc
+
+    holder = ad.AnnData(log_values.copy(), obs=obs[[batch_key]].copy())
+    sc.pp.combat(holder, key=batch_key)
+    return np.asarray(holder.X)
+
+
 def cellanova(log_values: np.ndarray, obs, batch_key: str, seed: int = 0) -> np.ndarray:
     """CellANOVA's integrated ('denoised') values, put back on the log scale. Every batch is a control (no batch
     is known to hold only technical variation); its inputs are the standardised log values, as its

@@ -24,7 +24,6 @@ from pathlib import Path
 import anndata as ad
 import numpy as np
 import pandas as pd
-import scanpy as sc
 
 import batchfix
 from batchfix.data.normalize import log_cp10k
@@ -32,7 +31,7 @@ from batchfix.eval import cnv, metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import inject_clones  # noqa: E402
-from baselines import cellanova, missing_module, scvi_fit  # noqa: E402
+from baselines import cellanova, combat, missing_module, scvi_fit  # noqa: E402
 
 SHUFFLE_SEEDS = (1, 2, 3)  # gene orders of correction.regional_order=shuffled
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False)
@@ -78,19 +77,14 @@ def batchfix_matrices(adata: ad.AnnData, batch_key: str, seed: int, options: dic
     return genes, out, seconds
 
 
-def combat(log_values: np.ndarray, obs, batch_key: str) -> np.ndarray:
-    holder = ad.AnnData(log_values.copy(), obs=obs[[batch_key]].copy())
-    sc.pp.combat(holder, key=batch_key)
-    return np.asarray(holder.X, dtype=np.float32)
-
-
 def method_matrices(adata, batch_key, seed, options, variants, extra=()) -> tuple[np.ndarray, dict, float]:
     """(genes, {method: log-scale matrix}, batchfix train seconds): uncorrected, ComBat, batchfix rows and the
     `extra` baselines (cellanova, scvi)."""
     genes, corrected, seconds = batchfix_matrices(adata, batch_key, seed, options, variants)
     counts = dense(adata.X[:, genes])
     log_values = counts if options.get("scale") == "log" else dense(log_cp10k(counts))
-    matrices = {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key), **corrected}
+    matrices = {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key).astype(np.float32),
+                **corrected}
     if "cellanova" in extra:
         matrices["CellANOVA"] = cellanova(log_values, adata.obs, batch_key, seed)
     if "scvi" in extra:  # trained on the same genes' raw counts

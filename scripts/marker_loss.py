@@ -51,8 +51,8 @@ from batchfix.eval import fidelity, metrics
 from batchfix.nn.attention import fused_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baselines import combat  # noqa: E402
 from benchmark import load  # noqa: E402
-from cnv_benchmark import combat  # noqa: E402
 
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False)
 SHRINKS = (0.25, 0.5)
@@ -149,7 +149,7 @@ def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int) -> tuple[np.ndar
         raise SystemExit("The re-implementation does not reproduce batchfix.correct: the variants mean nothing.")
     counts = np.asarray(adata[:, model.genes].X, dtype=np.float32)
     log_values = np.asarray(log_cp10k(counts), dtype=np.float64)
-    uncorrected = {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key).astype(np.float64)}
+    uncorrected = {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key)}
     return counts, {**uncorrected, **variants}
 
 
