@@ -129,6 +129,7 @@ def test_a_method_whose_package_is_missing_names_the_bench_extra(monkeypatch, ca
     assert benchmark.parse_args(["data.h5ad", "--methods", "unintegrated", "combat"]).methods == ["unintegrated", "combat"]
 
 
+@pytest.mark.slow
 def test_truth_errors_of_a_stress_set_fit_each_method_on_both_counts(subset, monkeypatch):
 
     from batchfix.data.normalize import log_cp10k
