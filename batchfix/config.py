@@ -29,7 +29,7 @@ LIKELIHOODS = ("nb", "gaussian")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
 STREAM_CHOICES = ("auto", "true", "false")
 OUTPUT_MODES = ("counterfactual", "denoised")
-REGIONAL_SHIFTS = ("apply", "keep", "keep_all")  # batchfix.correction.counterfactual.RegionalShift
+REGIONAL_SHIFTS = ("apply", "keep", "keep_all", "keep_input")  # batchfix.correction.counterfactual.RegionalShift
 REGIONAL_ORDERS = ("genome", "shuffled")
 SPREADS = ("batch", "gene")  # the counterfactual output's residual scale: one per batch | per gene and batch, shrunk
 NEIGHBOR_METHODS = ("auto", "exact", "approximate")  # how batchfix.eval.metrics finds the scores' neighbour graphs
@@ -263,7 +263,9 @@ class CorrectionOptions:
     # along the genome (copy-number-like: batchfix.correction.counterfactual): keep (its deviation from the
     # batch's mean shift is left in the cell: a clone found in one batch keeps its CNVs) | apply (removed with
     # the rest) | keep_all (its deviation from the mean shift over all cells: a batch-wide regional shift, e.g.
-    # a patient whose cells all carry one CNV, is kept too)
+    # a patient whose cells all carry one CNV, is kept too) | keep_input (the regional part of the whole change
+    # the output makes to the cell, beyond the mean change over all cells, is not made: each cell keeps its
+    # input's regional profile; the one that keeps a patient's CNVs whatever its batch's location and spread)
     regional_shift: str = "keep"
     regional_window: int = 100  # genes of the running mean along each chromosome that defines "regional"
     # genome (neighbours along the real coordinates) | shuffled (ablation: a random gene order drawn with

@@ -1,6 +1,7 @@
 """CNV fidelity of batch corrections (docs/cnv.md): profile retention, injected clones, the confounded design
 and the oligodendroglioma tumours, for uncorrected data, ComBat and batchfix's counterfactual output with
-each correction.regional_shift (apply = the default, keep, keep_all; genomic and shuffled gene orders).
+each correction.regional_shift (apply, keep = the default, keep_all, keep_input; genomic and shuffled gene
+orders).
 
 Every method is scored on the genes batchfix modelled (its 2,000 batch-aware HVGs), on log1p(counts per
 10k) of those genes for the uncorrected data and ComBat. batchfix is trained once per (data, seed); its
@@ -48,10 +49,10 @@ def emit(records: list[dict]) -> None:
 
 
 def regional_variants(shuffles=SHUFFLE_SEEDS) -> dict[str, dict]:
-    """batchfix correction options by row name: regional_shift apply, keep and keep_all over the genome, and keep and
-    keep_all over shuffled gene orders."""
+    """batchfix correction options by row name: regional_shift apply, keep, keep_all and keep_input over the genome,
+    and the last three over shuffled gene orders."""
     variants = {"batchfix regional=apply": {"regional_shift": "apply"}}
-    for mode in ("keep", "keep_all"):
+    for mode in ("keep", "keep_all", "keep_input"):
         variants[f"batchfix regional={mode}"] = {"regional_shift": mode}
         for seed in shuffles:
             variants[f"batchfix regional={mode}_shuffled/{seed}"] = {"regional_shift": mode,
@@ -226,7 +227,7 @@ def summary_rows(records: list[dict], columns: list[str], by: str = "method") ->
 
 
 def paired_rows(records: list[dict], columns: list[str]) -> list[list[str]]:
-    """Table rows (header first): regional=keep and keep_all minus each other method on each column, paired by
+    """Table rows (header first): regional=keep, keep_all and keep_input minus each other method on each column, paired by
     (label, seed) (shuffled orders averaged first): mean, standard error and number of pairs."""
     frame = pd.DataFrame(records)
     frame["method"] = frame["method"].str.replace(r"_shuffled/\d+$", "_shuffled (mean of orders)", regex=True)
@@ -234,7 +235,7 @@ def paired_rows(records: list[dict], columns: list[str]) -> list[list[str]]:
     rows = [["score", "method", "minus", "mean", "se", "pairs (" + " x ".join(keys) + ")"]]
     for column in columns:
         wide = frame.groupby([*keys, "method"])[column].mean().unstack("method")
-        for mine in ("batchfix regional=keep", "batchfix regional=keep_all"):
+        for mine in ("batchfix regional=keep", "batchfix regional=keep_all", "batchfix regional=keep_input"):
             for other in wide.columns.drop(mine) if mine in wide else []:
                 d = (wide[mine] - wide[other]).dropna()
                 rows.append([column, mine.split(" ")[1], other, f"{d.mean():+.3f}", f"{d.std() / np.sqrt(len(d)):.3f}",

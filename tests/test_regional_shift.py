@@ -58,6 +58,15 @@ def tiny_model(subset):
     return batchfix.train(subset, batch_key="batch", seed=0, **TINY)
 
 
+def in_model_order(adata, model, mode: str) -> np.ndarray:
+    """The corrected layer's modelled genes (cells, genes) in the model's (genomic) order, one forward pass."""
+    out = batchfix.correct(adata, model, regional_shift=mode, batch_size=adata.n_obs, copy=True)
+    genes = out.var["batchfix_modelled"].to_numpy()
+    # The layer holds the modelled genes in the input's order, the model in genomic order.
+    column_of_model_gene = np.argsort(np.argsort([list(adata.var_names).index(g) for g in model.genes]))
+    return np.asarray(out.layers["batchfix"][:, genes].toarray())[:, column_of_model_gene]
+
+
 def test_a_regional_shift_of_one_state_is_kept_and_a_gene_wise_one_removed(subset, tiny_model, monkeypatch):
     """The decoder is made to shift one line of one batch by +0.5 on every chr1 gene (regional) and by +-0.5
     alternating on chr2 genes (gene by gene): `apply` removes both, `keep` leaves the regional one in, less the
@@ -79,17 +88,10 @@ def test_a_regional_shift_of_one_state_is_kept_and_a_gene_wise_one_removed(subse
         assert len(mu) == len(clone)  # one pass over every cell (batch_size below), so rows are cells
         return reference_values, own_values + torch.as_tensor(clone)[:, None] * (regional + gene_wise)
 
-    def corrected(mode):
-        out = batchfix.correct(subset, tiny_model, regional_shift=mode, batch_size=len(clone), copy=True)
-        genes = out.var["batchfix_modelled"].to_numpy()
-        return np.asarray(out.layers["batchfix"][:, genes].toarray())[:, column_of_model_gene]
-
-    # The layer holds the modelled genes in the input's order, the model in genomic order.
-    column_of_model_gene = np.argsort(np.argsort([list(subset.var_names).index(g) for g in tiny_model.genes]))
-    modes = ("apply", "keep", "keep_all")
-    before = {mode: corrected(mode) for mode in modes}
+    modes = ("apply", "keep", "keep_all", "keep_input")
+    before = {mode: in_model_order(subset, tiny_model, mode) for mode in modes}
     monkeypatch.setattr(counterfactual, "decoded_pair", shifted)
-    after = {mode: corrected(mode) for mode in modes}
+    after = {mode: in_model_order(subset, tiny_model, mode) for mode in modes}
     changes = {}
     for mode in modes:
         change = after[mode][clone] - before[mode][clone]  # (clone cells, genes in model order)
@@ -101,8 +103,40 @@ def test_a_regional_shift_of_one_state_is_kept_and_a_gene_wise_one_removed(subse
     assert 0.5 < scale < 2
     assert changes["keep"][0] == pytest.approx(-scale * 0.5 * share, abs=0.01)
     assert changes["keep_all"][0] == pytest.approx(-scale * 0.5 * clone.mean(), abs=0.01)  # the share of all cells
+    assert changes["keep_input"][0] == pytest.approx(-scale * 0.5 * clone.mean(), abs=0.01)  # the decoder's, too
     for mode in modes:
         assert np.allclose(changes[mode][1], -scale * changes[mode][2], atol=0.02)
+
+
+def test_keep_input_keeps_a_regional_shift_in_a_batch_location(subset, tiny_model, monkeypatch):
+    """A regional shift in one batch's residual location (-0.5 on every chr1 gene, a CNV that all of a patient's
+    cells carry and the decoder left to the location): `apply`, `keep` and `keep_all` remove it with the
+    location, `keep_input` keeps it less the batch's share of all cells (what the correction changes in every
+    cell)."""
+    own = "sc_celseq2"
+    batch = subset.obs["batch"].astype(str).to_numpy()
+    cells, share = batch == own, (batch == own).mean()
+    chromosome = np.array([str(c) for c in tiny_model.module.hparams.chromosome])
+    unpatched = counterfactual.Statistics.__init__
+
+    def shifted(stats, net, *args, **kwargs):
+        unpatched(stats, net, *args, **kwargs)
+        stats.location[list(tiny_model.batch_categories).index(own), torch.as_tensor(chromosome == "1")] -= 0.5
+
+    modes = ("apply", "keep", "keep_all", "keep_input")
+    before = {mode: in_model_order(subset, tiny_model, mode)[cells] for mode in modes}
+    monkeypatch.setattr(counterfactual.Statistics, "__init__", shifted)
+    after = {mode: in_model_order(subset, tiny_model, mode)[cells] for mode in modes}
+    change = {}
+    for mode in modes:
+        chr1 = (np.minimum(after[mode], before[mode]) > 0).all(axis=0) & (chromosome == "1")  # never clipped
+        assert chr1.sum() >= 5
+        change[mode] = (after[mode] - before[mode])[:, chr1].mean()
+    scale = change["apply"] / 0.5  # the location enters as -k_b location_b
+    assert 0.5 < scale < 2
+    for mode in ("keep", "keep_all"):
+        assert change[mode] == pytest.approx(change["apply"], abs=0.01)
+    assert change["keep_input"] == pytest.approx(scale * 0.5 * share, abs=0.01)
 
 
 def test_the_regional_correction_encodes_each_cell_once(subset, tiny_model, monkeypatch):

@@ -199,8 +199,8 @@ class Corrector:
 
     @torch.no_grad()
     def estimate_mean_shift(self, rows, n_obs: int) -> None:
-        """Each batch code's mean of decoded_ref - decoded_b over its cells (counterfactual.RegionalShift); the
-        cells' latents are kept (`latents`), so the correction decodes them without encoding again."""
+        """Each batch code's mean of decoded_ref - decoded_b (or of the whole change, keep_input) over its cells,
+        or over all cells (keep_all, keep_input) (counterfactual.RegionalShift); the cells' latents are kept (`latents`), so the correction decodes them without encoding again."""
         n_codes = self.batches.n_training + len(self.batches.unseen)
         sums = np.zeros((n_codes, len(self.trained.genes)))
         counts = np.zeros(n_codes, dtype=np.int64)
@@ -212,12 +212,13 @@ class Corrector:
                 codes = self.batches.codes[start + begin:start + min(begin + self.batch_size, stop - start)]
                 mu, _ = self.net.encode(x[begin:begin + len(codes)])  # (B, latent)
                 self.latents[start + begin:start + begin + len(codes)] = mu.numpy()
-                shift = counterfactual.state_shift(self.net, mu, torch.from_numpy(codes), self.reference,
-                                                   self.statistics, self.present).numpy()
+                shift = counterfactual.state_shift(self.net, x[begin:begin + len(codes)], mu, torch.from_numpy(codes),
+                                                   self.reference, self.statistics, self.present,
+                                                   whole=self.settings.regional_shift == "keep_input").numpy()
                 for code in np.unique(codes[codes >= 0]):
                     sums[code] += shift[codes == code].sum(axis=0)
                     counts[code] += int((codes == code).sum())
-        if self.settings.regional_shift == "keep_all":  # one mean over every cell, for every batch
+        if self.settings.regional_shift in ("keep_all", "keep_input"):  # one mean over every cell, for every batch
             sums[:], counts[:] = sums.sum(axis=0), counts.sum()
         estimated = counts >= counterfactual.MIN_UNSEEN_CELLS
         if (~estimated & (counts > 0)).any():
@@ -229,7 +230,7 @@ class Corrector:
                                                   self.settings.regional_seed)
         self.regional = counterfactual.RegionalShift(
             smoother, torch.as_tensor(sums / np.maximum(counts, 1)[:, None], dtype=torch.float32),
-            torch.as_tensor(estimated, dtype=torch.float32))
+            torch.as_tensor(estimated, dtype=torch.float32), whole=self.settings.regional_shift == "keep_input")
 
     def batch_name(self, code: int) -> str:
         n_training = self.batches.n_training

@@ -34,7 +34,11 @@ as ComBat removes) and the cell's deviation from it; the deviation's running mea
 neighbouring modelled genes of its chromosome (genomic order) is the regional, copy-number-like part, and
 it is not removed; the rest of delta_c is. `apply` removes the whole of delta_c. `keep_all` takes the
 deviation from the mean over all the input's cells instead, so the regional part of a batch's own mean shift is
-kept as well (a patient whose cells all carry one CNV). correction.regional_order=shuffled runs the same
+kept as well (a patient whose cells all carry one CNV). `keep_input` splits the whole change the output makes to
+the cell (output - input before the floor: the decoder term, the location and the scale k_b together) and takes
+its deviation from the mean change over all the input's cells: a cell keeps its input's regional profile up to
+what the correction changes in every cell, so a batch's regional shift survives even where its location or
+spread differs from the others'. correction.regional_order=shuffled runs the same
 smoothing over a random gene order (the ablation: neighbours are then unrelated genes). Unplaced genes
 have no neighbours: their whole shift is removed. A batch with fewer than MIN_UNSEEN_CELLS cells in the
 input has no estimated mean shift: its cells get the whole shift removed.
@@ -312,16 +316,19 @@ def genome_smoother(chromosome: list, order: str, window: int, seed: int) -> Gen
 
 @dataclass
 class RegionalShift:
-    """What correction.regional_shift=keep|keep_all needs: the smoother and each batch code's mean state shift.
+    """What correction.regional_shift=keep|keep_all|keep_input needs: the smoother and each batch code's mean
+    shift.
 
     mean_shift: (codes, G) mean of `state_shift` over the batch's input cells (keep) or over every input cell
-    (keep_all); estimated: (codes,) 1.0, or 0.0 for a batch with fewer than MIN_UNSEEN_CELLS cells (its cells
-    keep no regional part).
+    (keep_all, keep_input); estimated: (codes,) 1.0, or 0.0 for a batch with fewer than MIN_UNSEEN_CELLS cells
+    (its cells keep no regional part); whole: the shift split is the output's whole change to the cell
+    (keep_input), not its decoder term.
     """
 
     smoother: GenomeSmoother
     mean_shift: torch.Tensor
     estimated: torch.Tensor
+    whole: bool = False
 
 
 @torch.no_grad()
@@ -339,12 +346,26 @@ def decoded_pair(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, refere
 
 
 @torch.no_grad()
-def state_shift(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, reference: int | None, stats: Statistics,
-                present: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, G) decoded_ref(z) - k_b decoded_b(z) for latents `mu` (B, latent): the part of each cell's output that
-    the decoder gives (the batch shift the model learned for the cell's state, on the output's scale)."""
+def output_terms(net: BatchfixNet, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor, reference: int | None,
+                 stats: Statistics, present: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """(values before the floor and the regional shift, decoder term decoded_ref(z) - k_b decoded_b(z), the input
+    on the output's scale, decoded as the reference), each (B, G), for cells `x` with latents `mu`."""
     reference_values, own = decoded_pair(net, mu, codes, reference, present)
-    return decoder_term(reference_values, own, stats.scale[codes.clamp_min(0).long()])
+    known = codes.clamp_min(0).long()
+    observed = net.log_expression(x)
+    residual = observed - own - stats.location[known]  # (B, G)
+    values = reference_values + stats.ref_location + stats.scale[known] * residual
+    return values, decoder_term(reference_values, own, stats.scale[known]), observed, reference_values
+
+
+@torch.no_grad()
+def state_shift(net: BatchfixNet, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor, reference: int | None,
+                stats: Statistics, present: torch.Tensor | None = None, whole: bool = False) -> torch.Tensor:
+    """(B, G) the part of each cell's output that regional_shift splits: the decoder term decoded_ref(z) -
+    k_b decoded_b(z) (the batch shift the model learned for the cell's state, on the output's scale), or with
+    `whole` the output's whole change to the cell, values - input (before the floor)."""
+    values, decoder, observed, _ = output_terms(net, x, mu, codes, reference, stats, present)
+    return values - observed if whole else decoder
 
 
 def decoder_term(reference_values: torch.Tensor, own: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -361,12 +382,10 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
     cells' latent means if already encoded (the encoder, the costly part, then does not run again)."""
     if mu is None:
         mu, _ = net.encode(x)
-    reference_values, own = decoded_pair(net, mu, codes, reference, present)
-    known = codes.clamp_min(0).long()
-    residual = net.log_expression(x) - own - stats.location[known]  # (B, G)
-    values = reference_values + stats.ref_location + stats.scale[known] * residual
+    values, decoder, observed, reference_values = output_terms(net, x, mu, codes, reference, stats, present)
     if regional is not None:
-        shift = decoder_term(reference_values, own, stats.scale[known])
+        known = codes.clamp_min(0).long()
+        shift = values - observed if regional.whole else decoder
         deviation = (shift - regional.mean_shift[known]) * regional.estimated[known, None]
         values = values - regional.smoother(deviation)
     values = torch.where((codes < 0)[:, None], reference_values, values)  # too few cells: denoised
