@@ -147,7 +147,8 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
             int8: bool = _CORRECTION.int8, regional_shift: str = _CORRECTION.regional_shift,
             regional_window: int = _CORRECTION.regional_window, regional_order: str = _CORRECTION.regional_order,
             regional_seed: int = _CORRECTION.regional_seed,
-            spread: str = _CORRECTION.spread) -> ad.AnnData | None:
+            spread: str = _CORRECTION.spread,
+            state_dependence: float = _CORRECTION.state_dependence) -> ad.AnnData | None:
     """Batch-correct an in-memory AnnData with a trained model (or a checkpoint path), scanpy style.
 
     Parameters
@@ -195,6 +196,10 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
         input's regional profile; "apply" removes it with the rest. regional_order="shuffled"
         is the ablation (smoothing over a random gene order, `regional_seed`). See batchfix.correction.counterfactual
         and docs/cnv.md.
+    state_dependence
+        Counterfactual output: the share (0-1) of the cell-state dependence of its batch shift that is applied;
+        the rest is replaced by the shift's mean over the batch's cells (1, the default: all of it; 0: one shift
+        per gene and batch, as ComBat's). Lower keeps DE ranks and markers closer to the input's.
     spread
         The counterfactual output's residual scale: "batch" (one per batch) or "gene" (per gene and batch,
         shrunk toward the batch's level; batchfix.correction.counterfactual.shrunk_variances).
@@ -210,7 +215,8 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
                               chunk_size=chunk_size, batch_size=batch_size,
                               max_missing_fraction=max_missing_fraction, int8=int8,
                               regional_shift=regional_shift, regional_window=regional_window,
-                              regional_order=regional_order, regional_seed=regional_seed, spread=spread),
+                              regional_order=regional_order, regional_seed=regional_seed, spread=spread,
+                              state_dependence=state_dependence),
                          CorrectionSettings)
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
     return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,

@@ -275,6 +275,11 @@ class CorrectionOptions:
     # The counterfactual output's residual scale k: batch = one spread per batch | gene = a spread per gene and
     # batch, shrunk toward the batch's level (empirical Bayes, as ComBat's scale; docs/genewise_spread.md)
     spread: str = "batch"
+    # Counterfactual output: the share of the decoder's state dependence of the batch shift that is applied.
+    # 1 = all of it (each cell's own shift decoded_ref(z) - decoded_b(z)); 0 = its mean over the batch's cells
+    # in the input, one shift per gene and batch, as ComBat's; between = mean + weight * (cell - mean).
+    # Lower keeps DE ranks and markers closer to the input's, at a cost in mixing (docs/genewise_spread.md)
+    state_dependence: float = 1.0
 
     def __post_init__(self):
         one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
@@ -282,6 +287,7 @@ class CorrectionOptions:
         one_of(f"{self.PREFIX}regional_shift", self.regional_shift, REGIONAL_SHIFTS)
         one_of(f"{self.PREFIX}regional_order", self.regional_order, REGIONAL_ORDERS)
         at_least(f"{self.PREFIX}regional_window", self.regional_window, 2)
+        within(f"{self.PREFIX}state_dependence", self.state_dependence, 0.0, 1.0)
         within(f"{self.PREFIX}regional_seed", self.regional_seed, 0, 2**32 - 1)
         non_empty(f"{self.PREFIX}reference", self.reference)
         if self.key_added is None or not str(self.key_added).strip():

@@ -58,9 +58,9 @@ def tiny_model(subset):
     return batchfix.train(subset, batch_key="batch", seed=0, **TINY)
 
 
-def in_model_order(adata, model, mode: str) -> np.ndarray:
+def in_model_order(adata, model, mode: str, **options) -> np.ndarray:
     """The corrected layer's modelled genes (cells, genes) in the model's (genomic) order, one forward pass."""
-    out = batchfix.correct(adata, model, regional_shift=mode, batch_size=adata.n_obs, copy=True)
+    out = batchfix.correct(adata, model, regional_shift=mode, batch_size=adata.n_obs, copy=True, **options)
     genes = out.var["batchfix_modelled"].to_numpy()
     # The layer holds the modelled genes in the input's order, the model in genomic order.
     column_of_model_gene = np.argsort(np.argsort([list(adata.var_names).index(g) for g in model.genes]))
@@ -137,6 +137,39 @@ def test_keep_input_keeps_a_regional_shift_in_a_batch_location(subset, tiny_mode
     for mode in ("keep", "keep_all"):
         assert change[mode] == pytest.approx(change["apply"], abs=0.01)
     assert change["keep_input"] == pytest.approx(scale * 0.5 * share, abs=0.01)
+
+
+def test_state_dependence_applies_a_share_of_each_cells_deviation_from_its_batch_mean(subset, tiny_model):
+    """state_dependence=w: the decoder term applied is its batch mean over the input's cells plus w times the
+    cell's deviation (the documented formula, from the model's terms); w=1 is the default output, and w=0 gives
+    every cell of a batch the same shift, so the output minus the input is the same for them wherever nothing
+    was floored."""
+    genes = list(tiny_model.genes)
+    x = torch.from_numpy(np.asarray(subset[:, genes].X.toarray(), dtype=np.float32))
+    batch = subset.obs["batch"].astype(str).to_numpy()
+    codes = torch.as_tensor([list(tiny_model.batch_categories).index(b) for b in batch])
+    net = tiny_model.net.eval()
+    with torch.no_grad():
+        stats = counterfactual.Statistics(net, None, [])
+        values, decoder, observed, _ = counterfactual.output_terms(net, x, net.encode(x)[0], codes, None, stats)
+    batch_mean = torch.stack([decoder[codes == b].mean(dim=0) for b in range(len(tiny_model.batch_categories))])
+    deviation = decoder - batch_mean[codes]  # (cells, G)
+    default = in_model_order(subset, tiny_model, "apply")
+    assert np.array_equal(in_model_order(subset, tiny_model, "apply", state_dependence=1.0), default)
+    assert np.allclose(default, values.clamp_min(0).numpy(), atol=1e-4)
+    half = in_model_order(subset, tiny_model, "apply", state_dependence=0.5)
+    assert np.allclose(half, (values - 0.5 * deviation).clamp_min(0).numpy(), atol=1e-4)
+    assert not np.allclose(half, default, atol=1e-3)
+    none = in_model_order(subset, tiny_model, "apply", state_dependence=0.0)
+    change = none - observed.numpy()  # (cells, G): the shift plus the location and the rescaled residual
+    k = stats.scale[codes].numpy()
+    shift = change - (k - 1) * observed.numpy()  # what remains is the same for every cell of a batch
+    for b in range(len(tiny_model.batch_categories)):
+        rows = (codes == b).numpy()
+        unfloored = (none[rows] > 0).all(axis=0)
+        assert np.allclose(shift[rows][:, unfloored], shift[rows][:1, unfloored], atol=1e-4)
+    with pytest.raises(ConfigError, match="state_dependence must be in"):
+        train_config(state_dependence=1.5)
 
 
 def test_the_regional_correction_encodes_each_cell_once(subset, tiny_model, monkeypatch):

@@ -124,7 +124,7 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad):
     codes = torch.from_numpy(np.searchsorted(trained.batch_categories, source.obs["batch"].astype(str).to_numpy()))
     statistics = counterfactual.Statistics(trained.net, None, [])
     mu, _ = trained.net.encode(x)
-    shift = counterfactual.state_shift(trained.net, x, mu, codes, None, statistics)  # (cells, G)
+    shift = counterfactual.output_terms(trained.net, x, mu, codes, None, statistics)[1]  # decoder term (cells, G)
     mean_shift = torch.stack([shift[codes == b].mean(dim=0) for b in range(len(trained.batch_categories))])
     assert all((codes == b).sum() >= counterfactual.MIN_UNSEEN_CELLS for b in range(len(trained.batch_categories)))
     regional = counterfactual.RegionalShift(

@@ -43,6 +43,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import anndata as ad
@@ -160,6 +161,7 @@ class Corrector:
         self.batches = None if batch is None else counterfactual.batch_codes(batch, trained.batch_categories)
         self.statistics = None
         self.regional = None  # counterfactual.RegionalShift, estimated by `prepare` unless regional_shift=apply
+        self.state = None  # counterfactual.StateShrink, estimated by `prepare` when state_dependence < 1
         self.latents = None  # (cells, latent) encoded by that estimate, reused by the correction
         if settings.output_mode == "counterfactual":
             counterfactual.training_statistics(trained.net)  # refuses an uncalibrated checkpoint before any work
@@ -183,26 +185,30 @@ class Corrector:
 
     def prepare(self, rows, n_obs: int) -> None:
         """Before correcting: estimate the unseen batches' location and spread (one pass over their cells) and,
-        unless regional_shift=apply or no modelled gene is placed on the genome, every batch's mean state shift
-        (one pass over all cells)."""
+        for the regional shift (unless regional_shift=apply or no modelled gene is placed on the genome) or
+        state_dependence < 1, every batch's mean shift (one pass over all cells)."""
         if self.settings.output_mode != "counterfactual":
             return
+        regional = self.settings.regional_shift != "apply"
+        if regional and all(c is None for c in self.trained.module.hparams.chromosome):
+            log.info("regional_shift=%s: no modelled gene has genomic coordinates, so no part of the shift is "
+                     "regional: all of it is removed (as with regional_shift=apply).", self.settings.regional_shift)
+            regional = False
         with fused_attention(self.net):
             self.estimate_unseen(rows, n_obs)
-            if self.settings.regional_shift != "apply":
-                if any(c is not None for c in self.trained.module.hparams.chromosome):
-                    self.estimate_mean_shift(rows, n_obs)
-                else:
-                    log.info("regional_shift=%s: no modelled gene has genomic coordinates, so no part of the shift "
-                             "is regional: all of it is removed (as with regional_shift=apply).",
-                             self.settings.regional_shift)
+            if regional or self.settings.state_dependence < 1:
+                self.estimate_mean_shift(rows, n_obs, regional)
 
     @torch.no_grad()
-    def estimate_mean_shift(self, rows, n_obs: int) -> None:
-        """Each batch code's mean of decoded_ref - decoded_b (or of the whole change, keep_input) over its cells,
-        or over all cells (keep_all, keep_input) (counterfactual.RegionalShift); the cells' latents are kept (`latents`), so the correction decodes them without encoding again."""
+    def estimate_mean_shift(self, rows, n_obs: int, regional: bool) -> None:
+        """Each batch code's mean decoder term decoded_ref - k_b decoded_b over its cells (for state_dependence,
+        counterfactual.StateShrink) and, with `regional`, the mean that regional_shift splits against
+        (counterfactual.RegionalShift): of the decoder term over the batch's cells (keep) or over all cells
+        (keep_all), or of the whole change over all cells (keep_input). The cells' latents are kept (`latents`),
+        so the correction decodes them without encoding again."""
         n_codes = self.batches.n_training + len(self.batches.unseen)
-        sums = np.zeros((n_codes, len(self.trained.genes)))
+        decoder_sums = np.zeros((n_codes, len(self.trained.genes)))
+        change_sums = np.zeros((n_codes, len(self.trained.genes)))
         counts = np.zeros(n_codes, dtype=np.int64)
         self.latents = np.empty((n_obs, self.latent_dim), dtype=np.float32)
         for start in range(0, n_obs, self.settings.chunk_size):
@@ -210,27 +216,43 @@ class Corrector:
             x = self.model_input(rows.rows(start, stop), start)
             for begin in range(0, stop - start, self.batch_size):
                 codes = self.batches.codes[start + begin:start + min(begin + self.batch_size, stop - start)]
-                mu, _ = self.net.encode(x[begin:begin + len(codes)])  # (B, latent)
+                part = x[begin:begin + len(codes)]
+                mu, _ = self.net.encode(part)  # (B, latent)
                 self.latents[start + begin:start + begin + len(codes)] = mu.numpy()
-                shift = counterfactual.state_shift(self.net, x[begin:begin + len(codes)], mu, torch.from_numpy(codes),
-                                                   self.reference, self.statistics, self.present,
-                                                   whole=self.settings.regional_shift == "keep_input").numpy()
+                values, decoder, observed, _ = counterfactual.output_terms(
+                    self.net, part, mu, torch.from_numpy(codes), self.reference, self.statistics, self.present)
+                decoder, change = decoder.numpy(), (values - observed).numpy()
                 for code in np.unique(codes[codes >= 0]):
-                    sums[code] += shift[codes == code].sum(axis=0)
+                    decoder_sums[code] += decoder[codes == code].sum(axis=0)
+                    change_sums[code] += change[codes == code].sum(axis=0)
                     counts[code] += int((codes == code).sum())
-        if self.settings.regional_shift in ("keep_all", "keep_input"):  # one mean over every cell, for every batch
-            sums[:], counts[:] = sums.sum(axis=0), counts.sum()
         estimated = counts >= counterfactual.MIN_UNSEEN_CELLS
-        if (~estimated & (counts > 0)).any():
-            log.warning("regional_shift=%s: batches with fewer than %d cells in the input keep no regional part of "
-                        "their shift: %s", self.settings.regional_shift, counterfactual.MIN_UNSEEN_CELLS,
-                        [self.batch_name(c) for c in np.flatnonzero(~estimated & (counts > 0))])
+        mode = self.settings.regional_shift if regional else "apply"
+        small = [self.batch_name(c) for c in np.flatnonzero(~estimated & (counts > 0))]
+        unmet = [what for what, needed in (
+            ("keep no regional part of their shift (regional_shift=keep)", mode == "keep"),
+            ("get all of its state dependence (state_dependence < 1)", self.settings.state_dependence < 1)) if needed]
+        if small and unmet:
+            log.warning("Batches with fewer than %d cells in the input have no mean shift of their own; their cells "
+                        "%s: %s", counterfactual.MIN_UNSEEN_CELLS, " and ".join(unmet), small)
+        batch_mean = decoder_sums / np.maximum(counts, 1)[:, None]  # (codes, G)
+        as_tensor = partial(torch.as_tensor, dtype=torch.float32)
+        if self.settings.state_dependence < 1:
+            self.state = counterfactual.StateShrink(float(self.settings.state_dependence), as_tensor(batch_mean),
+                                                    as_tensor(estimated))
+        if not regional:
+            return
+        if mode == "keep":
+            mean_shift = batch_mean
+        else:  # one mean over every cell, for every batch
+            sums = change_sums if mode == "keep_input" else decoder_sums
+            mean_shift = np.repeat(sums.sum(axis=0, keepdims=True) / max(counts.sum(), 1), n_codes, axis=0)
+            estimated = np.full(n_codes, counts.sum() >= counterfactual.MIN_UNSEEN_CELLS)
         smoother = counterfactual.genome_smoother(list(self.trained.module.hparams.chromosome),
                                                   self.settings.regional_order, self.settings.regional_window,
                                                   self.settings.regional_seed)
-        self.regional = counterfactual.RegionalShift(
-            smoother, torch.as_tensor(sums / np.maximum(counts, 1)[:, None], dtype=torch.float32),
-            torch.as_tensor(estimated, dtype=torch.float32), whole=self.settings.regional_shift == "keep_input")
+        self.regional = counterfactual.RegionalShift(smoother, as_tensor(mean_shift), as_tensor(estimated),
+                                                     whole=mode == "keep_input")
 
     def batch_name(self, code: int) -> str:
         n_training = self.batches.n_training
@@ -308,7 +330,7 @@ class Corrector:
                 mu = None if self.latents is None else torch.from_numpy(self.latents[cells])
                 mu, expression, n_clipped = counterfactual.corrected(self.net, x[start:stop], codes,
                                                                      self.reference, self.statistics, self.present,
-                                                                     self.regional, mu=mu)
+                                                                     self.regional, self.state, mu=mu)
                 self.n_clipped += n_clipped
             latent[start:stop] = mu.numpy()
             values[start:stop] = expression.numpy()[:, self.out_model]
@@ -370,6 +392,7 @@ def provenance(corrector: Corrector) -> dict:
             "regional_window": int(settings.regional_window),
             "regional_order": settings.regional_order,
             "regional_seed": int(settings.regional_seed),
+            "state_dependence": float(settings.state_dependence),
             "model": dict(trained.module.hparams["model"]),
         },
     }

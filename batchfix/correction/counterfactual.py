@@ -25,6 +25,11 @@ scale for data.scale=log):
   keeps about the batch-wide ratio, one estimated on many cells its own.
 - Values that would go below 0 (the floor of the log1p scale) are set to 0 and counted.
 
+State dependence (correction.state_dependence, default 1). With w < 1 the decoder term decoded_ref(z_c) -
+k_b decoded_b(z_c) is replaced by its mean over the batch's cells in the input plus w times the cell's deviation
+from that mean: w = 0 gives one shift per gene and batch, as ComBat's, which moves within-batch comparisons (DE
+ranks, markers) least and mixes least; the regional shift below then splits what is left.
+
 Regional shift (correction.regional_shift, default keep). The shift the output removes from a cell,
 delta_c = decoded_ref(z_c) - decoded_b(z_c), depends on the cell's state, so a state seen in one batch
 only (a patient's malignant clone) has part of its own biology taken for batch effect. With `keep`, the
@@ -319,8 +324,8 @@ class RegionalShift:
     """What correction.regional_shift=keep|keep_all|keep_input needs: the smoother and each batch code's mean
     shift.
 
-    mean_shift: (codes, G) mean of `state_shift` over the batch's input cells (keep) or over every input cell
-    (keep_all, keep_input); estimated: (codes,) 1.0, or 0.0 for a batch with fewer than MIN_UNSEEN_CELLS cells
+    mean_shift: (codes, G) mean of the decoder term (`output_terms`) over the batch's input cells (keep) or over
+    every input cell (keep_all), or of the whole change over every input cell (keep_input); estimated: (codes,) 1.0, or 0.0 for a batch with fewer than MIN_UNSEEN_CELLS cells
     (its cells keep no regional part); whole: the shift split is the output's whole change to the cell
     (keep_input), not its decoder term.
     """
@@ -329,6 +334,20 @@ class RegionalShift:
     mean_shift: torch.Tensor
     estimated: torch.Tensor
     whole: bool = False
+
+
+@dataclass
+class StateShrink:
+    """What correction.state_dependence < 1 needs: the weight w and each batch code's mean decoder term.
+
+    batch_mean: (codes, G) mean of decoded_ref(z) - k_b decoded_b(z) over the batch's input cells; estimated:
+    (codes,) 1.0, or 0.0 for a batch with fewer than MIN_UNSEEN_CELLS cells (its cells keep the whole term).
+    The decoder term applied is batch_mean + w * (cell's term - batch_mean).
+    """
+
+    weight: float
+    batch_mean: torch.Tensor
+    estimated: torch.Tensor
 
 
 @torch.no_grad()
@@ -358,16 +377,6 @@ def output_terms(net: BatchfixNet, x: torch.Tensor, mu: torch.Tensor, codes: tor
     return values, decoder_term(reference_values, own, stats.scale[known]), observed, reference_values
 
 
-@torch.no_grad()
-def state_shift(net: BatchfixNet, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor, reference: int | None,
-                stats: Statistics, present: torch.Tensor | None = None, whole: bool = False) -> torch.Tensor:
-    """(B, G) the part of each cell's output that regional_shift splits: the decoder term decoded_ref(z) -
-    k_b decoded_b(z) (the batch shift the model learned for the cell's state, on the output's scale), or with
-    `whole` the output's whole change to the cell, values - input (before the floor)."""
-    values, decoder, observed, _ = output_terms(net, x, mu, codes, reference, stats, present)
-    return values - observed if whole else decoder
-
-
 def decoder_term(reference_values: torch.Tensor, own: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """(B, G) decoded_ref(z) - k_b decoded_b(z), with `scale` each cell's k ((B, 1) or (B, G))."""
     return reference_values - scale * own
@@ -376,15 +385,20 @@ def decoder_term(reference_values: torch.Tensor, own: torch.Tensor, scale: torch
 @torch.no_grad()
 def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference: int | None, stats: Statistics,
               present: torch.Tensor | None = None, regional: RegionalShift | None = None,
+              state: StateShrink | None = None,
               mu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(latent mean, counterfactual values (B, G), how many were raised to 0) for cells with batch `codes`;
-    with `regional`, the regional part of each cell's deviation from the mean state shift is left in. `mu`: the
+    with `state`, only the share `state.weight` of each cell's decoder term's deviation from its batch's mean is
+    applied; with `regional`, the regional part of each cell's deviation from the mean shift is left in. `mu`: the
     cells' latent means if already encoded (the encoder, the costly part, then does not run again)."""
     if mu is None:
         mu, _ = net.encode(x)
     values, decoder, observed, reference_values = output_terms(net, x, mu, codes, reference, stats, present)
+    known = codes.clamp_min(0).long()
+    if state is not None:
+        unapplied = (1.0 - state.weight) * (decoder - state.batch_mean[known]) * state.estimated[known, None]
+        values, decoder = values - unapplied, decoder - unapplied
     if regional is not None:
-        known = codes.clamp_min(0).long()
         shift = values - observed if regional.whole else decoder
         deviation = (shift - regional.mean_shift[known]) * regional.estimated[known, None]
         values = values - regional.smoother(deviation)
