@@ -85,6 +85,7 @@ from stress_set import group_truth_error, truth_error  # noqa: E402
 BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi", "cellanova"]
 ALL_METHODS = ["batchfix", *BASELINES]
 ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
+STATE_DEPENDENCES = (0.5,)  # correction.state_dependence values corrected beside the default, on the same model
 CNV_R, CNV_AMPLITUDE = "CNV profile r", "CNV amplitude ratio"  # batchfix.eval.cnv.profile_retention
 MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE]
 TRUTH_ERROR = "Truth error"  # with --truth-layer: stress_set.truth_error of the matrix
@@ -120,7 +121,8 @@ def run_batchfix(
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
     """Train batchfix on `adata_hvg` (raw counts, genes already selected) once, and correct it in
     every output mode with the same model (and the counterfactual output with its other spread,
-    named counterfactual_SPREAD, and its other regional shifts, named counterfactual_regional_MODE).
+    named counterfactual_SPREAD, its other regional shifts, named counterfactual_regional_MODE, and
+    correction.state_dependence=W for each W of STATE_DEPENDENCES, named counterfactual_state_W).
 
     `overrides` are Hydra-style "key=value" strings (e.g. "model.position_encoding=none").
     Returns (latent (cells, k), corrected log expression (cells, genes) by output mode, seconds by
@@ -151,6 +153,8 @@ def run_batchfix(
                        for spread in set(SPREADS) - {cfg.correction.spread}})
         others.update({f"counterfactual_regional_{shift}": CorrectionSettings(regional_shift=shift)
                        for shift in set(REGIONAL_SHIFTS) - {cfg.correction.regional_shift}})
+        others.update({f"counterfactual_state_{weight}": CorrectionSettings(state_dependence=weight)
+                       for weight in STATE_DEPENDENCES if weight != cfg.correction.state_dependence})
         for mode, settings in others.items():
             start = time.perf_counter()
             paths[mode] = correct_file(source, Path(tmp) / f"{mode}.h5ad", load_trained(run_dir / "model.ckpt"),
