@@ -22,7 +22,8 @@ import numpy as np
 import pandas as pd
 
 SCORES = {"Total": "Total", "within-type NN": "Within-type 10-NN kept", "markers": "Marker recall",
-          "DE-rank": "DE-rank agreement", "HVG": "HVG conservation", "CNV profile r": "CNV profile r"}
+          "DE-rank": "DE-rank agreement", "HVG": "HVG conservation", "CNV profile r": "CNV profile r",
+          "truth error (group means)": "Truth error (group means)"}  # rows for the scores a CSV has
 
 
 def named(pairs: list[str]) -> list[tuple[str, str]]:
@@ -35,6 +36,8 @@ def rows_of(path: str, dataset: str, first: tuple[str, str], second: tuple[str, 
     frame = pd.read_csv(path)
     rows = []
     for label, column in SCORES.items():
+        if column not in frame:  # the truth errors: a stress set's runs only
+            continue
         wide = frame.pivot_table(index="seed", columns="embedding", values=column)
         a, b = (wide[next(name for name in output.split("|") if name in wide)] for output, _ in (first, second))
         difference = (a - b).dropna()
