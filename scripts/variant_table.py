@@ -6,6 +6,7 @@ this prints and writes a row per score: each output's mean over seeds, and the p
 standard error over seeds), with ComBat's mean beside them. An output is named by its embedding row, or by
 several separated by "|", the first one the CSV holds (the default output's row is "batchfix counterfactual
 (PCA)" whatever the default was when the CSV was made; the other regional shifts are named by their mode).
+CSVs of one dataset's runs with other seeds are pooled by joining their paths with "+".
 
     python scripts/variant_table.py docs/results/runs/bundled-3seeds.csv=bundled \\
         docs/results/runs/plate-trio-3seeds.csv=plate-trio docs/results/runs/platform-pair-3seeds.csv=platform-pair \\
@@ -33,7 +34,7 @@ def named(pairs: list[str]) -> list[tuple[str, str]]:
 
 def rows_of(path: str, dataset: str, first: tuple[str, str], second: tuple[str, str]) -> list[list[str]]:
     """One table row per score: both outputs' means, their paired difference (se) and ComBat's mean."""
-    frame = pd.read_csv(path)
+    frame = pd.concat([pd.read_csv(part) for part in path.split("+")])  # runs of other seeds pooled
     rows = []
     for label, column in SCORES.items():
         if column not in frame:  # the truth errors: a stress set's runs only
