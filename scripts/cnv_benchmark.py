@@ -227,8 +227,8 @@ def summary_rows(records: list[dict], columns: list[str], by: str = "method") ->
 
 
 def paired_rows(records: list[dict], columns: list[str]) -> list[list[str]]:
-    """Table rows (header first): regional=keep, keep_all and keep_input minus each other method on each column, paired by
-    (label, seed) (shuffled orders averaged first): mean, standard error and number of pairs."""
+    """Table rows (header first): regional=keep, keep_all and keep_input minus each other method on each column,
+    paired by (label, seed) (shuffled orders averaged first): mean, standard error and number of pairs."""
     frame = pd.DataFrame(records)
     frame["method"] = frame["method"].str.replace(r"_shuffled/\d+$", "_shuffled (mean of orders)", regex=True)
     keys = [k for k in ("label", "seed") if k in frame]

@@ -43,9 +43,9 @@ kept as well (a patient whose cells all carry one CNV). `keep_input` splits the 
 the cell (output - input before the floor: the decoder term, the location and the scale k_b together) and takes
 its deviation from the mean change over all the input's cells: a cell keeps its input's regional profile up to
 what the correction changes in every cell, so a batch's regional shift survives even where its location or
-spread differs from the others'. correction.regional_order=shuffled runs the same
-smoothing over a random gene order (the ablation: neighbours are then unrelated genes). Unplaced genes
-have no neighbours: their whole shift is removed. A batch with fewer than MIN_UNSEEN_CELLS cells in the
+spread differs from the others'. correction.regional_order=shuffled runs the same smoothing over a random
+gene order (the ablation: neighbours are then unrelated genes). Unplaced genes have no neighbours: their whole
+shift is removed. A batch with fewer than MIN_UNSEEN_CELLS cells in the
 input has no estimated mean shift: its cells get the whole shift removed.
 
 Training batches are calibrated once after the fit (`calibrate`), on the training cells (at most
@@ -325,9 +325,9 @@ class RegionalShift:
     shift.
 
     mean_shift: (codes, G) mean of the decoder term (`output_terms`) over the batch's input cells (keep) or over
-    every input cell (keep_all), or of the whole change over every input cell (keep_input); estimated: (codes,) 1.0, or 0.0 for a batch with fewer than MIN_UNSEEN_CELLS cells
-    (its cells keep no regional part); whole: the shift split is the output's whole change to the cell
-    (keep_input), not its decoder term.
+    every input cell (keep_all), or of the whole change over every input cell (keep_input); estimated: (codes,)
+    1.0, or 0.0 for a batch with fewer than MIN_UNSEEN_CELLS cells (its cells keep no regional part); whole: the
+    shift split is the output's whole change to the cell (keep_input), not its decoder term.
     """
 
     smoother: GenomeSmoother
