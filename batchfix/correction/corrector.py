@@ -207,8 +207,9 @@ class Corrector:
         (keep_all), or of the whole change over all cells (keep_input). The cells' latents are kept (`latents`),
         so the correction decodes them without encoding again."""
         n_codes = self.batches.n_training + len(self.batches.unseen)
+        mode = self.settings.regional_shift if regional else "apply"
         decoder_sums = np.zeros((n_codes, len(self.trained.genes)))
-        change_sums = np.zeros((n_codes, len(self.trained.genes)))
+        change_sums = np.zeros((n_codes, len(self.trained.genes)))  # keep_input only
         counts = np.zeros(n_codes, dtype=np.int64)
         self.latents = np.empty((n_obs, self.latent_dim), dtype=np.float32)
         for start in range(0, n_obs, self.settings.chunk_size):
@@ -221,13 +222,14 @@ class Corrector:
                 self.latents[start + begin:start + begin + len(codes)] = mu.numpy()
                 values, decoder, observed, _ = counterfactual.output_terms(
                     self.net, part, mu, torch.from_numpy(codes), self.reference, self.statistics, self.present)
-                decoder, change = decoder.numpy(), (values - observed).numpy()
+                decoder = decoder.numpy()
+                change = (values - observed).numpy() if mode == "keep_input" else None
                 for code in np.unique(codes[codes >= 0]):
                     decoder_sums[code] += decoder[codes == code].sum(axis=0)
-                    change_sums[code] += change[codes == code].sum(axis=0)
+                    if change is not None:
+                        change_sums[code] += change[codes == code].sum(axis=0)
                     counts[code] += int((codes == code).sum())
         estimated = counts >= counterfactual.MIN_UNSEEN_CELLS
-        mode = self.settings.regional_shift if regional else "apply"
         small = [self.batch_name(c) for c in np.flatnonzero(~estimated & (counts > 0))]
         unmet = [what for what, needed in (
             ("keep no regional part of their shift (regional_shift=keep)", mode == "keep"),
