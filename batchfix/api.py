@@ -192,8 +192,8 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
         deviates from its batch's mean shift and is smooth along the genome over `regional_window` genes
         (copy-number-like biology); "keep_all" measures the deviation from the mean over all cells (a
         batch-wide regional shift is kept too); "keep_input" splits the output's whole change to the cell
-        (decoder term, location and spread) against the mean change over all cells, so each cell keeps its
-        input's regional profile; "apply" removes it with the rest. regional_order="shuffled"
+        (decoder term, location, spread and the floor at 0) against the mean change over all cells, so each
+        cell keeps its input's regional profile; "apply" removes it with the rest. regional_order="shuffled"
         is the ablation (smoothing over a random gene order, `regional_seed`). See batchfix.correction.counterfactual
         and docs/cnv.md.
     state_dependence

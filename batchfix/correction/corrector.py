@@ -223,7 +223,7 @@ class Corrector:
                 values, decoder, observed, _ = counterfactual.output_terms(
                     self.net, part, mu, torch.from_numpy(codes), self.reference, self.statistics, self.present)
                 decoder = decoder.numpy()
-                change = (values - observed).numpy() if mode == "keep_input" else None
+                change = (values.clamp_min(0.0) - observed).numpy() if mode == "keep_input" else None
                 for code in np.unique(codes[codes >= 0]):
                     decoder_sums[code] += decoder[codes == code].sum(axis=0)
                     if change is not None:

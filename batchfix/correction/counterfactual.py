@@ -40,10 +40,12 @@ neighbouring modelled genes of its chromosome (genomic order) is the regional, c
 it is not removed; the rest of delta_c is. `apply` removes the whole of delta_c. `keep_all` takes the
 deviation from the mean over all the input's cells instead, so the regional part of a batch's own mean shift is
 kept as well (a patient whose cells all carry one CNV). `keep_input` splits the whole change the output makes to
-the cell (output - input before the floor: the decoder term, the location and the scale k_b together) and takes
+the cell (floored output - input: the decoder term, the location, the scale k_b and the floor together) and takes
 its deviation from the mean change over all the input's cells: a cell keeps its input's regional profile up to
 what the correction changes in every cell, so a batch's regional shift survives even where its location or
-spread differs from the others'. correction.regional_order=shuffled runs the same smoothing over a random
+spread differs from the others'. The floor is part of that change: where it raises some of a region's values
+(a lost segment, mostly zeros, scaled by a batch's k_b > 1), the regional part of that rise is taken back from
+the region's other values, so the region's mean keeps its depth (the output is floored again after). correction.regional_order=shuffled runs the same smoothing over a random
 gene order (the ablation: neighbours are then unrelated genes). Unplaced genes have no neighbours: their whole
 shift is removed. A batch with fewer than MIN_UNSEEN_CELLS cells in the
 input has no estimated mean shift: its cells get the whole shift removed.
@@ -398,10 +400,15 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
     if state is not None:
         unapplied = (1.0 - state.weight) * (decoder - state.batch_mean[known]) * state.estimated[known, None]
         values, decoder = values - unapplied, decoder - unapplied
+    floored = torch.zeros_like(values, dtype=torch.bool)  # raised to 0 before the regional split (keep_input)
     if regional is not None:
+        if regional.whole:  # the floor is part of the whole change: its regional part is not applied either
+            floored = values.lt(0) & (codes >= 0)[:, None]
+            values = values.clamp_min(0.0)
         shift = values - observed if regional.whole else decoder
         deviation = (shift - regional.mean_shift[known]) * regional.estimated[known, None]
         values = values - regional.smoother(deviation)
     values = torch.where((codes < 0)[:, None], reference_values, values)  # too few cells: denoised
-    n_clipped = int((values if present is None else values[:, present]).lt(0).sum())
+    below = values.lt(0) | floored
+    n_clipped = int((below if present is None else below[:, present]).sum())
     return mu, values.clamp_min(0.0), n_clipped
