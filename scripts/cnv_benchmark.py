@@ -274,13 +274,15 @@ def report(paths: list[str], csv_dir: Path | None = None) -> str:
             columns = [c for c in ["retention_r", "relative_r", "amplitude_ratio", *metrics.AGGREGATE_COLUMNS]
                        if c in records[0]]
         elif kind == "confounded":
-            columns = ["r", "uncorrected_r", "amplitude_ratio"]
+            # the amplitude's distance from 1: a profile amplified past the truth is not kept either
+            records = [{**r, "amplitude_error": abs(r["amplitude_ratio"] - 1.0)} for r in records]
+            columns = ["r", "uncorrected_r", "amplitude_ratio", "amplitude_error"]
         elif kind == "oligodendroglioma":
             records = oligodendroglioma_rows(records)
             columns = [c for c in records[0] if c not in ("method", "seed")]
         else:
             columns = [c for c in records[0] if c.startswith(("gain", "loss")) or c == "mean"]
-        paired = {"profile": ["retention_r", "Total"], "confounded": ["r", "amplitude_ratio"],
+        paired = {"profile": ["retention_r", "Total"], "confounded": ["r", "amplitude_ratio", "amplitude_error"],
                   "oligodendroglioma": ["malignant kept (mean)"], "inject/confounded": ["mean"]}.get(kind, [])
         tables = {"": summary_rows(records, columns)}
         if paired:  # the designs where keeping a regional shift is at stake (shared and none: every row alike)
