@@ -44,7 +44,8 @@ each matrix gets stress_set.truth_error (RMS difference, log1p scale) against it
 run (batchfix: every output mode of the model trained on the truth). The Unintegrated PCA row, log1p(counts
 per 10k) of X against that of the layer, is the level without correction; the stress's counting noise is
 part of every error. Truth error (group means) compares (batch, label) group means instead, where that noise
-averages out. The scIB and gene-level scores stay those of the run on X.
+averages out; its relative form divides it by the spread of the truth run's group means, so that matrices on
+other scales (Scanorama's unit-norm cells) compare. The scIB and gene-level scores stay those of the run on X.
 
 fit seconds: wall-clock time of the method's own work (for batchfix: as `run_batchfix` reports,
 train + that output mode's correction, plus the PCA of its corrected expression; for its latent
@@ -80,7 +81,7 @@ from batchfix.eval import cnv, fidelity, metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402
-from stress_set import group_truth_error, truth_error  # noqa: E402
+from stress_set import group_truth_error, relative_group_truth_error, truth_error  # noqa: E402
 
 BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi", "cellanova"]
 ALL_METHODS = ["batchfix", *BASELINES]
@@ -90,6 +91,8 @@ CNV_R, CNV_AMPLITUDE = "CNV profile r", "CNV amplitude ratio"  # batchfix.eval.c
 MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE]
 TRUTH_ERROR = "Truth error"  # with --truth-layer: stress_set.truth_error of the matrix
 TRUTH_GROUP_ERROR = "Truth error (group means)"  # stress_set.group_truth_error over (batch, label) groups
+TRUTH_RELATIVE_ERROR = "Truth error (group means, relative)"  # stress_set.relative_group_truth_error
+TRUTH_ERRORS = [TRUTH_ERROR, TRUTH_GROUP_ERROR, TRUTH_RELATIVE_ERROR]
 NO_MATRIX = frozenset({"harmony"})  # methods that give no corrected matrix (not refitted on the truth)
 
 
@@ -379,7 +382,7 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
                     "embedding": name, "method": method, "seed": seed, **tags.get(key, {}),
                     **table.loc[name].to_dict(),
                     **genes.get(name, dict.fromkeys(MATRIX_SCORES, np.nan)),
-                    **(errors.get(name, dict.fromkeys([TRUTH_ERROR, TRUTH_GROUP_ERROR], np.nan))
+                    **(errors.get(name, dict.fromkeys(TRUTH_ERRORS, np.nan))
                        if truth is not None else {}),
                     "fit_seconds": result.embedding_seconds.get(name, result.fit_seconds),
                     "cpu_seconds": result.cpu_seconds,
@@ -426,7 +429,8 @@ def truth_errors(
         for name, matrix in result.matrices.items():
             on_truth = truth_results[key][1].matrices[name]
             errors[name] = {TRUTH_ERROR: truth_error(matrix, on_truth),
-                            TRUTH_GROUP_ERROR: group_truth_error(matrix, on_truth, groups)}
+                            TRUTH_GROUP_ERROR: group_truth_error(matrix, on_truth, groups),
+                            TRUTH_RELATIVE_ERROR: relative_group_truth_error(matrix, on_truth, groups)}
     return errors
 
 
@@ -453,8 +457,7 @@ def ablation_table(rows: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     corrected = rows[rows["embedding"].str.endswith("(PCA)") & (rows["method"] == "batchfix")].copy()
     corrected["output"] = corrected["embedding"].str.extract(r" (\w+) \(PCA\)$", expand=False)
-    columns = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *MATRIX_SCORES, TRUTH_ERROR,
-               TRUTH_GROUP_ERROR]
+    columns = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *MATRIX_SCORES, *TRUTH_ERRORS]
     grouped = corrected.groupby(["variant", "encoding", "output"], sort=False)[[c for c in columns if c in corrected]]
     table = grouped.mean().join(grouped.std(), rsuffix=" sd")
     table.insert(0, "seeds", grouped.size())
@@ -496,7 +499,7 @@ def gene_scores(
 def summary(rows: pd.DataFrame) -> pd.DataFrame:
     """Mean over seeds per embedding (with the standard deviation when there are several)."""
     columns = [metrics.BATCH_SCORE, metrics.BIO_SCORE, metrics.TOTAL_SCORE, *MATRIX_SCORES,
-               *([TRUTH_ERROR, TRUTH_GROUP_ERROR] if TRUTH_ERROR in rows else []), "fit_seconds", "cpu_seconds",
+               *(TRUTH_ERRORS if TRUTH_ERROR in rows else []), "fit_seconds", "cpu_seconds",
                "peak_mb"]
     grouped = rows.groupby("embedding", sort=False)
     table = grouped[columns].mean()
@@ -568,15 +571,19 @@ def truth_error_note(layer: str) -> str:
         "difference of the two matrices (cells x genes, log1p scale; stress_set.truth_error). The data's own "
         "batch effects, corrected alike in both, cancel: what is left is the added effect the method did not "
         "remove, biology it moved, and the counting noise of the stress (which a method keeping each cell's "
-        "values cannot remove, and a smoothing one removes in both runs). The Unintegrated PCA row (log1p counts per 10k of X against those of "
-        "the truth) is the level without correction; 0 = the added effects removed exactly. batchfix's two "
+        "values cannot remove, and a smoothing one removes in both runs). The Unintegrated PCA row (log1p "
+        "counts per 10k of X against those of the truth) is the level without correction; 0 = the added "
+        "effects removed exactly. batchfix's two "
         "matrices come from two trainings (same seed, different data), so its error also holds the difference "
         "between trainings; Scanorama's matrices are on its own scale (each cell's log values scaled to unit "
-        "L2 norm), not that of the others. The scIB and gene-level scores are those of the run on X: the "
+        f"L2 norm), not that of the others: {TRUTH_RELATIVE_ERROR} compares them. The scIB and gene-level "
+        "scores are those of the run on X: the "
         "gene-level reference is then the stressed counts, which hold the added effects. "
         f"{TRUTH_GROUP_ERROR}: the same comparison on the mean of each (batch, label) group "
         "(stress_set.group_truth_error): the counting noise averages out within a group, so it ranks what the "
-        "methods left of the added effects and what biology they moved."
+        "methods left of the added effects and what biology they moved. "
+        f"{TRUTH_RELATIVE_ERROR}: that error over the spread of the truth run's group means around each gene's "
+        "mean (stress_set.relative_group_truth_error), which no scale of the output changes."
     )
 
 

@@ -13,7 +13,8 @@ parameters and seed. A method's error against the truth (`truth_error`) compares
 stressed data with its correction of the truth: the real batch effects of the data, corrected alike in both,
 cancel, and what is left is the added effect the method failed to remove (or the biology it moved), and the
 stress's counting noise; `group_truth_error` compares (batch, label) group means instead, where that noise
-averages out.
+averages out, and `relative_group_truth_error` divides that by the spread of the groups' means, so that outputs
+on different scales compare.
 
     python scripts/stress_set.py data/cellbench5.h5ad stress_sd1.h5ad --sd 1.0 --seed 0
     python scripts/stress_set.py data/cellbench5.h5ad pair_sd05.h5ad --sd 0.5 --batches sc_celseq2 sc_dropseq
@@ -96,16 +97,33 @@ def truth_error(corrected_on_stressed: np.ndarray, corrected_on_truth: np.ndarra
     return float(np.sqrt(np.mean(diff ** 2)))
 
 
+def group_means(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """(groups, genes): the mean of each group's cells (rows of `values`), groups in sorted order."""
+    values = np.asarray(values, dtype=np.float64)
+    names, inverse = np.unique(np.asarray(groups), return_inverse=True)
+    sums = np.zeros((len(names), values.shape[1]))
+    np.add.at(sums, inverse.ravel(), values)
+    return sums / np.bincount(inverse.ravel())[:, None]
+
+
 def group_truth_error(corrected_on_stressed: np.ndarray, corrected_on_truth: np.ndarray, groups: np.ndarray) -> float:
     """Root-mean-square over (group, gene) of the difference between a group's mean corrected values in the two
     corrections: the stress's counting noise, independent from cell to cell, averages out within a group, so
     what is left is the added effect the method left in the group, or the biology it moved there."""
     diff = np.asarray(corrected_on_stressed, dtype=np.float64) - np.asarray(corrected_on_truth, dtype=np.float64)
-    names, inverse = np.unique(np.asarray(groups), return_inverse=True)
-    sums = np.zeros((len(names), diff.shape[1]))
-    np.add.at(sums, inverse.ravel(), diff)
-    means = sums / np.bincount(inverse.ravel())[:, None]  # (groups, genes)
-    return float(np.sqrt(np.mean(means ** 2)))
+    return float(np.sqrt(np.mean(group_means(diff, groups) ** 2)))
+
+
+def relative_group_truth_error(
+    corrected_on_stressed: np.ndarray, corrected_on_truth: np.ndarray, groups: np.ndarray,
+) -> float:
+    """`group_truth_error` over the spread of the truth run's group means (root-mean-square over (group, gene)
+    of each gene's group means minus their mean over groups): the share of the differences between groups that
+    is wrong. It does not depend on the output's scale, so a method whose values are not on the log1p scale
+    (Scanorama's unit-norm cells) is compared with the others; 1.0 = an error as large as the groups' differences."""
+    truth_means = group_means(corrected_on_truth, groups)
+    spread = np.sqrt(np.mean((truth_means - truth_means.mean(axis=0)) ** 2))
+    return group_truth_error(corrected_on_stressed, corrected_on_truth, groups) / float(spread)
 
 
 def main() -> None:

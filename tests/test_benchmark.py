@@ -137,7 +137,7 @@ def test_truth_errors_of_a_stress_set_fit_each_method_on_both_counts(subset, mon
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import benchmark
-    from stress_set import Stress, group_truth_error, stress_set, truth_error
+    from stress_set import Stress, group_truth_error, relative_group_truth_error, stress_set, truth_error
 
     stressed = stress_set(subset, "batch", Stress(sd=1.0, seed=0))
     truth = stressed.copy()
@@ -154,9 +154,11 @@ def test_truth_errors_of_a_stress_set_fit_each_method_on_both_counts(subset, mon
     groups = (subset.obs["batch"].astype(str) + "/" + subset.obs["cell_type"].astype(str)).to_numpy()
     assert errors["Unintegrated PCA"][benchmark.TRUTH_GROUP_ERROR] == pytest.approx(
         group_truth_error(*uncorrected, groups))
+    assert errors["Unintegrated PCA"][benchmark.TRUTH_RELATIVE_ERROR] == pytest.approx(
+        relative_group_truth_error(*uncorrected, groups))
     # ComBat's per-gene, per-batch location and scale take out part of the added gene-wise effects; in group
     # means, where the counting noise averages out, far more of the error is gone
-    for error in (benchmark.TRUTH_ERROR, benchmark.TRUTH_GROUP_ERROR):
+    for error in benchmark.TRUTH_ERRORS:
         assert 0 < errors["ComBat"][error] < errors["Unintegrated PCA"][error]
     assert (errors["ComBat"][benchmark.TRUTH_GROUP_ERROR] / errors["Unintegrated PCA"][benchmark.TRUTH_GROUP_ERROR]
             < errors["ComBat"][benchmark.TRUTH_ERROR] / errors["Unintegrated PCA"][benchmark.TRUTH_ERROR])

@@ -9,7 +9,14 @@ import pytest
 import scipy.sparse as sp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from stress_set import Stress, gene_factors, stress_set, truth_error  # noqa: E402
+from stress_set import (  # noqa: E402
+    Stress,
+    gene_factors,
+    group_truth_error,
+    relative_group_truth_error,
+    stress_set,
+    truth_error,
+)
 
 
 def test_stressed_counts_follow_the_recorded_factors_and_depths(subset):
@@ -42,3 +49,21 @@ def test_no_effect_leaves_the_counts_and_the_error_measures_the_difference(subse
     values = np.log1p(sp.csr_matrix(subset.X).toarray())
     assert truth_error(values, values) == 0.0
     assert truth_error(values + 0.5, values) == pytest.approx(0.5)
+
+
+def test_group_errors_average_out_cell_noise_and_the_relative_one_ignores_the_scale(subset):
+    truth = np.log1p(sp.csr_matrix(subset.X).toarray())
+    groups = (subset.obs["batch"].astype(str) + "/" + subset.obs["cell_type"].astype(str)).to_numpy()
+    rng = np.random.default_rng(0)
+    noisy = truth + rng.normal(0.0, 0.5, truth.shape)  # cell-to-cell noise only
+    assert group_truth_error(noisy, truth, groups) < 0.5 * truth_error(noisy, truth)
+    shifted = truth + 0.3  # an effect left in every group
+    assert group_truth_error(shifted, truth, groups) == pytest.approx(0.3)
+    # the same outputs on a tenth of the scale: the error shrinks tenfold, its relative form does not move
+    relative = relative_group_truth_error(shifted, truth, groups)
+    assert group_truth_error(shifted / 10, truth / 10, groups) == pytest.approx(0.03)
+    assert relative_group_truth_error(shifted / 10, truth / 10, groups) == pytest.approx(relative)
+    # 1.0: an error as large as the spread of the truth's group means around each gene's mean
+    means = np.stack([truth[groups == g].mean(axis=0) for g in np.unique(groups)])
+    spread = np.sqrt(np.mean((means - means.mean(axis=0)) ** 2))
+    assert relative == pytest.approx(0.3 / spread)
