@@ -258,6 +258,7 @@ def signalled(files, slow_input, tmp_path_factory) -> dict:
     return results
 
 
+@pytest.mark.slow  # real processes signalled mid-run (train to 100,000 epochs, 20,000 cells corrected): CI's slow step
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_train_with_a_checkpoint(signalled, signum):
     result, run_dir = signalled["train", signum], signalled["work"] / signum.name
@@ -274,6 +275,7 @@ def test_signal_stops_train_with_a_checkpoint(signalled, signum):
     assert step - 5 <= logged["step"].max() <= step  # logged every 5 steps (trainer.log_every_n_steps)
 
 
+@pytest.mark.slow  # real processes signalled mid-run (train to 100,000 epochs, 20,000 cells corrected): CI's slow step
 def test_interrupted_run_is_refused_then_resumed_or_overwritten(signalled, files, subset):
     work = signalled["work"]
     resumed, replaced = work / "SIGTERM", work / "SIGINT"
@@ -308,6 +310,7 @@ def test_interrupted_run_is_refused_then_resumed_or_overwritten(signalled, files
     assert sorted(p.name for p in (replaced / "checkpoints").iterdir()) == ["best.ckpt", "last.ckpt"]
 
 
+@pytest.mark.slow  # real processes signalled mid-run (train to 100,000 epochs, 20,000 cells corrected): CI's slow step
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signal_stops_correct_without_output(signalled, signum):
     result = signalled["correct", signum]
@@ -335,6 +338,7 @@ def test_an_h5py_error_while_a_signal_is_pending_is_reported_as_the_signal(files
     assert err.value.exit_status == 128 + signal.SIGTERM and str(err.value).endswith("out.h5ad was not written")
 
 
+@pytest.mark.slow  # real processes signalled mid-run (train to 100,000 epochs, 20,000 cells corrected): CI's slow step
 def test_a_killed_correct_leaves_a_temporary_file_the_next_run_removes(signalled, files, caplog):
     assert signalled["correct", signal.SIGKILL]["status"] == -signal.SIGKILL
     work = signalled["work"]
@@ -346,6 +350,7 @@ def test_a_killed_correct_leaves_a_temporary_file_the_next_run_removes(signalled
     assert [p.name for p in work.glob("*SIGKILL.h5ad*")] == ["SIGKILL.h5ad"]
 
 
+@pytest.mark.slow  # real processes signalled mid-run (train to 100,000 epochs, 20,000 cells corrected): CI's slow step
 def test_inputs_of_signalled_and_resumed_runs_are_unchanged(signalled):
     assert {path: sha256(path) for path in signalled["inputs"]} == signalled["inputs"]
 

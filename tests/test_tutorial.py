@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 TUTORIAL = Path(__file__).resolve().parents[1] / "docs" / "tutorial.ipynb"
 BUDGET = "max_epochs = None"
 
 
+@pytest.mark.slow  # the whole notebook executed in a kernel: CI's slow step
 def test_the_tutorial_runs_and_shows_what_it_says(tmp_path):
     notebook = nbformat.read(TUTORIAL, as_version=4)
     setup = next(cell for cell in notebook.cells if BUDGET in cell.source)
