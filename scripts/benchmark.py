@@ -81,7 +81,7 @@ from batchfix.eval import cnv, fidelity, metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402
-from stress_set import group_truth_error, relative_group_truth_error, truth_error  # noqa: E402
+from stress_set import contrast_truth_error, group_truth_error, relative_group_truth_error, truth_error  # noqa: E402
 
 BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi", "cellanova"]
 ALL_METHODS = ["batchfix", *BASELINES]
@@ -92,7 +92,9 @@ MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE]
 TRUTH_ERROR = "Truth error"  # with --truth-layer: stress_set.truth_error of the matrix
 TRUTH_GROUP_ERROR = "Truth error (group means)"  # stress_set.group_truth_error over (batch, label) groups
 TRUTH_RELATIVE_ERROR = "Truth error (group means, relative)"  # stress_set.relative_group_truth_error
-TRUTH_ERRORS = [TRUTH_ERROR, TRUTH_GROUP_ERROR, TRUTH_RELATIVE_ERROR]
+TRUTH_CONTRAST_ERROR = "Truth error (group contrasts, relative)"  # stress_set.contrast_truth_error
+TRUTH_ERRORS = [TRUTH_ERROR, TRUTH_GROUP_ERROR, TRUTH_RELATIVE_ERROR, TRUTH_CONTRAST_ERROR]
+BALANCED_COLUMNS = {column: f"{column} (balanced cells)" for column in metrics.AGGREGATE_COLUMNS}  # --balanced
 NO_MATRIX = frozenset({"harmony"})  # methods that give no corrected matrix (not refitted on the truth)
 
 
@@ -375,6 +377,7 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
         scoring = time.perf_counter() - start
         print(f"seed {seed}: scored {len(embeddings)} embeddings in {scoring:.1f} s "
               f"({scoring / len(embeddings):.1f} s each)", flush=True)
+        balanced = balanced_scores(counts.obs, embeddings, data.unintegrated, args, seed) if args.balanced else {}
         genes = gene_scores(counts, results, args.batch_key, labels)
         for key, (method, result) in results.items():
             for name in result.embeddings:
@@ -384,12 +387,51 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
                     **genes.get(name, dict.fromkeys(MATRIX_SCORES, np.nan)),
                     **(errors.get(name, dict.fromkeys(TRUTH_ERRORS, np.nan))
                        if truth is not None else {}),
+                    **balanced.get(name, {}),
                     "fit_seconds": result.embedding_seconds.get(name, result.fit_seconds),
                     "cpu_seconds": result.cpu_seconds,
                     "peak_mb": result.peak_mb,
                     "scoring_seconds_each": scoring / len(embeddings),
                 })
     return pd.DataFrame(rows)
+
+
+def balanced_cells(obs: pd.DataFrame, batch_key: str, label_key: str, seed: int) -> np.ndarray:
+    """Sorted row positions of a subsample with the same composition in every batch: of each label that every
+    batch holds, as many cells from each batch as the batch with the fewest has (drawn at random, `seed`); labels
+    some batch lacks are left out."""
+    rng = np.random.default_rng(seed)
+    counts = pd.crosstab(obs[label_key].to_numpy(), obs[batch_key].to_numpy())  # (labels, batches)
+    rows = []
+    for label, per_batch in counts.iterrows():
+        if per_batch.min() == 0:
+            continue
+        for batch in counts.columns:
+            members = np.flatnonzero((obs[label_key].to_numpy() == label) & (obs[batch_key].to_numpy() == batch))
+            rows.append(rng.choice(members, per_batch.min(), replace=False))
+    if not rows:
+        raise SystemExit(f"--balanced: no label of '{label_key}' is found in every batch of '{batch_key}'")
+    return np.sort(np.concatenate(rows))
+
+
+def balanced_scores(
+    obs: pd.DataFrame, embeddings: dict[str, np.ndarray], unintegrated: np.ndarray, args: argparse.Namespace,
+    seed: int,
+) -> dict[str, dict[str, float]]:
+    """By embedding name: the scIB aggregates on `balanced_cells` (the rows of each embedding, fitted on all
+    cells). Where batches differ in composition, a batch's own mix of cell types shifts its mean expression, and
+    the batch metrics count that as batch signal; on the balanced cells they count only what the method left of
+    the batch effect, or added to it (a shift per gene and batch estimated on the whole batch moves the cells of
+    every type of that batch)."""
+    labels = labels_from_args(args)
+    if labels is None:
+        raise SystemExit("--balanced needs labels (--label-key)")
+    rows = balanced_cells(obs, args.batch_key, labels, seed)
+    print(f"seed {seed}: scoring {len(rows)} composition-balanced cells", flush=True)
+    table = metrics.score_embeddings(obs.iloc[rows], {name: e[rows] for name, e in embeddings.items()},
+                                     unintegrated[rows], args.batch_key, labels, neighbors="approximate")
+    return {name: {BALANCED_COLUMNS[column]: float(table.loc[name, column]) for column in BALANCED_COLUMNS}
+            for name in embeddings}
 
 
 def fit_methods(
@@ -430,7 +472,8 @@ def truth_errors(
             on_truth = truth_results[key][1].matrices[name]
             errors[name] = {TRUTH_ERROR: truth_error(matrix, on_truth),
                             TRUTH_GROUP_ERROR: group_truth_error(matrix, on_truth, groups),
-                            TRUTH_RELATIVE_ERROR: relative_group_truth_error(matrix, on_truth, groups)}
+                            TRUTH_RELATIVE_ERROR: relative_group_truth_error(matrix, on_truth, groups),
+                            TRUTH_CONTRAST_ERROR: contrast_truth_error(matrix, on_truth, groups)}
     return errors
 
 
@@ -499,7 +542,8 @@ def gene_scores(
 def summary(rows: pd.DataFrame) -> pd.DataFrame:
     """Mean over seeds per embedding (with the standard deviation when there are several)."""
     columns = [metrics.BATCH_SCORE, metrics.BIO_SCORE, metrics.TOTAL_SCORE, *MATRIX_SCORES,
-               *(TRUTH_ERRORS if TRUTH_ERROR in rows else []), "fit_seconds", "cpu_seconds",
+               *(TRUTH_ERRORS if TRUTH_ERROR in rows else []),
+               *[c for c in BALANCED_COLUMNS.values() if c in rows], "fit_seconds", "cpu_seconds",
                "peak_mb"]
     grouped = rows.groupby("embedding", sort=False)
     table = grouped[columns].mean()
@@ -528,6 +572,7 @@ def markdown(rows: pd.DataFrame, table: pd.DataFrame, args: argparse.Namespace) 
         GENE_SCORES_NOTE,
         "",
         *([truth_error_note(args.truth_layer), ""] if args.truth_layer else []),
+        *([BALANCED_NOTE, ""] if args.balanced else []),
         *([metrics.LABEL_FREE_NOTE, fidelity.NO_LABELS_NOTE, ""]
           if labels_from_args(args) is None else []),
         "## Summary (mean over seeds)",
@@ -541,6 +586,15 @@ def markdown(rows: pd.DataFrame, table: pd.DataFrame, args: argparse.Namespace) 
         lines += ["", "## Position-encoding ablation (corrected expression; mean and sd over seeds)", "",
                   metrics.markdown_table(ablation_table(rows), digits=3)]
     return "\n".join(lines)
+
+
+BALANCED_NOTE = (
+    "(balanced cells): the same scIB scores on a subsample with the same composition in every batch "
+    "(benchmark.balanced_cells: of each label that every batch holds, as many cells per batch as the batch "
+    "with the fewest, drawn with the seed; the rows of each embedding fitted on all cells). Where batches "
+    "differ in composition, the batch metrics on all cells count each batch's own mix of cell types as batch "
+    "signal; on the balanced cells they count only batch effect left in, or put in, by the method."
+)
 
 
 GENE_SCORES_NOTE = (
@@ -582,7 +636,10 @@ def truth_error_note(layer: str) -> str:
         "(stress_set.group_truth_error): the counting noise averages out within a group, so it ranks what the "
         "methods left of the added effects and what biology they moved. "
         f"{TRUTH_RELATIVE_ERROR}: that error over the spread of the truth run's group means around each gene's "
-        "mean (stress_set.relative_group_truth_error), which no scale of the output changes."
+        "mean (stress_set.relative_group_truth_error), which no scale of the output changes. "
+        f"{TRUTH_CONTRAST_ERROR}: the same after each gene's mean error over the groups is taken out "
+        "(stress_set.contrast_truth_error): the batches' mean added factor is in every batch and no method can "
+        "tell it from the genes' true levels, so this ranks what each method got wrong between groups."
     )
 
 
@@ -610,6 +667,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--truth-layer", default=None, metavar="LAYER",
                         help="a stress set's layer of untouched counts (scripts/stress_set.py writes 'truth'): "
                              "fit each method with a matrix on it too and add its Truth error")
+    parser.add_argument("--balanced", action="store_true",
+                        help="also score each embedding on a subsample with the same cell-type composition in "
+                             "every batch (needs labels)")
     parser.add_argument("--out", default="benchmark_results.csv",
                         help="CSV of every row; a markdown report is written beside it (.md)")
     args = parser.parse_args(argv)

@@ -127,6 +127,20 @@ def relative_group_truth_error(
     return float(np.sqrt(np.mean(error_means ** 2)) / spread)
 
 
+def contrast_truth_error(
+    corrected_on_stressed: np.ndarray, corrected_on_truth: np.ndarray, groups: np.ndarray,
+) -> float:
+    """`relative_group_truth_error` of the differences between groups: each gene's error minus its mean error over
+    the groups. Every batch got its own factors, so their mean per gene is in every batch and no method can tell it
+    from the genes' true levels; each method puts it back its own way (ComBat the cells' grand mean, batchfix the
+    average of its batches' decoders). What stays in this error is what a method got wrong between groups: an
+    added effect left in one batch, or biology moved from one group to another."""
+    truth_means = group_means(corrected_on_truth, groups)  # (groups, genes)
+    error_means = group_means(corrected_on_stressed, groups) - truth_means
+    spread = np.sqrt(np.mean((truth_means - truth_means.mean(axis=0)) ** 2))
+    return float(np.sqrt(np.mean((error_means - error_means.mean(axis=0)) ** 2)) / spread)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("input", help=".h5ad with raw counts in X")

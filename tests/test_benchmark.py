@@ -18,7 +18,7 @@ def test_benchmark_script_on_a_subset(tmp_path):
     run = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "benchmark.py"), str(ROOT / "data" / "cellbench5.h5ad"),
          "--subset", "200", "--n-top-genes", "500", "--seeds", "0", "1",
-         "--methods", "unintegrated", "harmony",
+         "--methods", "unintegrated", "harmony", "--balanced",
          "--out", str(out)],
         capture_output=True, text=True, timeout=600,
     )
@@ -30,6 +30,8 @@ def test_benchmark_script_on_a_subset(tmp_path):
     assert list(rows["seed"]) == [0, 0, 1, 1]
     scores = rows[["Batch correction", "Bio conservation", "Total"]]
     assert ((scores >= 0) & (scores <= 1)).all().all()
+    balanced = rows[[f"{column} (balanced cells)" for column in scores.columns]]
+    assert ((balanced >= 0) & (balanced <= 1)).all().all() and "composition-balanced cells" in run.stdout
     batch = rows.groupby(level=0)["Batch correction"].mean()
     assert batch["Harmony"] > batch["Unintegrated PCA"]
     assert (rows["fit_seconds"] >= 0).all() and rows["peak_mb"].notna().all()
@@ -86,6 +88,25 @@ def test_batches_keep_a_sub_problem_and_unknown_ones_are_named(monkeypatch):
         benchmark.load(data, "batch", "cell_type", None, ["sc_celseq2", "nowhere"])
 
 
+def test_balanced_cells_give_every_batch_the_same_composition(bundled_adata, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import benchmark
+
+    obs = bundled_adata.obs
+    rows = benchmark.balanced_cells(obs, "batch", "cell_type", seed=0)
+    table = pd.crosstab(obs["cell_type"].iloc[rows], obs["batch"].iloc[rows])
+    # A549 and H838 are missing from two batches: left out; the rest as often as in their smallest batch
+    assert sorted(table.index) == ["H1975", "H2228", "HCC827"]
+    full = pd.crosstab(obs["cell_type"], obs["batch"]).loc[table.index]
+    assert (table.to_numpy() == full.min(axis=1).to_numpy()[:, None]).all()
+    assert len(set(rows)) == len(rows) and list(rows) == sorted(rows)
+    assert list(benchmark.balanced_cells(obs, "batch", "cell_type", seed=0)) == list(rows)
+    assert list(benchmark.balanced_cells(obs, "batch", "cell_type", seed=1)) != list(rows)
+    lonely = obs.assign(batch=obs["batch"].astype(str).where(obs["cell_type"] != "H1975", "only H1975"))
+    with pytest.raises(SystemExit, match="no label of 'cell_type' is found in every batch"):
+        benchmark.balanced_cells(lonely, "batch", "cell_type", seed=0)
+
+
 def test_cellanova_returns_log_scale_values_of_the_input_shape(monkeypatch):
     pytest.importorskip("cellanova", reason="the CellANOVA baseline is in the bench extra: pip install -e '.[bench]'")
     import anndata as ad
@@ -137,7 +158,14 @@ def test_truth_errors_of_a_stress_set_fit_each_method_on_both_counts(subset, mon
 
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import benchmark
-    from stress_set import Stress, group_truth_error, relative_group_truth_error, stress_set, truth_error
+    from stress_set import (
+        Stress,
+        contrast_truth_error,
+        group_truth_error,
+        relative_group_truth_error,
+        stress_set,
+        truth_error,
+    )
 
     stressed = stress_set(subset, "batch", Stress(sd=1.0, seed=0))
     truth = stressed.copy()
@@ -156,9 +184,30 @@ def test_truth_errors_of_a_stress_set_fit_each_method_on_both_counts(subset, mon
         group_truth_error(*uncorrected, groups))
     assert errors["Unintegrated PCA"][benchmark.TRUTH_RELATIVE_ERROR] == pytest.approx(
         relative_group_truth_error(*uncorrected, groups))
+    assert errors["Unintegrated PCA"][benchmark.TRUTH_CONTRAST_ERROR] == pytest.approx(
+        contrast_truth_error(*uncorrected, groups))
     # ComBat's per-gene, per-batch location and scale take out part of the added gene-wise effects; in group
     # means, where the counting noise averages out, far more of the error is gone
     for error in benchmark.TRUTH_ERRORS:
         assert 0 < errors["ComBat"][error] < errors["Unintegrated PCA"][error]
     assert (errors["ComBat"][benchmark.TRUTH_GROUP_ERROR] / errors["Unintegrated PCA"][benchmark.TRUTH_GROUP_ERROR]
             < errors["ComBat"][benchmark.TRUTH_ERROR] / errors["Unintegrated PCA"][benchmark.TRUTH_ERROR])
+
+
+@pytest.mark.slow
+def test_balanced_scores_score_the_rows_of_each_embedding(subset, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import benchmark
+
+    args = benchmark.parse_args(["data.h5ad", "--methods", "unintegrated", "combat", "--balanced"])
+    data = benchmark.prepare(subset, "batch", 0)
+    results, _ = benchmark.fit_methods(data, args)
+    embeddings = {k: e for _, r in results.values() for k, e in r.embeddings.items()}
+    scores = benchmark.balanced_scores(subset.obs, embeddings, data.unintegrated, args, seed=0)
+
+    assert set(scores) == {"Unintegrated PCA", "ComBat"}
+    for row in scores.values():
+        assert set(row) == set(benchmark.BALANCED_COLUMNS.values())
+        assert all(0 <= value <= 1 for value in row.values())
+    batch = benchmark.BALANCED_COLUMNS["Batch correction"]
+    assert scores["ComBat"][batch] > scores["Unintegrated PCA"][batch]

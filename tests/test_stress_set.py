@@ -11,6 +11,7 @@ import scipy.sparse as sp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from stress_set import (  # noqa: E402
     Stress,
+    contrast_truth_error,
     gene_factors,
     group_truth_error,
     relative_group_truth_error,
@@ -67,3 +68,11 @@ def test_group_errors_average_out_cell_noise_and_the_relative_one_ignores_the_sc
     means = np.stack([truth[groups == g].mean(axis=0) for g in np.unique(groups)])
     spread = np.sqrt(np.mean((means - means.mean(axis=0)) ** 2))
     assert relative == pytest.approx(0.3 / spread)
+    # the contrast error does not count an offset shared by every group, and counts one of a single batch
+    assert contrast_truth_error(shifted, truth, groups) == pytest.approx(0.0, abs=1e-6)
+    first = (subset.obs["batch"] == subset.obs["batch"].iloc[0]).to_numpy()
+    share = len(np.unique(groups[first])) / len(np.unique(groups))  # of the groups, those of the first batch
+    one_batch = truth + 0.3 * first[:, None]  # groups err by 0.3 (1 - share) there and by -0.3 share elsewhere
+    contrast = contrast_truth_error(one_batch, truth, groups)
+    assert contrast == pytest.approx(0.3 * np.sqrt(share * (1 - share)) / spread)
+    assert 0 < contrast < relative_group_truth_error(one_batch, truth, groups)
