@@ -45,7 +45,13 @@ run (batchfix: every output mode of the model trained on the truth). The Uninteg
 per 10k) of X against that of the layer, is the level without correction; the stress's counting noise is
 part of every error. Truth error (group means) compares (batch, label) group means instead, where that noise
 averages out; its relative form divides it by the spread of the truth run's group means, so that matrices on
-other scales (Scanorama's unit-norm cells) compare. The scIB and gene-level scores stay those of the run on X.
+other scales (Scanorama's unit-norm cells) compare; its contrast form takes each gene's mean error over the
+groups out first (the batches' mean added factor, which no method can tell from the genes' true levels). The
+scIB and gene-level scores stay those of the run on X.
+
+`--balanced` scores every embedding a second time on the rows of a subsample with the same cell-type
+composition in every batch (`balanced_cells`): on all cells the batch metrics also count a batch's own mix
+of cell types as batch signal, on the balanced cells only batch effect left in, or put in, by a method.
 
 fit seconds: wall-clock time of the method's own work (for batchfix: as `run_batchfix` reports,
 train + that output mode's correction, plus the PCA of its corrected expression; for its latent
@@ -58,6 +64,8 @@ bound of what the method needs.
 
     python scripts/benchmark.py data/cellbench5.h5ad --methods unintegrated combat harmony
     python scripts/benchmark.py stress_sd1.h5ad --truth-layer truth --methods unintegrated combat batchfix
+    python scripts/benchmark.py data/cellbench5.h5ad --balanced \\
+        --batches sc_celseq2_5cl_p1 sc_celseq2_5cl_p2 sc_celseq2_5cl_p3
 """
 from __future__ import annotations
 
