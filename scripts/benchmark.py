@@ -409,13 +409,14 @@ def balanced_cells(obs: pd.DataFrame, batch_key: str, label_key: str, seed: int)
     batch holds, as many cells from each batch as the batch with the fewest has (drawn at random, `seed`); labels
     some batch lacks are left out."""
     rng = np.random.default_rng(seed)
-    counts = pd.crosstab(obs[label_key].to_numpy(), obs[batch_key].to_numpy())  # (labels, batches)
+    labels, batches = obs[label_key].to_numpy(), obs[batch_key].to_numpy()
+    counts = pd.crosstab(labels, batches)  # (labels, batches)
     rows = []
     for label, per_batch in counts.iterrows():
         if per_batch.min() == 0:
             continue
         for batch in counts.columns:
-            members = np.flatnonzero((obs[label_key].to_numpy() == label) & (obs[batch_key].to_numpy() == batch))
+            members = np.flatnonzero((labels == label) & (batches == batch))
             rows.append(rng.choice(members, per_batch.min(), replace=False))
     if not rows:
         raise SystemExit(f"--balanced: no label of '{label_key}' is found in every batch of '{batch_key}'")

@@ -114,16 +114,24 @@ def group_truth_error(corrected_on_stressed: np.ndarray, corrected_on_truth: np.
     return float(np.sqrt(np.mean(group_means(diff, groups) ** 2)))
 
 
+def group_errors_and_spread(
+    corrected_on_stressed: np.ndarray, corrected_on_truth: np.ndarray, groups: np.ndarray,
+) -> tuple[np.ndarray, float]:
+    """((groups, genes) group-mean errors of the stressed run against the truth run, the spread of the truth
+    run's group means: root-mean-square over (group, gene) of each gene's group means minus their mean)."""
+    truth_means = group_means(corrected_on_truth, groups)  # (groups, genes)
+    spread = np.sqrt(np.mean((truth_means - truth_means.mean(axis=0)) ** 2))
+    return group_means(corrected_on_stressed, groups) - truth_means, float(spread)
+
+
 def relative_group_truth_error(
     corrected_on_stressed: np.ndarray, corrected_on_truth: np.ndarray, groups: np.ndarray,
 ) -> float:
-    """`group_truth_error` over the spread of the truth run's group means (root-mean-square over (group, gene)
-    of each gene's group means minus their mean over groups): the share of the differences between groups that
-    is wrong. It does not depend on the output's scale, so a method whose values are not on the log1p scale
-    (Scanorama's unit-norm cells) is compared with the others; 1.0 = an error as large as the groups' differences."""
-    truth_means = group_means(corrected_on_truth, groups)  # (groups, genes)
-    error_means = group_means(corrected_on_stressed, groups) - truth_means
-    spread = np.sqrt(np.mean((truth_means - truth_means.mean(axis=0)) ** 2))
+    """`group_truth_error` over the spread of the truth run's group means: the share of the differences between
+    groups that is wrong. It does not depend on the output's scale, so a method whose values are not on the log1p
+    scale (Scanorama's unit-norm cells) is compared with the others; 1.0 = an error as large as the groups'
+    differences."""
+    error_means, spread = group_errors_and_spread(corrected_on_stressed, corrected_on_truth, groups)
     return float(np.sqrt(np.mean(error_means ** 2)) / spread)
 
 
@@ -135,9 +143,7 @@ def contrast_truth_error(
     from the genes' true levels; each method puts it back its own way (ComBat the cells' grand mean, batchfix the
     average of its batches' decoders). What stays in this error is what a method got wrong between groups: an
     added effect left in one batch, or biology moved from one group to another."""
-    truth_means = group_means(corrected_on_truth, groups)  # (groups, genes)
-    error_means = group_means(corrected_on_stressed, groups) - truth_means
-    spread = np.sqrt(np.mean((truth_means - truth_means.mean(axis=0)) ** 2))
+    error_means, spread = group_errors_and_spread(corrected_on_stressed, corrected_on_truth, groups)
     return float(np.sqrt(np.mean((error_means - error_means.mean(axis=0)) ** 2)) / spread)
 
 
