@@ -679,6 +679,23 @@ def test_stale_temporary_files_are_removed_and_live_ones_named(tmp_path, caplog)
         assert f"Left {kept} in place" in caplog.text
 
 
+def test_a_signal_while_the_temporary_file_is_made_leaves_no_file(tmp_path, monkeypatch):
+    """The signal lands just after mkstemp made the file, before atomic_output knows its name."""
+    made = io.tempfile.mkstemp
+
+    def mkstemp_then_signal(*args, **kwargs):
+        result = made(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecode
+        return result
+
+    monkeypatch.setattr(io.tempfile, "mkstemp", mkstemp_then_signal)
+    with signals.interrupts_raised():
+        with pytest.raises(Interrupted):
+            with io.atomic_output(tmp_path / "out.h5ad", overwrite=False) as tmp:
+                tmp.write_bytes(b"never")
+    assert list(tmp_path.iterdir()) == []
+
+
 def run_with(tmp_path: Path, *names: str) -> Path:
     run_dir = tmp_path / "run"
     for name in names:

@@ -353,7 +353,8 @@ def atomic_output(target: Path, overwrite: bool) -> Iterator[Path]:
     made = missing_folders(target.parent)
     tmp = None
     try:
-        tmp = _temporary(target)
+        with signals.deferred():  # a signal while the file is made is raised once `tmp` names it
+            tmp = _temporary(target)
         yield tmp
         signals.raise_pending()  # a signal whose exception was lost on the way: never finish this output
         with open(tmp, "rb") as fh:
