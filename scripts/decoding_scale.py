@@ -53,7 +53,14 @@ from batchfix.nn.attention import fused_attention
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baselines import combat  # noqa: E402
 from benchmark import dense_float32, load, select_genes  # noqa: E402
-from marker_loss import BATCH_SIZE, Terms, counterfactual_terms, shipped_values  # noqa: E402
+from marker_loss import (  # noqa: E402
+    BATCH_SIZE,
+    Terms,
+    counterfactual_terms,
+    matrix_scores,
+    shipped_values,
+    summary,
+)
 from stress_set import contrast_truth_error  # noqa: E402
 
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False, label_key=None, n_top_genes=None)
@@ -117,7 +124,7 @@ def batch_means(values: np.ndarray, codes: np.ndarray, n_batches: int) -> np.nda
 
 
 @torch.no_grad()
-def expected_logs(counts: np.ndarray, model: batchfix.BatchfixModel, codes: np.ndarray) -> tuple[np.ndarray, ...]:
+def expected_logs(counts: np.ndarray, model: batchfix.BatchfixModel, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(own, reference): each cell's expected log in its own batch at that batch's median depth, and the mean over
     the training batches of theirs, (cells, G) float64."""
     net = model.net
@@ -180,25 +187,12 @@ def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path
     return counts, rows
 
 
-def scores(adata: ad.AnnData, counts: np.ndarray, rows: dict, batch_key: str, label_key: str,
-           seed: int) -> pd.DataFrame:
-    """scIB aggregate and gene-level scores of every row."""
-    embeddings = {name: metrics.pca_embedding(values.astype(np.float32), seed=seed) for name, values in rows.items()}
-    scib = metrics.score_embeddings(adata.obs, embeddings, embeddings["uncorrected"], batch_key, label_key)
-    batch, labels = adata.obs[batch_key].to_numpy(), adata.obs[label_key].to_numpy()
-    table = {}
-    for name, values in rows.items():
-        genes = fidelity.gene_fidelity(counts, values, batch, labels)
-        table[name] = {**{column: float(scib.loc[name, column]) for column in metrics.AGGREGATE_COLUMNS},
-                       **{metric: genes[metric] for metric in fidelity.GENE_METRICS}}
-    return pd.DataFrame.from_dict(table, orient="index")[SCORES]
-
-
 def seed_scores(adata: ad.AnnData, args: argparse.Namespace, seed: int) -> pd.DataFrame:
     """Every row's scores for one seed (and, with a truth layer, its contrast truth error)."""
     path = (lambda part: Path(args.model_dir) / f"{part}_{seed}.ckpt") if args.model_dir else (lambda part: None)
     counts, rows = seed_matrices(adata, args.batch_key, seed, path("model"))
-    table = scores(adata, counts, rows, args.batch_key, args.label_key, seed)
+    table = pd.DataFrame.from_dict(matrix_scores(adata, counts, rows, args.batch_key, args.label_key, seed),
+                                   orient="index")[SCORES]
     if args.truth_layer:
         truth = adata.copy()
         truth.X = dense_float32(truth.layers[args.truth_layer])
@@ -207,14 +201,6 @@ def seed_scores(adata: ad.AnnData, args: argparse.Namespace, seed: int) -> pd.Da
         table[CONTRAST] = [contrast_truth_error(rows[name], truth_rows[name], groups) for name in table.index]
     print(f"seed {seed}:\n{table.round(4).to_string()}", flush=True)
     return table.assign(seed=seed)
-
-
-def summary(scores_by_seed: pd.DataFrame) -> pd.DataFrame:
-    """Mean ± sd over seeds per row, in the rows' first order."""
-    columns = [c for c in scores_by_seed.columns if c != "seed"]
-    grouped = scores_by_seed.groupby(level=0, sort=False)[columns]
-    mean, sd = grouped.mean(), grouped.std().fillna(0.0)
-    return pd.DataFrame({c: [f"{m:.4f} ± {s:.4f}" for m, s in zip(mean[c], sd[c])] for c in columns}, index=mean.index)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

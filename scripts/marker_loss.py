@@ -175,31 +175,43 @@ def marker_shift(reference: dict[str, np.ndarray], corrected: dict[str, np.ndarr
     return float(np.sqrt(np.mean(np.square(moved))))
 
 
-def seed_scores(adata: ad.AnnData, batch_key: str, label_key: str, seed: int) -> pd.DataFrame:
-    """Every row's scores for one seed (rows: uncorrected, ComBat, the variants)."""
-    counts, matrices = seed_matrices(adata, batch_key, seed)
+def matrix_scores(adata: ad.AnnData, counts: np.ndarray, matrices: dict[str, np.ndarray], batch_key: str,
+                  label_key: str, seed: int) -> dict[str, dict[str, float]]:
+    """By matrix name: scib-metrics' aggregate scores of its PCA (against the "uncorrected" matrix's) and the gene
+    scores of batchfix.eval.fidelity against `counts`."""
     embeddings = {name: metrics.pca_embedding(values.astype(np.float32), seed=seed)
                   for name, values in matrices.items()}
     scib = metrics.score_embeddings(adata.obs, embeddings, embeddings["uncorrected"], batch_key, label_key)
     batch, labels = adata.obs[batch_key].to_numpy(), adata.obs[label_key].to_numpy()
-    reference, rows = label_differences(matrices["uncorrected"], batch, labels), {}
+    rows = {}
     for name, values in matrices.items():
         genes = fidelity.gene_fidelity(counts, values, batch, labels)
         rows[name] = {**{column: float(scib.loc[name, column]) for column in metrics.AGGREGATE_COLUMNS},
-                      **{metric: genes[metric] for metric in fidelity.GENE_METRICS},
-                      MARKER_SHIFT: marker_shift(reference, label_differences(values, batch, labels)),
-                      "below 0 %": 100 * float((values < 0).mean())}
+                      **{metric: genes[metric] for metric in fidelity.GENE_METRICS}}
+    return rows
+
+
+def seed_scores(adata: ad.AnnData, batch_key: str, label_key: str, seed: int) -> pd.DataFrame:
+    """Every row's scores for one seed (rows: uncorrected, ComBat, the variants)."""
+    counts, matrices = seed_matrices(adata, batch_key, seed)
+    rows = matrix_scores(adata, counts, matrices, batch_key, label_key, seed)
+    batch, labels = adata.obs[batch_key].to_numpy(), adata.obs[label_key].to_numpy()
+    reference = label_differences(matrices["uncorrected"], batch, labels)
+    for name, values in matrices.items():
+        rows[name].update({MARKER_SHIFT: marker_shift(reference, label_differences(values, batch, labels)),
+                           "below 0 %": 100 * float((values < 0).mean())})
     table = pd.DataFrame.from_dict(rows, orient="index")[SCORES]
     print(table.round(4).to_string(), flush=True)
     return table.assign(seed=seed)
 
 
 def summary(scores: pd.DataFrame) -> pd.DataFrame:
-    """Mean ± sd over seeds per row, in the rows' first order."""
-    grouped = scores.groupby(level=0, sort=False)[SCORES]
+    """Mean ± sd over seeds per row (every column but "seed"), in the rows' first order."""
+    columns = [column for column in scores.columns if column != "seed"]
+    grouped = scores.groupby(level=0, sort=False)[columns]
     mean, sd = grouped.mean(), grouped.std().fillna(0.0)
     return pd.DataFrame({column: [f"{m:.4f} ± {s:.4f}" for m, s in zip(mean[column], sd[column])]
-                         for column in SCORES}, index=mean.index)
+                         for column in columns}, index=mean.index)
 
 
 def decomposition(scores: pd.DataFrame) -> pd.DataFrame:
