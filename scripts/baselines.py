@@ -75,3 +75,54 @@ def scvi_fit(counts: ad.AnnData, batch_key: str, seed: int = 0) -> tuple[np.ndar
         transform_batch=list(adata.obs[batch_key].astype("category").cat.categories), library_size=LIBRARY_SIZE,
         return_numpy=True)
     return np.asarray(model.get_latent_representation(), dtype=np.float32), np.log1p(decoded)
+
+
+def sysvi_missing() -> str | None:
+    """A message when scvi-tools has no SysVI (it came in scvi-tools 1.3; the bench extra's scvi-tools may be
+    older), else None."""
+    if missing := missing_module("scvi"):
+        return missing
+    import scvi.external
+
+    if hasattr(scvi.external, "SysVI"):
+        return None
+    return f"scvi-tools {scvi.__version__} has no SysVI (scvi.external.SysVI): it needs scvi-tools >= 1.3"
+
+
+def sysvi_model(log_values: np.ndarray, obs, batch_key: str, seed: int = 0):
+    """SysVI (scvi-tools defaults: VampPrior, cycle-consistency weight 2) trained on log-scale values (cells,
+    genes), as it expects, with obs[batch_key] as its system."""
+    import scvi
+    from scvi.external import SysVI
+
+    scvi.settings.seed = seed
+    adata = ad.AnnData(log_values.astype(np.float32), obs=obs[[batch_key]].astype(str).copy())
+    SysVI.setup_anndata(adata, batch_key=batch_key)
+    model = SysVI(adata)
+    model.train(enable_progress_bar=False)
+    return model
+
+
+def sysvi_decoded(model, latent: np.ndarray, batch_codes: list[int]) -> np.ndarray:
+    """The decoder's mean (cells, genes) at each latent (cells, k), averaged over the batches of `batch_codes`.
+
+    Done here, not by get_normalized_expression: SysVI's takes transform_batch, but its generative step ignores
+    it, so each cell would be decoded in its own batch only."""
+    import torch
+
+    module = model.module.eval()
+    decoded = np.zeros((len(latent), model.adata.n_vars))
+    with torch.no_grad():
+        z = torch.from_numpy(np.asarray(latent, dtype=np.float32))
+        for code in batch_codes:
+            codes = torch.full((len(latent), 1), code, dtype=torch.long)
+            decoded += module.generative(z=z, batch_index=codes, cat_covs=[], compute_cycle=False)["px"].mean.numpy()
+    return (decoded / len(batch_codes)).astype(np.float32)
+
+
+def sysvi_fit(log_values: np.ndarray, obs, batch_key: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """SysVI's (latent means (cells, k), decoder mean over every batch (cells, genes), on the log scale its
+    decoder models)."""
+    model = sysvi_model(log_values, obs, batch_key, seed)
+    latent = np.asarray(model.get_latent_representation(), dtype=np.float32)
+    return latent, sysvi_decoded(model, latent, list(range(obs[batch_key].nunique())))

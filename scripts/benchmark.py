@@ -14,6 +14,8 @@ Methods (their own packages, default settings):
                 scored, and its corrected expression matrix for the gene-level scores
   scvi          scvi-tools SCVI on raw counts: latent, and batch-corrected expression
                 (get_normalized_expression over all batches, library size 1e4) -> log1p -> PCA
+  sysvi         scvi-tools SysVI (scvi.external, scvi-tools >= 1.3; defaults) on the log-normalized expression:
+                latent, and its decoded expression averaged over all batches (log scale) -> PCA
   cellanova     CellANOVA (scripts/baselines.py) on the standardised log-normalized expression, every
                 batch in its one control pool, Harmony inside it seeded with the run's seed; its
                 integrated values put back on the log scale with the gene means and sds -> PCA
@@ -33,7 +35,8 @@ the reference up to float32 rounding: a sanity row that scores ~1.0), "ComBat" (
 log matrix), "Scanorama" (its corrected expression: Scanorama scales each cell's log values to
 unit L2 norm before adding its correction vectors, and the matrix is scored on that scale as
 returned, genes put back in the input order), "scVI corrected expression (PCA)" (the log1p of the
-decoded expression above), "CellANOVA" (its integrated values on the log scale) and "batchfix
+decoded expression above), "SysVI decoded expression (PCA)" (its decoder's mean over all batches),
+"CellANOVA" (its integrated values on the log scale) and "batchfix
 counterfactual (PCA)" / "batchfix denoised (PCA)" (the two output modes of one trained model).
 Methods that give no matrix (Harmony, the latents) get n/a. Without labels only HVG conservation is computed.
 
@@ -91,7 +94,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines  # noqa: E402
 from stress_set import contrast_truth_error, group_truth_error, relative_group_truth_error, truth_error  # noqa: E402
 
-BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi", "cellanova"]
+BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi", "sysvi", "cellanova"]
 ALL_METHODS = ["batchfix", *BASELINES]
 ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
 STATE_DEPENDENCES = (0.5,)  # correction.state_dependence values corrected beside the default, on the same model
@@ -278,6 +281,15 @@ def fit_scvi(data: Prepared) -> MethodResult:
     return measured(fit)
 
 
+def fit_sysvi(data: Prepared) -> MethodResult:
+    def fit():
+        latent, decoded = baselines.sysvi_fit(data.log_expression, data.counts.obs, data.batch_key, data.seed)
+        name = "SysVI decoded expression (PCA)"
+        return {"SysVI latent": latent, name: metrics.pca_embedding(decoded, seed=data.seed)}, {name: decoded}
+
+    return measured(fit)
+
+
 def fit_cellanova(data: Prepared) -> MethodResult:
     def fit():
         corrected = baselines.cellanova(data.log_expression, data.counts.obs, data.batch_key, data.seed)
@@ -310,10 +322,17 @@ BASELINE_FITS = {
     "harmony": fit_harmony,
     "scanorama": fit_scanorama,
     "scvi": fit_scvi,
+    "sysvi": fit_sysvi,
     "cellanova": fit_cellanova,
 }
-# the module each method needs beyond the package's own dependencies (the bench extra)
-OPTIONAL_MODULES = {"harmony": "harmonypy", "scanorama": "scanorama", "scvi": "scvi", "cellanova": "cellanova"}
+# by method, what it needs beyond the package's own dependencies (the bench extra): a message if that is missing
+MISSING_PACKAGE = {
+    "harmony": lambda: baselines.missing_module("harmonypy"),
+    "scanorama": lambda: baselines.missing_module("scanorama"),
+    "scvi": lambda: baselines.missing_module("scvi"),
+    "sysvi": baselines.sysvi_missing,
+    "cellanova": lambda: baselines.missing_module("cellanova"),
+}
 
 
 def load(path, batch_key: str, label_key: str | None, subset: int | None,
@@ -684,8 +703,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.variant and any("=" in name for name, *_ in args.variant):
         parser.error("--variant: give a NAME first, then its KEY=VALUE overrides")
-    for method in [m for m in args.methods if m in OPTIONAL_MODULES]:
-        if missing := baselines.missing_module(OPTIONAL_MODULES[method]):
+    for method in [m for m in args.methods if m in MISSING_PACKAGE]:
+        if missing := MISSING_PACKAGE[method]():
             parser.error(f"--methods {method}: {missing}")
     args.variant = [(name, extra) for name, *extra in args.variant or []]
     return args

@@ -136,6 +136,41 @@ def test_cellanova_returns_log_scale_values_of_the_input_shape(monkeypatch):
     assert np.abs(again - corrected).max() < 0.05  # same seed, same values (up to ARPACK's start vectors)
 
 
+
+@pytest.mark.slow
+def test_sysvi_decodes_each_cell_in_every_batch_and_averages(monkeypatch):
+    pytest.importorskip("scvi", reason="the SysVI baseline is in the bench extra: pip install -e '.[bench]'")
+    import anndata as ad
+    import numpy as np
+
+    from batchfix.data.normalize import log_cp10k
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import baselines
+
+    if missing := baselines.sysvi_missing():
+        pytest.skip(missing)
+    data = ad.read_h5ad(ROOT / "data" / "cellbench5.h5ad")
+    data = data[data.obs["batch"].isin(["sc_celseq2", "sc_dropseq"]).to_numpy()]  # 450 cells, 2 platforms
+    counts = np.asarray(data.X.toarray() if hasattr(data.X, "toarray") else data.X)
+    counts = counts[:, np.sort(np.argsort(-counts.sum(axis=0))[:300])]
+    log_values = np.asarray(log_cp10k(counts), dtype=np.float32)
+
+    model = baselines.sysvi_model(log_values, data.obs, "batch", seed=0)
+    latent = np.asarray(model.get_latent_representation(), dtype=np.float32)
+    codes = model.adata_manager.get_from_registry("batch").ravel()
+    in_batch = {code: baselines.sysvi_decoded(model, latent, [code]) for code in (0, 1)}
+    own = np.where((codes == 0)[:, None], in_batch[0], in_batch[1])
+    # the library decodes each cell in its own batch, at latents drawn around the mean: close to the decoding
+    # at the mean, and closer than the same cell decoded in the other batch
+    library = np.mean([model.get_normalized_expression(return_numpy=True) for _ in range(20)], axis=0)
+    other = np.where((codes == 0)[:, None], in_batch[1], in_batch[0])
+    assert np.abs(library - own).mean() < 0.5 * np.abs(library - other).mean()
+    averaged = baselines.sysvi_decoded(model, latent, [0, 1])
+    assert averaged.shape == log_values.shape and np.isfinite(averaged).all()
+    assert np.allclose(averaged, (in_batch[0] + in_batch[1]) / 2, atol=1e-5)
+
+
 def test_a_method_whose_package_is_missing_names_the_bench_extra(monkeypatch, capsys):
     import importlib.util
 
@@ -148,6 +183,10 @@ def test_a_method_whose_package_is_missing_names_the_bench_extra(monkeypatch, ca
         benchmark.parse_args(["data.h5ad", "--methods", "unintegrated", "cellanova"])
     error = capsys.readouterr().err
     assert "--methods cellanova: cellanova is not installed" in error and 'pip install -e ".[bench]"' in error
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "scvi" else find_spec(name, *a))
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["data.h5ad", "--methods", "sysvi"])
+    assert "--methods sysvi: scvi is not installed" in capsys.readouterr().err
     assert benchmark.parse_args(["data.h5ad", "--methods", "unintegrated", "combat"]).methods == ["unintegrated", "combat"]
 
 
