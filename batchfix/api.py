@@ -148,7 +148,8 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
             regional_window: int = _CORRECTION.regional_window, regional_order: str = _CORRECTION.regional_order,
             regional_seed: int = _CORRECTION.regional_seed,
             spread: str = _CORRECTION.spread,
-            state_dependence: float = _CORRECTION.state_dependence) -> ad.AnnData | None:
+            state_dependence: float = _CORRECTION.state_dependence,
+            residual_weight: float = _CORRECTION.residual_weight) -> ad.AnnData | None:
     """Batch-correct an in-memory AnnData with a trained model (or a checkpoint path), scanpy style.
 
     Parameters
@@ -200,6 +201,10 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
         Counterfactual output: the share (0-1) of the cell-state dependence of its batch shift that is applied;
         the rest is replaced by the shift's mean over the batch's cells (1, the default: all of it; 0: one shift
         per gene and batch, as ComBat's). Lower keeps DE ranks and markers closer to the input's.
+    residual_weight
+        Counterfactual output: the share (0-1) of each cell's residual (its deviation from what the decoder
+        expects for its state in its batch) that is kept (1, the default: all of it; 0: the denoised output plus
+        the reference's location). Lower mixes and clusters better and keeps fewer within-type neighbours.
     spread
         The counterfactual output's residual scale: "batch" (one per batch) or "gene" (per gene and batch,
         shrunk toward the batch's level; batchfix.correction.counterfactual.shrunk_variances).
@@ -216,7 +221,7 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
                               max_missing_fraction=max_missing_fraction, int8=int8,
                               regional_shift=regional_shift, regional_window=regional_window,
                               regional_order=regional_order, regional_seed=regional_seed, spread=spread,
-                              state_dependence=state_dependence),
+                              state_dependence=state_dependence, residual_weight=residual_weight),
                          CorrectionSettings)
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
     return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,

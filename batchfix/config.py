@@ -280,6 +280,11 @@ class CorrectionOptions:
     # in the input, one shift per gene and batch, as ComBat's; between = mean + weight * (cell - mean).
     # Lower keeps DE ranks and markers closer to the input's, at a cost in mixing (docs/genewise_spread.md)
     state_dependence: float = 1.0
+    # Counterfactual output: the share of each cell's residual (its own deviation from what the decoder expects in
+    # its batch) that is kept, on top of the spread k_b. 1 = all of it; 0 = none: the denoised output (decoded as
+    # the reference) plus the reference's location; between trades within-type neighbours and HVGs for mixing and
+    # clustering scores (docs/genewise_spread.md)
+    residual_weight: float = 1.0
 
     def __post_init__(self):
         one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
@@ -288,6 +293,7 @@ class CorrectionOptions:
         one_of(f"{self.PREFIX}regional_order", self.regional_order, REGIONAL_ORDERS)
         at_least(f"{self.PREFIX}regional_window", self.regional_window, 2)
         within(f"{self.PREFIX}state_dependence", self.state_dependence, 0.0, 1.0)
+        within(f"{self.PREFIX}residual_weight", self.residual_weight, 0.0, 1.0)
         within(f"{self.PREFIX}regional_seed", self.regional_seed, 0, 2**32 - 1)
         non_empty(f"{self.PREFIX}reference", self.reference)
         if self.key_added is None or not str(self.key_added).strip():

@@ -197,6 +197,37 @@ def test_state_dependence_applies_a_share_of_each_cells_deviation_from_its_batch
         train_config(state_dependence=1.5)
 
 
+def test_residual_weight_keeps_that_share_of_each_cells_residual(subset, tiny_model):
+    """residual_weight=a: the output is decoded_ref(z) + location_ref + a k_b (observed - decoded_b(z) - location_b)
+    (the documented formula, from the model's terms); a=1 is the default output, a=0 the reference's decoding plus
+    its location for every cell, and a cell's distance from its batch's mean shrinks with a."""
+    genes = list(tiny_model.genes)
+    x = torch.from_numpy(np.asarray(subset[:, genes].X.toarray(), dtype=np.float32))
+    batch = subset.obs["batch"].astype(str).to_numpy()
+    codes = torch.as_tensor([list(tiny_model.batch_categories).index(b) for b in batch])
+    net = tiny_model.net.eval()
+    with torch.no_grad():
+        stats = counterfactual.Statistics(net, None, [])
+        mu = net.encode(x)[0]
+        values, _, observed, reference = counterfactual.output_terms(net, x, mu, codes, None, stats)
+    base = reference + stats.ref_location  # (cells, G): what the decoder expects, as the reference
+    default = in_model_order(subset, tiny_model, "apply")
+    assert np.array_equal(in_model_order(subset, tiny_model, "apply", residual_weight=1.0), default)
+    spreads = {}
+    for weight in (0.5, 0.0):
+        out = in_model_order(subset, tiny_model, "apply", residual_weight=weight)
+        assert np.allclose(out, (base + weight * (values - base)).clamp_min(0).numpy(), atol=1e-4)
+        spreads[weight] = float(np.mean([out[(codes == b).numpy()].std(axis=0).mean()
+                                         for b in range(len(tiny_model.batch_categories))]))
+    assert np.allclose(in_model_order(subset, tiny_model, "apply", residual_weight=0.0),
+                       base.clamp_min(0).numpy(), atol=1e-4)
+    spread_default = float(np.mean([default[(codes == b).numpy()].std(axis=0).mean()
+                                    for b in range(len(tiny_model.batch_categories))]))
+    assert spreads[0.0] < spreads[0.5] < spread_default
+    with pytest.raises(ConfigError, match="residual_weight must be in"):
+        train_config(residual_weight=-0.1)
+
+
 def test_the_regional_correction_encodes_each_cell_once(subset, tiny_model, monkeypatch):
     """`keep` needs every batch's mean shift before the first cell is corrected: the pass that estimates it keeps
     the cells' latents, so the correction only decodes them, and gives the values a second encoding would."""

@@ -275,7 +275,7 @@ class Corrector:
                     for code in np.unique(codes[picked[part]]):
                         sums[code - n_training].add(r[codes[picked[part]] == code])
         self.statistics = counterfactual.Statistics(self.trained.net, self.reference, sums, self.present.numpy(),
-                                                    self.settings.spread)
+                                                    self.settings.spread, self.settings.residual_weight)
 
     def model_input(self, chunk, first_cell: int = 0) -> torch.Tensor:
         """(cells, model genes) float32 tensor in the model's gene order; missing genes are zeros."""
@@ -395,6 +395,7 @@ def provenance(corrector: Corrector) -> dict:
             "regional_order": settings.regional_order,
             "regional_seed": int(settings.regional_seed),
             "state_dependence": float(settings.state_dependence),
+            "residual_weight": float(settings.residual_weight),
             "model": dict(trained.module.hparams["model"]),
         },
     }

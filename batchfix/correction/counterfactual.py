@@ -30,6 +30,11 @@ k_b decoded_b(z_c) is replaced by its mean over the batch's cells in the input p
 from that mean: w = 0 gives one shift per gene and batch, as ComBat's, which moves within-batch comparisons (DE
 ranks, markers) least and mixes least; the regional shift below then splits what is left.
 
+Residual weight (correction.residual_weight, default 1). k_b is multiplied by a weight a in [0, 1], so the
+output keeps the share a of each cell's residual: a = 0 gives decoded_ref(z_c) + location_ref (the denoised
+output and the reference's location), and between the two the cell's own deviations, noise included, are
+shrunk toward what the decoder expects for its state. The decoder term below is then decoded_ref - a k_b decoded_b.
+
 Regional shift (correction.regional_shift, default keep). The shift the output removes from a cell,
 delta_c = decoded_ref(z_c) - decoded_b(z_c), depends on the cell's state, so a state seen in one batch
 only (a patient's malignant clone) has part of its own biology taken for batch effect. With `keep`, the
@@ -263,11 +268,11 @@ def batch_codes(batch: np.ndarray, training: list[str]) -> BatchCodes:
 
 
 class Statistics:
-    """Location (per gene) and scale factor k = spread_ref / spread of every batch code (one per batch, or one per
-    gene for spread_by="gene"), and the reference's location."""
+    """Location (per gene) and scale factor k = residual_weight * spread_ref / spread of every batch code (one per
+    batch, or one per gene for spread_by="gene"), and the reference's location."""
 
     def __init__(self, net: BatchfixNet, reference: int | None, unseen: list[ResidualSums],
-                 present: np.ndarray | None = None, spread_by: str = "batch"):
+                 present: np.ndarray | None = None, spread_by: str = "batch", residual_weight: float = 1.0):
         location, spread = training_statistics(net)
         reference_location, reference_spread = reference_statistics(location, spread, reference)
         if unseen:  # their spread over the genes the input holds: a missing gene's residual means nothing
@@ -278,7 +283,7 @@ class Statistics:
             scale = gene_scales(net, reference, unseen, present)  # (codes, G)
         else:
             scale = (reference_spread / spread)[:, None]  # (codes, 1)
-        self.scale = torch.as_tensor(scale, dtype=torch.float32)
+        self.scale = torch.as_tensor(residual_weight * scale, dtype=torch.float32)
         self.ref_location = torch.as_tensor(reference_location, dtype=torch.float32)  # (G,)
 
 
