@@ -160,14 +160,19 @@ def recalibrated(terms: Terms, own: np.ndarray, reference: np.ndarray) -> dict[s
     return {"": decoder + rest, **{f", state {w:g}": mean + w * (decoder - mean) + rest for w in STATE_WEIGHTS}}
 
 
+def trained_model(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path | None) -> batchfix.BatchfixModel:
+    """The model saved at `model_path`, or one trained now (and saved there if a path is given)."""
+    if model_path is not None and model_path.exists():
+        return batchfix.BatchfixModel.load(model_path)
+    model = batchfix.train(adata, batch_key=batch_key, seed=seed, **TRAIN_OPTIONS)
+    if model_path is not None:
+        model.save(model_path)
+    return model
+
+
 def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path | None) -> tuple[np.ndarray, dict]:
     """(counts on the modelled genes, {row: corrected matrix}) for one model, trained or read from `model_path`."""
-    if model_path is not None and model_path.exists():
-        model = batchfix.BatchfixModel.load(model_path)
-    else:
-        model = batchfix.train(adata, batch_key=batch_key, seed=seed, **TRAIN_OPTIONS)
-        if model_path is not None:
-            model.save(model_path)
+    model = trained_model(adata, batch_key, seed, model_path)
     terms = counterfactual_terms(adata, model, batch_key)
     default = np.maximum(terms.unclipped(), 0.0)
     difference = np.abs(default - shipped_values(adata, model, batch_key)).max()
@@ -187,24 +192,25 @@ def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path
     return counts, rows
 
 
-def seed_scores(adata: ad.AnnData, args: argparse.Namespace, seed: int) -> pd.DataFrame:
-    """Every row's scores for one seed (and, with a truth layer, its contrast truth error)."""
+def seed_scores(adata: ad.AnnData, args: argparse.Namespace, seed: int, build=seed_matrices) -> pd.DataFrame:
+    """Every row's scores for one seed (and, with a truth layer, its contrast truth error); `build` makes the rows
+    (`seed_matrices`'s arguments and result)."""
     path = (lambda part: Path(args.model_dir) / f"{part}_{seed}.ckpt") if args.model_dir else (lambda part: None)
-    counts, rows = seed_matrices(adata, args.batch_key, seed, path("model"))
+    counts, rows = build(adata, args.batch_key, seed, path("model"))
     table = pd.DataFrame.from_dict(matrix_scores(adata, counts, rows, args.batch_key, args.label_key, seed),
                                    orient="index")[SCORES]
     if args.truth_layer:
         truth = adata.copy()
         truth.X = dense_float32(truth.layers[args.truth_layer])
-        _, truth_rows = seed_matrices(truth, args.batch_key, seed, path("truth"))
+        _, truth_rows = build(truth, args.batch_key, seed, path("truth"))
         groups = (adata.obs[args.batch_key].astype(str) + "/" + adata.obs[args.label_key].astype(str)).to_numpy()
         table[CONTRAST] = [contrast_truth_error(rows[name], truth_rows[name], groups) for name in table.index]
     print(f"seed {seed}:\n{table.round(4).to_string()}", flush=True)
     return table.assign(seed=seed)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None, doc: str = __doc__) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("data", help=".h5ad with raw counts in X")
     parser.add_argument("--batches", nargs="+", help="keep only these batches (a sub-problem)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -218,8 +224,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, build=seed_matrices, doc: str = __doc__) -> int:
+    """Score the rows `build` makes (default: this script's) for every seed and print their mean ± sd."""
+    args = parse_args(argv, doc)
     adata = load(args.data, args.batch_key, args.label_key, None, args.batches)
     if args.truth_layer and args.truth_layer not in adata.layers:
         raise SystemExit(f"--truth-layer: no layer '{args.truth_layer}' in {args.data}; layers: {list(adata.layers)}")
@@ -227,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_dir:
         Path(args.model_dir).mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    by_seed = pd.concat([seed_scores(adata, args, seed) for seed in args.seeds])
+    by_seed = pd.concat([seed_scores(adata, args, seed, build) for seed in args.seeds])
     if args.out:
         by_seed.to_csv(args.out)
     with pd.option_context("display.width", 250, "display.max_columns", None):

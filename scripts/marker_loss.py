@@ -128,10 +128,11 @@ def variant_matrices(terms: Terms) -> dict[str, np.ndarray]:
             GENEWISE: clipped.pop(GENEWISE), f"{GENEWISE}, no clip": unclipped[GENEWISE], **clipped}
 
 
-def shipped_values(adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str) -> np.ndarray:
+def shipped_values(adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str, **options) -> np.ndarray:
     """batchfix.correct's layer on the modelled genes, in the model's gene order, with the whole state shift removed
-    (regional_shift=apply: the variants take that form apart; the default `keep` adds back a regional part)."""
-    corrected = batchfix.correct(adata, model, batch_key=batch_key, copy=True, regional_shift="apply")
+    (regional_shift=apply: the variants take that form apart; the default `keep` adds back a regional part);
+    `options`: more of batchfix.correct's."""
+    corrected = batchfix.correct(adata, model, batch_key=batch_key, copy=True, regional_shift="apply", **options)
     assert corrected.var["batchfix_modelled"].to_numpy().sum() == len(model.genes)
     columns = corrected.var_names.get_indexer(model.genes)
     return np.asarray(corrected.layers["batchfix"][:, columns].toarray(), dtype=np.float64)
