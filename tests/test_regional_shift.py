@@ -164,19 +164,24 @@ def test_keep_input_keeps_a_regional_shift_in_a_batch_location(subset, tiny_mode
     assert change["keep_input"] == pytest.approx(scale * 0.5 * share, abs=0.01)
 
 
+def default_terms(adata, model):
+    """(batch codes (cells,), counterfactual.Statistics, then output_terms's values, decoder term, input and
+    reference decoding, each (cells, G) in the model's order) of the default output (average reference)."""
+    x = torch.from_numpy(np.asarray(adata[:, list(model.genes)].X.toarray(), dtype=np.float32))
+    batch = adata.obs["batch"].astype(str).to_numpy()
+    codes = torch.as_tensor([list(model.batch_categories).index(b) for b in batch])
+    net = model.net.eval()
+    with torch.no_grad():
+        stats = counterfactual.Statistics(net, None, [])
+        return (codes, stats, *counterfactual.output_terms(net, x, net.encode(x)[0], codes, None, stats))
+
+
 def test_state_dependence_applies_a_share_of_each_cells_deviation_from_its_batch_mean(subset, tiny_model):
     """state_dependence=w: the decoder term applied is its batch mean over the input's cells plus w times the
     cell's deviation (the documented formula, from the model's terms); w=1 is the default output, and w=0 gives
     every cell of a batch the same shift, so the output minus the input is the same for them wherever nothing
     was floored."""
-    genes = list(tiny_model.genes)
-    x = torch.from_numpy(np.asarray(subset[:, genes].X.toarray(), dtype=np.float32))
-    batch = subset.obs["batch"].astype(str).to_numpy()
-    codes = torch.as_tensor([list(tiny_model.batch_categories).index(b) for b in batch])
-    net = tiny_model.net.eval()
-    with torch.no_grad():
-        stats = counterfactual.Statistics(net, None, [])
-        values, decoder, observed, _ = counterfactual.output_terms(net, x, net.encode(x)[0], codes, None, stats)
+    codes, stats, values, decoder, observed, _ = default_terms(subset, tiny_model)
     batch_mean = torch.stack([decoder[codes == b].mean(dim=0) for b in range(len(tiny_model.batch_categories))])
     deviation = decoder - batch_mean[codes]  # (cells, G)
     default = in_model_order(subset, tiny_model, "apply")
@@ -201,29 +206,17 @@ def test_residual_weight_keeps_that_share_of_each_cells_residual(subset, tiny_mo
     """residual_weight=a: the output is decoded_ref(z) + location_ref + a k_b (observed - decoded_b(z) - location_b)
     (the documented formula, from the model's terms); a=1 is the default output, a=0 the reference's decoding plus
     its location for every cell, and a cell's distance from its batch's mean shrinks with a."""
-    genes = list(tiny_model.genes)
-    x = torch.from_numpy(np.asarray(subset[:, genes].X.toarray(), dtype=np.float32))
-    batch = subset.obs["batch"].astype(str).to_numpy()
-    codes = torch.as_tensor([list(tiny_model.batch_categories).index(b) for b in batch])
-    net = tiny_model.net.eval()
-    with torch.no_grad():
-        stats = counterfactual.Statistics(net, None, [])
-        mu = net.encode(x)[0]
-        values, _, observed, reference = counterfactual.output_terms(net, x, mu, codes, None, stats)
+    codes, stats, values, _, _, reference = default_terms(subset, tiny_model)
     base = reference + stats.ref_location  # (cells, G): what the decoder expects, as the reference
-    default = in_model_order(subset, tiny_model, "apply")
-    assert np.array_equal(in_model_order(subset, tiny_model, "apply", residual_weight=1.0), default)
-    spreads = {}
-    for weight in (0.5, 0.0):
+    assert np.array_equal(in_model_order(subset, tiny_model, "apply", residual_weight=1.0),
+                          in_model_order(subset, tiny_model, "apply"))
+    spread = {}  # mean within-batch sd of a gene, by weight
+    for weight in (1.0, 0.5, 0.0):
         out = in_model_order(subset, tiny_model, "apply", residual_weight=weight)
         assert np.allclose(out, (base + weight * (values - base)).clamp_min(0).numpy(), atol=1e-4)
-        spreads[weight] = float(np.mean([out[(codes == b).numpy()].std(axis=0).mean()
-                                         for b in range(len(tiny_model.batch_categories))]))
-    assert np.allclose(in_model_order(subset, tiny_model, "apply", residual_weight=0.0),
-                       base.clamp_min(0).numpy(), atol=1e-4)
-    spread_default = float(np.mean([default[(codes == b).numpy()].std(axis=0).mean()
-                                    for b in range(len(tiny_model.batch_categories))]))
-    assert spreads[0.0] < spreads[0.5] < spread_default
+        spread[weight] = np.mean([out[(codes == b).numpy()].std(axis=0).mean()
+                                  for b in range(len(tiny_model.batch_categories))])
+    assert spread[0.0] < spread[0.5] < spread[1.0]
     with pytest.raises(ConfigError, match="residual_weight must be in"):
         train_config(residual_weight=-0.1)
 
