@@ -26,7 +26,10 @@ built from one model's terms (`marker_loss.counterfactual_terms`, checked agains
 Scores: scib-metrics' Total of each matrix's PCA, the gene-level scores of batchfix.eval.fidelity, and with
 --truth-layer (a stress set of scripts/stress_set.py) the truth error of the group contrasts
 (stress_set.contrast_truth_error over (batch, label) groups; a second model per seed is trained on the truth counts
-of the same genes and corrected the same way). --model-dir keeps the trained models and reuses them.
+of the same genes and corrected the same way) and the gene-level scores against the truth counts instead of the
+stressed ones (columns "... (truth)": which true markers, DE ranks, neighbours and HVGs a correction of the stressed
+counts recovers; the stressed counts themselves no longer score 1). --model-dir keeps the trained models and reuses
+them.
 
     nice python scripts/decoding_scale.py data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
     nice python scripts/decoding_scale.py data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --model-dir models/pair
@@ -170,8 +173,8 @@ def trained_model(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path
     return model
 
 
-def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path | None) -> tuple[np.ndarray, dict]:
-    """(counts on the modelled genes, {row: corrected matrix}) for one model, trained or read from `model_path`."""
+def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path | None) -> tuple[list, np.ndarray, dict]:
+    """(modelled genes, counts on them, {row: corrected matrix}) for one model, trained or read from `model_path`."""
     model = trained_model(adata, batch_key, seed, model_path)
     terms = counterfactual_terms(adata, model, batch_key)
     default = np.maximum(terms.unclipped(), 0.0)
@@ -189,22 +192,27 @@ def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path
     for name, decoded_ref in (("expected-log own", terms.reference), ("expected-log both", reference)):
         rows.update({name + suffix: np.maximum(values, 0.0)
                      for suffix, values in recalibrated(terms, own, decoded_ref).items()})
-    return counts, rows
+    return list(model.genes), counts, rows
 
 
 def seed_scores(adata: ad.AnnData, args: argparse.Namespace, seed: int, build=seed_matrices) -> pd.DataFrame:
-    """Every row's scores for one seed (and, with a truth layer, its contrast truth error); `build` makes the rows
-    (`seed_matrices`'s arguments and result)."""
+    """Every row's scores for one seed (and, with a truth layer, its contrast truth error and its gene scores against
+    the truth); `build` makes the rows (`seed_matrices`'s arguments and result)."""
     path = (lambda part: Path(args.model_dir) / f"{part}_{seed}.ckpt") if args.model_dir else (lambda part: None)
-    counts, rows = build(adata, args.batch_key, seed, path("model"))
+    genes, counts, rows = build(adata, args.batch_key, seed, path("model"))
     table = pd.DataFrame.from_dict(matrix_scores(adata, counts, rows, args.batch_key, args.label_key, seed),
                                    orient="index")[SCORES]
     if args.truth_layer:
         truth = adata.copy()
         truth.X = dense_float32(truth.layers[args.truth_layer])
-        _, truth_rows = build(truth, args.batch_key, seed, path("truth"))
+        truth_genes, truth_counts, truth_rows = build(truth, args.batch_key, seed, path("truth"))
+        assert truth_genes == genes, "the truth's model has other genes, or another order"
         groups = (adata.obs[args.batch_key].astype(str) + "/" + adata.obs[args.label_key].astype(str)).to_numpy()
         table[CONTRAST] = [contrast_truth_error(rows[name], truth_rows[name], groups) for name in table.index]
+        batch, labels = adata.obs[args.batch_key].to_numpy(), adata.obs[args.label_key].to_numpy()
+        against_truth = {name: fidelity.gene_fidelity(truth_counts, rows[name], batch, labels) for name in table.index}
+        for metric in fidelity.GENE_METRICS:
+            table[f"{metric} (truth)"] = [against_truth[name][metric] for name in table.index]
     print(f"seed {seed}:\n{table.round(4).to_string()}", flush=True)
     return table.assign(seed=seed)
 
@@ -217,7 +225,8 @@ def parse_args(argv: list[str] | None = None, doc: str = __doc__) -> argparse.Na
     parser.add_argument("--batch-key", default="batch")
     parser.add_argument("--label-key", default="cell_type")
     parser.add_argument("--n-top-genes", type=int, default=2000, help="batch-aware HVGs selected on X, as benchmark")
-    parser.add_argument("--truth-layer", help="layer of the untouched counts (a stress set): adds the truth error")
+    parser.add_argument("--truth-layer", help="layer of the untouched counts (a stress set): adds the truth error and "
+                                               "the gene scores against the truth")
     parser.add_argument("--model-dir", help="folder of the trained models (model_SEED.ckpt, truth_SEED.ckpt): "
                                             "reused where there, written where not")
     parser.add_argument("--out", help="write every seed's scores to this CSV")

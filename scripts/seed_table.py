@@ -26,6 +26,10 @@ COLUMNS = {
     "Within-type 10-NN kept": "within-type NN",
     "HVG conservation": "HVG",
     "Truth error (group contrasts, relative)": "truth error (contrasts)",
+    "DE-rank agreement (truth)": "DE-rank vs truth",
+    "Marker recall (truth)": "markers vs truth",
+    "Within-type 10-NN kept (truth)": "within-type NN vs truth",
+    "HVG conservation (truth)": "HVG vs truth",
 }
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from batchfix.correction import counterfactual
 from batchfix.correction.counterfactual import GenomeSmoother, genome_smoother
 from batchfix.data.normalize import log_cp10k
 from batchfix.errors import ConfigError
+from batchfix.eval import fidelity
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import inject_clones  # noqa: E402
@@ -265,3 +267,27 @@ def test_keeping_the_regional_shift_keeps_a_confounded_clone(bundled_adata):
                                         "confounded", "cell_type", "batch")
     kept = {name: np.mean(list(by_segment.values())) for name, by_segment in scores.items()}
     assert kept["keep"] > 0.8 and kept["apply"] < 0.5
+
+
+def test_the_residual_weight_script_rebuilds_batchfix_correct_and_scores_against_a_truth(subset, tiny_model, tmp_path):
+    """scripts/residual_weight.py's rows for one saved model: its checked rows (weights 1 and 0.75, spread=gene with
+    state 0.5) are batchfix.correct's, or it stops; with a truth layer equal to X and the same model as the truth's,
+    every gene score against the truth equals the one against the data and every contrast truth error is 0."""
+    import decoding_scale
+    import residual_weight
+
+    adata = subset.copy()
+    adata.layers["truth"] = adata.X.copy()
+    for part in ("model", "truth"):
+        tiny_model.save(tmp_path / f"{part}_0.ckpt")
+    args = decoding_scale.parse_args(["unused.h5ad", "--truth-layer", "truth", "--model-dir", str(tmp_path)])
+    table = decoding_scale.seed_scores(adata, args, 0, build=residual_weight.weight_rows)
+    weights = [f"residual weight {w:g}" for w in residual_weight.WEIGHTS]
+    assert list(table.index) == ["uncorrected", "ComBat", *weights, "spread gene", "spread gene, state 0.5"]
+    scored = [metric for metric in fidelity.GENE_METRICS if table[metric].notna().all()]
+    assert len(scored) >= 2  # the scores this small subset allows
+    for metric in fidelity.GENE_METRICS:
+        pd.testing.assert_series_equal(table[metric], table[f"{metric} (truth)"], check_names=False)
+    assert np.allclose(table[decoding_scale.CONTRAST], 0.0, atol=1e-6)
+    assert table.loc["residual weight 0", fidelity.HVG_CONSERVATION] < table.loc["residual weight 1",
+                                                                                 fidelity.HVG_CONSERVATION]
