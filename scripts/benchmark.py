@@ -105,6 +105,8 @@ TRUTH_GROUP_ERROR = "Truth error (group means)"  # stress_set.group_truth_error 
 TRUTH_RELATIVE_ERROR = "Truth error (group means, relative)"  # stress_set.relative_group_truth_error
 TRUTH_CONTRAST_ERROR = "Truth error (group contrasts, relative)"  # stress_set.contrast_truth_error
 TRUTH_ERRORS = [TRUTH_ERROR, TRUTH_GROUP_ERROR, TRUTH_RELATIVE_ERROR, TRUTH_CONTRAST_ERROR]
+TRUTH_GENE_SCORES = [f"{metric} (truth)" for metric in fidelity.GENE_METRICS]  # gene-level scores against the truth
+TRUTH_COLUMNS = [*TRUTH_ERRORS, *TRUTH_GENE_SCORES]
 BALANCED_COLUMNS = {column: f"{column} (balanced cells)" for column in metrics.AGGREGATE_COLUMNS}  # --balanced
 NO_MATRIX = frozenset({"harmony"})  # methods that give no corrected matrix (not refitted on the truth)
 
@@ -412,7 +414,7 @@ def run(args: argparse.Namespace) -> pd.DataFrame:
                     "embedding": name, "method": method, "seed": seed, **tags.get(key, {}),
                     **table.loc[name].to_dict(),
                     **genes.get(name, dict.fromkeys(MATRIX_SCORES, np.nan)),
-                    **(errors.get(name, dict.fromkeys(TRUTH_ERRORS, np.nan))
+                    **(errors.get(name, dict.fromkeys(TRUTH_COLUMNS, np.nan))
                        if truth is not None else {}),
                     **balanced.get(name, {}),
                     "fit_seconds": result.embedding_seconds.get(name, result.fit_seconds),
@@ -487,21 +489,26 @@ def truth_errors(
 ) -> dict[str, dict[str, float]]:
     """By matrix name: stress_set.truth_error and group_truth_error ((batch, label) groups; batches without
     labels) of every corrected matrix in `results` (fitted on the stressed counts) against the same method's
-    matrix fitted on `truth` (the untouched counts of the same cells and genes)."""
+    matrix fitted on `truth` (the untouched counts of the same cells and genes), and the matrix's gene-level
+    scores against the truth counts (TRUTH_GENE_SCORES; NaN where not computed)."""
     print(f"seed {truth.seed}: the same methods on the truth layer", flush=True)
     truth_results, _ = fit_methods(truth, args, skip=NO_MATRIX)
     obs = truth.counts.obs
     groups = obs[args.batch_key].astype(str).to_numpy()
     if labels:
         groups = np.char.add(np.char.add(groups.astype(str), "/"), obs[labels].astype(str).to_numpy().astype(str))
+    batch, label_values = obs[args.batch_key].to_numpy(), obs[labels].to_numpy() if labels else None
     errors = {}
     for key, (_, result) in results.items():
         for name, matrix in result.matrices.items():
             on_truth = truth_results[key][1].matrices[name]
+            genes = fidelity.gene_fidelity(truth.counts.X, matrix, batch, label_values)
             errors[name] = {TRUTH_ERROR: truth_error(matrix, on_truth),
                             TRUTH_GROUP_ERROR: group_truth_error(matrix, on_truth, groups),
                             TRUTH_RELATIVE_ERROR: relative_group_truth_error(matrix, on_truth, groups),
-                            TRUTH_CONTRAST_ERROR: contrast_truth_error(matrix, on_truth, groups)}
+                            TRUTH_CONTRAST_ERROR: contrast_truth_error(matrix, on_truth, groups),
+                            **{column: np.nan if genes[metric] is None else genes[metric]
+                               for column, metric in zip(TRUTH_GENE_SCORES, fidelity.GENE_METRICS)}}
     return errors
 
 
@@ -528,7 +535,7 @@ def ablation_table(rows: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     corrected = rows[rows["embedding"].str.endswith("(PCA)") & (rows["method"] == "batchfix")].copy()
     corrected["output"] = corrected["embedding"].str.extract(r" (\w+) \(PCA\)$", expand=False)
-    columns = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *MATRIX_SCORES, *TRUTH_ERRORS]
+    columns = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *MATRIX_SCORES, *TRUTH_COLUMNS]
     grouped = corrected.groupby(["variant", "encoding", "output"], sort=False)[[c for c in columns if c in corrected]]
     table = grouped.mean().join(grouped.std(), rsuffix=" sd")
     table.insert(0, "seeds", grouped.size())
@@ -570,7 +577,7 @@ def gene_scores(
 def summary(rows: pd.DataFrame) -> pd.DataFrame:
     """Mean over seeds per embedding (with the standard deviation when there are several)."""
     columns = [metrics.BATCH_SCORE, metrics.BIO_SCORE, metrics.TOTAL_SCORE, *MATRIX_SCORES,
-               *(TRUTH_ERRORS if TRUTH_ERROR in rows else []),
+               *(TRUTH_COLUMNS if TRUTH_ERROR in rows else []),
                *[c for c in BALANCED_COLUMNS.values() if c in rows], "fit_seconds", "cpu_seconds",
                "peak_mb"]
     grouped = rows.groupby("embedding", sort=False)
@@ -659,7 +666,9 @@ def truth_error_note(layer: str) -> str:
         "so its error also holds the difference between trainings; Scanorama's matrices are on its own scale "
         f"(each cell's log values scaled to unit L2 norm), not that of the others: {TRUTH_RELATIVE_ERROR} "
         "compares them. The scIB and gene-level scores are those of the run on X: the gene-level reference is "
-        "then the stressed counts, which hold the added effects. "
+        "then the stressed counts, which hold the added effects; the columns '... (truth)' score the same "
+        "matrices against the truth counts instead (which true markers, DE ranks, neighbours and HVGs the "
+        "correction of the stressed counts recovers; the stressed counts themselves no longer score 1). "
         f"{TRUTH_GROUP_ERROR}: the same comparison on the mean of each (batch, label) group "
         "(stress_set.group_truth_error): the counting noise averages out within a group, so it ranks what the "
         "methods left of the added effects and what biology they moved. "
