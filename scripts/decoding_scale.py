@@ -49,19 +49,19 @@ import torch
 from scipy.stats import nbinom
 
 import batchfix
-from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
+from batchfix.data.normalize import LIBRARY_SIZE
 from batchfix.eval import fidelity, metrics
 from batchfix.nn.attention import fused_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import combat  # noqa: E402
 from benchmark import dense_float32, load, select_genes  # noqa: E402
 from marker_loss import (  # noqa: E402
     BATCH_SIZE,
     Terms,
+    check_shipped,
     counterfactual_terms,
     matrix_scores,
-    shipped_values,
+    reference_rows,
     summary,
 )
 from stress_set import contrast_truth_error  # noqa: E402
@@ -178,14 +178,11 @@ def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path
     model = trained_model(adata, batch_key, seed, model_path)
     terms = counterfactual_terms(adata, model, batch_key)
     default = np.maximum(terms.unclipped(), 0.0)
-    difference = np.abs(default - shipped_values(adata, model, batch_key)).max()
-    if difference > 1e-4:
-        raise SystemExit(f"The re-implementation differs from batchfix.correct by {difference:.2e}.")
+    check_shipped(default, adata, model, batch_key, "default")
     decoder = terms.reference - terms.scale * terms.own
     mean = terms.batch_mean(decoder)
-    counts = np.asarray(adata[:, model.genes].X, dtype=np.float32)
-    log_values = np.asarray(log_cp10k(counts), dtype=np.float64)
-    rows = {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key), "default": default,
+    counts, uncorrected = reference_rows(adata, model.genes, batch_key)
+    rows = {**uncorrected, "default": default,
             **{f"state {w:g}": np.maximum(terms.unclipped(decoder=mean + w * (decoder - mean)), 0.0)
                for w in STATE_WEIGHTS}}
     own, reference = expected_logs(counts, model, terms.codes)

@@ -138,6 +138,21 @@ def shipped_values(adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: 
     return np.asarray(corrected.layers["batchfix"][:, columns].toarray(), dtype=np.float64)
 
 
+def check_shipped(values: np.ndarray, adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str, name: str,
+                  **options) -> None:
+    """Stop unless a rebuilt row (model gene order) is batchfix.correct's with `options` (`shipped_values`)."""
+    difference = np.abs(values - shipped_values(adata, model, batch_key, **options)).max()
+    if difference > 1e-4:
+        raise SystemExit(f"The row '{name}' differs from batchfix.correct by {difference:.2e}.")
+
+
+def reference_rows(adata: ad.AnnData, genes: list, batch_key: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(counts on `genes`, {"uncorrected": their log1p(counts per 10k), "ComBat": scanpy's combat of those})."""
+    counts = np.asarray(adata[:, genes].X, dtype=np.float32)
+    log_values = np.asarray(log_cp10k(counts), dtype=np.float64)
+    return counts, {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key)}
+
+
 def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """(counts on the modelled genes, {row: log-scale matrix}) for one trained model."""
     model = batchfix.train(adata, batch_key=batch_key, seed=seed, **TRAIN_OPTIONS)
@@ -148,9 +163,7 @@ def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int) -> tuple[np.ndar
           flush=True)
     if difference > 1e-4:
         raise SystemExit("The re-implementation does not reproduce batchfix.correct: the variants mean nothing.")
-    counts = np.asarray(adata[:, model.genes].X, dtype=np.float32)
-    log_values = np.asarray(log_cp10k(counts), dtype=np.float64)
-    uncorrected = {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key)}
+    counts, uncorrected = reference_rows(adata, model.genes, batch_key)
     return counts, {**uncorrected, **variants}
 
 

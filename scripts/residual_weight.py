@@ -8,9 +8,10 @@ with a the residual weight: 1 (the default) keeps each cell's whole deviation fr
 state, 0 leaves the denoised output plus the reference's location. The rows are built from one model's terms
 (`marker_loss.counterfactual_terms`), with rows for correction.spread=gene beside them (k per gene and batch, a = 1),
 alone and with state_dependence=STATE; the a = 1, a = CHECKED and spread=gene, state STATE rows are checked against
-batchfix.correct with those options (regional_shift=apply). They are scored as scripts/decoding_scale.py scores its rows (scIB Total of each matrix's
-PCA, the gene-level scores, and with --truth-layer the contrast truth error and the gene-level scores against the
-truth counts, a second model per seed being trained on the truth counts), with the same options.
+batchfix.correct with those options (regional_shift=apply). They are scored as scripts/decoding_scale.py scores its
+rows (scIB Total of each matrix's PCA, the gene-level scores, and with --truth-layer the contrast truth error and
+the gene-level scores against the truth counts, a second model per seed being trained on the truth counts), with the
+same options.
 
     nice python scripts/residual_weight.py data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
     nice python scripts/residual_weight.py stress_sd1.h5ad --truth-layer truth --seeds 0 1 2 --model-dir models/sd1
@@ -24,12 +25,10 @@ import anndata as ad
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import combat  # noqa: E402
 from decoding_scale import main, trained_model  # noqa: E402
-from marker_loss import counterfactual_terms, shipped_values  # noqa: E402
+from marker_loss import check_shipped, counterfactual_terms, reference_rows  # noqa: E402
 
 from batchfix.correction import counterfactual  # noqa: E402
-from batchfix.data.normalize import log_cp10k  # noqa: E402
 
 WEIGHTS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)  # the rows' residual weights
 CHECKED = 0.75  # a weight below 1 whose row is compared with batchfix.correct's
@@ -50,14 +49,12 @@ def weight_rows(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path |
     mean = terms.batch_mean(decoder)
     rows[f"{SPREAD_GENE}, state {STATE:g}"] = np.maximum(
         terms.unclipped(decoder=mean + STATE * (decoder - mean), scale=gene_scale), 0.0)
-    for name, options in ((f"residual weight {1.0:g}", {}), (f"residual weight {CHECKED:g}", {"residual_weight": CHECKED}),
-                          (f"{SPREAD_GENE}, state {STATE:g}", {"spread": "gene", "state_dependence": STATE})):
-        difference = np.abs(rows[name] - shipped_values(adata, model, batch_key, **options)).max()
-        if difference > 1e-4:
-            raise SystemExit(f"The row '{name}' differs from batchfix.correct by {difference:.2e}.")
-    counts = np.asarray(adata[:, model.genes].X, dtype=np.float32)
-    log_values = np.asarray(log_cp10k(counts), dtype=np.float64)
-    return list(model.genes), counts, {"uncorrected": log_values, "ComBat": combat(log_values, adata.obs, batch_key), **rows}
+    checked = {f"residual weight {1.0:g}": {}, f"residual weight {CHECKED:g}": {"residual_weight": CHECKED},
+               f"{SPREAD_GENE}, state {STATE:g}": {"spread": "gene", "state_dependence": STATE}}
+    for name, options in checked.items():
+        check_shipped(rows[name], adata, model, batch_key, name, **options)
+    counts, uncorrected = reference_rows(adata, model.genes, batch_key)
+    return list(model.genes), counts, {**uncorrected, **rows}
 
 
 if __name__ == "__main__":
