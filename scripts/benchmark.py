@@ -73,6 +73,7 @@ bound of what the method needs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import threading
@@ -87,6 +88,7 @@ import pandas as pd
 import psutil
 import scipy.sparse as sp
 
+from batchfix.config import OUTPUT_MODES, REGIONAL_SHIFTS, SPREADS, CorrectionOptions, CorrectionSettings
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import cnv, fidelity, metrics
 
@@ -134,13 +136,30 @@ class MethodResult:
     embedding_seconds: dict[str, float] = field(default_factory=dict)
 
 
+def companion_settings(run: CorrectionOptions) -> dict[str, CorrectionSettings]:
+    """The settings of the outputs corrected beside a run's own, by output name: the other output mode, the other
+    spread (counterfactual_SPREAD), the other regional shifts (counterfactual_regional_MODE) and each state
+    dependence of STATE_DEPENDENCES (counterfactual_state_W). Each is the run's own options (a variant's
+    overrides included) with the one it names changed."""
+    own = CorrectionSettings(**dataclasses.asdict(run))
+    others = {mode: dataclasses.replace(own, output_mode=mode) for mode in OUTPUT_MODES if mode != run.output_mode}
+    others.update({f"counterfactual_{spread}": dataclasses.replace(own, spread=spread)
+                   for spread in SPREADS if spread != run.spread})
+    others.update({f"counterfactual_regional_{shift}": dataclasses.replace(own, regional_shift=shift)
+                   for shift in REGIONAL_SHIFTS if shift != run.regional_shift})
+    others.update({f"counterfactual_state_{weight}": dataclasses.replace(own, state_dependence=weight)
+                   for weight in STATE_DEPENDENCES if weight != run.state_dependence})
+    return others
+
+
 def run_batchfix(
     adata_hvg: ad.AnnData, batch_key: str, seed: int, overrides: list[str]
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
     """Train batchfix on `adata_hvg` (raw counts, genes already selected) once, and correct it in
     every output mode with the same model (and the counterfactual output with its other spread,
     named counterfactual_SPREAD, its other regional shifts, named counterfactual_regional_MODE, and
-    correction.state_dependence=W for each W of STATE_DEPENDENCES, named counterfactual_state_W).
+    correction.state_dependence=W for each W of STATE_DEPENDENCES, named counterfactual_state_W:
+    `companion_settings`, the run's own options but the one each names).
 
     `overrides` are Hydra-style "key=value" strings (e.g. "model.position_encoding=none").
     Returns (latent (cells, k), corrected log expression (cells, genes) by output mode, seconds by
@@ -149,7 +168,7 @@ def run_batchfix(
     from hydra import compose, initialize_config_module
 
     from batchfix import tasks
-    from batchfix.config import OUTPUT_MODES, REGIONAL_SHIFTS, SPREADS, CorrectionSettings, TrainConfig, validated
+    from batchfix.config import TrainConfig, validated
     from batchfix.correction.corrector import correct_file
     from batchfix.training.module import load_trained
 
@@ -166,14 +185,7 @@ def run_batchfix(
         paths = {cfg.correction.output_mode: run_dir / "corrected.h5ad"}
         # train + correct, as a user runs it (reading input, gene placement, fit, writing the file)
         seconds = {cfg.correction.output_mode: float(run["total_seconds"])}
-        others = {mode: CorrectionSettings(output_mode=mode) for mode in set(OUTPUT_MODES) - set(paths)}
-        others.update({f"counterfactual_{spread}": CorrectionSettings(spread=spread)  # the other scale, same model
-                       for spread in set(SPREADS) - {cfg.correction.spread}})
-        others.update({f"counterfactual_regional_{shift}": CorrectionSettings(regional_shift=shift)
-                       for shift in set(REGIONAL_SHIFTS) - {cfg.correction.regional_shift}})
-        others.update({f"counterfactual_state_{weight}": CorrectionSettings(state_dependence=weight)
-                       for weight in STATE_DEPENDENCES if weight != cfg.correction.state_dependence})
-        for mode, settings in others.items():
+        for mode, settings in companion_settings(cfg.correction).items():
             start = time.perf_counter()
             paths[mode] = correct_file(source, Path(tmp) / f"{mode}.h5ad", load_trained(run_dir / "model.ckpt"),
                                        settings, batch_key=batch_key, progress=False)

@@ -261,3 +261,26 @@ def test_balanced_scores_score_the_rows_of_each_embedding(subset, monkeypatch):
         assert all(0 <= value <= 1 for value in row.values())
     batch = benchmark.BALANCED_COLUMNS["Batch correction"]
     assert scores["ComBat"][batch] > scores["Unintegrated PCA"][batch]
+
+
+def test_companion_outputs_keep_the_variants_correction_options(monkeypatch):
+    from hydra import compose, initialize_config_module
+
+    from batchfix.config import TrainConfig, validated
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import benchmark
+
+    with initialize_config_module(config_module="batchfix.conf", version_base=None):
+        cfg = validated(compose("train", overrides=["correction.spread=gene", "correction.state_dependence=0.5",
+                                                    "correction.residual_weight=0.75"]), TrainConfig)
+    others = benchmark.companion_settings(cfg.correction)
+    assert set(others) == {"denoised", "counterfactual_batch", "counterfactual_regional_apply",
+                           "counterfactual_regional_keep_all", "counterfactual_regional_keep_input"}
+    assert others["counterfactual_batch"].spread == "batch"
+    assert others["counterfactual_regional_apply"].regional_shift == "apply"
+    for name, settings in others.items():  # the variant's options, but for the one the name changes
+        assert settings.residual_weight == 0.75, name
+        assert settings.state_dependence == 0.5, name
+        assert settings.spread == ("batch" if name == "counterfactual_batch" else "gene"), name
+        assert settings.regional_shift == name.partition("regional_")[2] or "keep", name
