@@ -291,3 +291,29 @@ def test_the_residual_weight_script_rebuilds_batchfix_correct_and_scores_against
     assert np.allclose(table[decoding_scale.CONTRAST], 0.0, atol=1e-6)
     assert table.loc["residual weight 0", fidelity.HVG_CONSERVATION] < table.loc["residual weight 1",
                                                                                  fidelity.HVG_CONSERVATION]
+
+
+def test_the_shift_forms_script_keeps_each_batchs_expected_counts_and_a_lower_log_mean_reference(subset, tiny_model,
+                                                                                                  tmp_path):
+    """scripts/shift_forms.py on one saved model: its default row is batchfix.correct's (or it stops); the factor
+    form keeps each batch's mean expected count of every gene (f is their ratio to the reference's); the log-mean
+    reference is the mean of the batches' log1p values, below the log1p of their mean (concavity) and not equal."""
+    import marker_loss
+    import shift_forms
+
+    tiny_model.save(tmp_path / "model_0.ckpt")
+    genes, counts, rows = shift_forms.shift_rows(subset, "batch", 0, tmp_path / "model_0.ckpt")
+    assert list(rows) == ["uncorrected", "ComBat", "default", "state 0.5", "default, recalibrated",
+                          "factor, state 0", "factor, state 0.25", "factor, state 0.5", "log-mean reference",
+                          "log-mean reference, state 0.5"]
+    assert genes == list(tiny_model.genes) and counts.shape == rows["default"].shape
+    outputs = [values for name, values in rows.items() if name not in ("uncorrected", "ComBat")]
+    assert all(np.isfinite(values).all() and (values >= 0).all() for values in outputs)  # ComBat has no floor
+    terms = marker_loss.counterfactual_terms(subset, tiny_model, "batch")
+    structured = shift_forms.factor_own(terms)
+    for code in np.unique(terms.codes):
+        cells = terms.codes == code
+        np.testing.assert_allclose(np.expm1(structured[cells]).mean(axis=0), np.expm1(terms.own[cells]).mean(axis=0),
+                                   rtol=1e-6, atol=1e-9)
+    log_mean = shift_forms.log_mean_reference(subset, tiny_model)
+    assert (log_mean <= terms.reference + 1e-5).all() and (terms.reference - log_mean).max() > 1e-3
