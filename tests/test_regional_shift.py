@@ -317,3 +317,19 @@ def test_the_shift_forms_script_keeps_each_batchs_expected_counts_and_a_lower_lo
                                    rtol=1e-6, atol=1e-9)
     log_mean = shift_forms.log_mean_reference(subset, tiny_model)
     assert (log_mean <= terms.reference + 1e-5).all() and (terms.reference - log_mean).max() > 1e-3
+
+
+def test_the_residual_forms_script_rebuilds_batchfix_correct_and_names_its_rows(subset, tiny_model, tmp_path):
+    """scripts/residual_forms.py on one saved model: its default row is batchfix.correct's (or it stops), and every
+    form is a floored matrix of the default's shape that differs from it."""
+    import residual_forms
+
+    tiny_model.save(tmp_path / "model_0.ckpt")
+    genes, counts, rows = residual_forms.residual_rows(subset, "batch", 0, tmp_path / "model_0.ckpt")
+    forms = ["residual weight 0.75", "residual weight 0.5", "local mean kept, 0.75", "local mean kept, 0.5",
+             "cluster swap 5", "cluster swap 30", "linear swap", "quantile match 20", "quantile match 100"]
+    assert list(rows) == ["uncorrected", "ComBat", "default", *forms]
+    for name in forms:
+        assert rows[name].shape == rows["default"].shape and (rows[name] >= 0).all(), name
+        # 30 clusters of 200 cells leave no cluster with two (batch, cluster) groups of 10 cells: nothing is swapped
+        assert (np.abs(rows[name] - rows["default"]).max() > 1e-3) == (name != "cluster swap 30"), name
