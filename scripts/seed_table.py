@@ -34,14 +34,16 @@ COLUMNS = {
 
 
 def seed_summary(scores: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
-    """"mean ± sd" over seeds of `columns` per output (the index), in the outputs' first order; blank where a
-    column is missing."""
+    """"mean ± sd" over seeds of `columns` per output (the index), in the outputs' first order; the mean alone
+    where an output has one seed's value, blank where a column is missing or has no value for the output (a
+    latent's gene scores)."""
     grouped = scores.groupby(level=0, sort=False)
     table = pd.DataFrame(index=pd.Index(grouped.size().index, name="output"))
     for column in columns:
         if column in scores.columns:
-            mean, sd = grouped[column].mean(), grouped[column].std().fillna(0.0)
-            table[COLUMNS[column]] = [f"{m:.3f} ± {s:.3f}" for m, s in zip(mean, sd)]
+            mean, sd, n = grouped[column].mean(), grouped[column].std(), grouped[column].count()
+            table[COLUMNS[column]] = ["" if k == 0 else f"{m:.3f}" if k == 1 else f"{m:.3f} ± {s:.3f}"
+                                      for m, s, k in zip(mean, sd, n)]
         else:
             table[COLUMNS[column]] = ""
     return table
