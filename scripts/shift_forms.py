@@ -20,6 +20,10 @@ dependence but constrain it, each built from one model's terms (`marker_loss.cou
     [, state 0.5]       geometric mean of the e_b): the shifts of the batches then sum to 0 at every state, so the
                         output's label-vs-rest differences, averaged over batches as the gene scores average them,
                         lose the state-dependent gap log(mean e_b) - mean(log e_b) the arithmetic reference adds.
+                        The gap is >= 0, so this reference also lowers every gene's level: more values reach the
+                        floor at 0.
+    log-mean reference, the log-mean reference plus each gene's mean gap over the input's cells: only the gap's
+    level kept [, 0.5]  state dependence is taken out, the gene's level stays the arithmetic reference's.
 
 Beside them: the default (checked against batchfix.correct, regional_shift=apply) and correction.state_dependence
 0.5 (the decoder term shrunk toward its batch mean). Scored as scripts/decoding_scale.py scores its rows, with the
@@ -89,7 +93,7 @@ def shrunk(terms: Terms, decoder: np.ndarray, weight: float) -> np.ndarray:
 
 def shift_rows(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path | None) -> tuple[list, np.ndarray, dict]:
     """(modelled genes, counts on them, {row: corrected matrix}): uncorrected, ComBat, the default, state 0.5, the
-    factor form at each of FACTOR_STATES and the log-mean reference."""
+    factor form at each of FACTOR_STATES and the log-mean reference, with and without its level kept."""
     model = trained_model(adata, batch_key, seed, model_path)
     terms = counterfactual_terms(adata, model, batch_key)
     default = np.maximum(terms.unclipped(), 0.0)
@@ -100,9 +104,11 @@ def shift_rows(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path | 
     structured = factor_own(terms)
     for w in FACTOR_STATES:
         rows[f"factor, state {w:g}"] = np.maximum(with_own(terms, structured + w * (terms.own - structured)), 0.0)
-    log_mean = log_mean_reference(adata, model) - terms.scale * terms.own
-    rows["log-mean reference"] = shrunk(terms, log_mean, 1.0)
-    rows[f"log-mean reference, state {STATE:g}"] = shrunk(terms, log_mean, STATE)
+    log_mean = log_mean_reference(adata, model)
+    level_kept = log_mean + (terms.reference - log_mean).mean(axis=0)  # (cells, G) + (G,)
+    for name, reference in (("log-mean reference", log_mean), ("log-mean reference, level kept", level_kept)):
+        rows[name] = shrunk(terms, reference - terms.scale * terms.own, 1.0)
+        rows[f"{name}, state {STATE:g}"] = shrunk(terms, reference - terms.scale * terms.own, STATE)
     counts, uncorrected = reference_rows(adata, model.genes, batch_key)
     return list(model.genes), counts, {**uncorrected, **rows}
 

@@ -305,7 +305,8 @@ def test_the_shift_forms_script_keeps_each_batchs_expected_counts_and_a_lower_lo
     genes, counts, rows = shift_forms.shift_rows(subset, "batch", 0, tmp_path / "model_0.ckpt")
     assert list(rows) == ["uncorrected", "ComBat", "default", "state 0.5", "default, recalibrated",
                           "factor, state 0", "factor, state 0.25", "factor, state 0.5", "log-mean reference",
-                          "log-mean reference, state 0.5"]
+                          "log-mean reference, state 0.5", "log-mean reference, level kept",
+                          "log-mean reference, level kept, state 0.5"]
     assert genes == list(tiny_model.genes) and counts.shape == rows["default"].shape
     outputs = [values for name, values in rows.items() if name not in ("uncorrected", "ComBat")]
     assert all(np.isfinite(values).all() and (values >= 0).all() for values in outputs)  # ComBat has no floor
