@@ -21,6 +21,9 @@ batchfix.correct, regional_shift=apply):
     quantile match N         each gene's r in batch b mapped through its batch's empirical distribution onto the
                              batches' barycenter (the mean of their quantile functions at N levels): location,
                              spread and shape matched per gene and batch, order within a batch kept
+    state 0.5 [, cluster     correction.state_dependence=0.5 (the decoder term shrunk halfway toward its batch mean),
+    swap N]                  and with the cluster swap applied to all it leaves beyond decoded_ref + location_ref
+                             (the residual and the state shift it does not apply)
 
 Scored as scripts/decoding_scale.py scores its rows, with the same options (--truth-layer, --model-dir, --out).
 
@@ -52,6 +55,7 @@ CLUSTERS = (5, 30)
 MIN_GROUP = 10  # cells a (batch, cluster) group needs for its mean residual
 RIDGE = 0.01  # ridge penalty per cell of the per-batch regression of r on the latent (close to least squares)
 QUANTILES = (20, 100)
+STATE = 0.5  # correction.state_dependence of the rows with the decoder term shrunk toward its batch mean
 
 
 @torch.no_grad()
@@ -142,6 +146,13 @@ def residual_rows(adata: ad.AnnData, batch_key: str, seed: int,
         rows[f"cluster swap {n}"] = output(cluster_swap(residual, terms.codes, clusters))
     rows["linear swap"] = output(linear_swap(residual, terms.codes, latent))
     rows.update({f"quantile match {n}": output(quantile_match(residual, terms.codes, n), 1.0) for n in QUANTILES})
+    decoder = terms.reference - terms.scale * terms.own
+    mean = terms.batch_mean(decoder)
+    state = terms.unclipped(decoder=mean + STATE * (decoder - mean)) - base  # (cells, G): all beyond the base
+    rows[f"state {STATE:g}"] = np.maximum(base + state, 0.0)
+    clusters = KMeans(n_clusters=CLUSTERS[0], n_init=10, random_state=seed).fit_predict(latent)
+    rows[f"state {STATE:g}, cluster swap {CLUSTERS[0]}"] = np.maximum(base + cluster_swap(state, terms.codes, clusters),
+                                                                     0.0)
     counts, uncorrected = reference_rows(adata, model.genes, batch_key)
     return list(model.genes), counts, {**uncorrected, **rows}
 

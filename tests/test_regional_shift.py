@@ -328,7 +328,8 @@ def test_the_residual_forms_script_rebuilds_batchfix_correct_and_names_its_rows(
     tiny_model.save(tmp_path / "model_0.ckpt")
     genes, counts, rows = residual_forms.residual_rows(subset, "batch", 0, tmp_path / "model_0.ckpt")
     forms = ["residual weight 0.75", "residual weight 0.5", "local mean kept, 0.75", "local mean kept, 0.5",
-             "cluster swap 5", "cluster swap 30", "linear swap", "quantile match 20", "quantile match 100"]
+             "cluster swap 5", "cluster swap 30", "linear swap", "quantile match 20", "quantile match 100", "state 0.5",
+             "state 0.5, cluster swap 5"]
     assert list(rows) == ["uncorrected", "ComBat", "default", *forms]
     for name in forms:
         assert rows[name].shape == rows["default"].shape and (rows[name] >= 0).all(), name
