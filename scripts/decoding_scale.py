@@ -149,14 +149,20 @@ def expected_logs(counts: np.ndarray, model: batchfix.BatchfixModel, codes: np.n
     return np.concatenate(own), np.concatenate(reference)
 
 
-def recalibrated(terms: Terms, own: np.ndarray, reference: np.ndarray) -> dict[str, np.ndarray]:
-    """Unclipped values with decoded_b = `own` and decoded_ref = `reference`, the location and the spread estimated
-    again from the residuals observed - own (all cells); at full state dependence and at each of STATE_WEIGHTS."""
+def recalibration(terms: Terms, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(location (batches, G), each cell's k (cells, 1)) estimated again from the residuals observed - own (all
+    cells), one spread per batch."""
     n_batches = int(terms.codes.max()) + 1
     residual = terms.observed - own
     location = batch_means(residual, terms.codes, n_batches)
     spread = np.sqrt(np.array([residual[terms.codes == b].var(axis=0).mean() for b in range(n_batches)]))
-    scale = (np.sqrt(np.mean(spread ** 2)) / spread)[terms.codes][:, None]  # (cells, 1)
+    return location, (np.sqrt(np.mean(spread ** 2)) / spread)[terms.codes][:, None]
+
+
+def recalibrated(terms: Terms, own: np.ndarray, reference: np.ndarray) -> dict[str, np.ndarray]:
+    """Unclipped values with decoded_b = `own` and decoded_ref = `reference`, the location and the spread estimated
+    again from the residuals observed - own (all cells); at full state dependence and at each of STATE_WEIGHTS."""
+    location, scale = recalibration(terms, own)
     decoder = reference - scale * own
     mean = terms.batch_mean(decoder)
     rest = location.mean(axis=0) + scale * (terms.observed - location[terms.codes])

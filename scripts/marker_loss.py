@@ -90,6 +90,11 @@ class Terms:
             means[rows] = values[rows].mean(axis=0)
         return means
 
+    def state_shrunk(self, decoder: np.ndarray, weight: float) -> np.ndarray:
+        """A decoder term shrunk toward its batch mean, as correction.state_dependence=weight: mean + w (D - mean)."""
+        mean = self.batch_mean(decoder)
+        return mean + weight * (decoder - mean)
+
 
 @torch.no_grad()
 def counterfactual_terms(adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str) -> Terms:

@@ -141,18 +141,15 @@ def residual_rows(adata: ad.AnnData, batch_key: str, seed: int,
     rows = {"default": default}
     rows.update({f"residual weight {a:g}": output(a * residual) for a in WEIGHTS})
     rows.update({f"local mean kept, {a:g}": output(shared + a * (residual - shared)) for a in WEIGHTS})
-    for n in CLUSTERS:
-        clusters = KMeans(n_clusters=n, n_init=10, random_state=seed).fit_predict(latent)
-        rows[f"cluster swap {n}"] = output(cluster_swap(residual, terms.codes, clusters))
+    clusters = {n: KMeans(n_clusters=n, n_init=10, random_state=seed).fit_predict(latent) for n in CLUSTERS}
+    rows.update({f"cluster swap {n}": output(cluster_swap(residual, terms.codes, clusters[n])) for n in CLUSTERS})
     rows["linear swap"] = output(linear_swap(residual, terms.codes, latent))
     rows.update({f"quantile match {n}": output(quantile_match(residual, terms.codes, n), 1.0) for n in QUANTILES})
     decoder = terms.reference - terms.scale * terms.own
-    mean = terms.batch_mean(decoder)
-    state = terms.unclipped(decoder=mean + STATE * (decoder - mean)) - base  # (cells, G): all beyond the base
+    state = terms.unclipped(decoder=terms.state_shrunk(decoder, STATE)) - base  # (cells, G): all beyond the base
     rows[f"state {STATE:g}"] = np.maximum(base + state, 0.0)
-    clusters = KMeans(n_clusters=CLUSTERS[0], n_init=10, random_state=seed).fit_predict(latent)
-    rows[f"state {STATE:g}, cluster swap {CLUSTERS[0]}"] = np.maximum(base + cluster_swap(state, terms.codes, clusters),
-                                                                     0.0)
+    swapped = cluster_swap(state, terms.codes, clusters[CLUSTERS[0]])
+    rows[f"state {STATE:g}, cluster swap {CLUSTERS[0]}"] = np.maximum(base + swapped, 0.0)
     counts, uncorrected = reference_rows(adata, model.genes, batch_key)
     return list(model.genes), counts, {**uncorrected, **rows}
 

@@ -45,7 +45,7 @@ import batchfix
 from batchfix.nn.attention import fused_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decoding_scale import batch_means, main, trained_model  # noqa: E402
+from decoding_scale import batch_means, main, recalibration, trained_model  # noqa: E402
 from marker_loss import BATCH_SIZE, Terms, check_shipped, counterfactual_terms, reference_rows  # noqa: E402
 
 FACTOR_STATES = (0.0, 0.25, 0.5)  # W: the share of the decoder's own-batch term's departure from the factor form kept
@@ -62,14 +62,11 @@ def factor_own(terms: Terms) -> np.ndarray:
 
 
 def with_own(terms: Terms, own: np.ndarray) -> np.ndarray:
-    """Unclipped values with decoded_b = `own`, the location and one spread per batch estimated again from
-    observed - own."""
-    n_batches = int(terms.codes.max()) + 1
-    residual = terms.observed - own
-    location = batch_means(residual, terms.codes, n_batches)
-    spread = np.sqrt(np.array([residual[terms.codes == b].var(axis=0).mean() for b in range(n_batches)]))
-    scale = (np.sqrt(np.mean(spread ** 2)) / spread)[terms.codes][:, None]  # (cells, 1)
-    return terms.reference + location.mean(axis=0) + scale * (residual - location[terms.codes])
+    """Floored values with decoded_b = `own`, the location and one spread per batch estimated again from
+    observed - own (`decoding_scale.recalibration`)."""
+    location, scale = recalibration(terms, own)
+    return np.maximum(terms.reference + location.mean(axis=0) + scale * (terms.observed - own - location[terms.codes]),
+                      0.0)
 
 
 @torch.no_grad()
@@ -86,9 +83,8 @@ def log_mean_reference(adata: ad.AnnData, model: batchfix.BatchfixModel) -> np.n
 
 
 def shrunk(terms: Terms, decoder: np.ndarray, weight: float) -> np.ndarray:
-    """Floored values with the decoder term `decoder` shrunk toward its batch mean: mean + weight (D - mean)."""
-    mean = terms.batch_mean(decoder)
-    return np.maximum(terms.unclipped(decoder=mean + weight * (decoder - mean)), 0.0)
+    """Floored values with the decoder term `decoder` shrunk toward its batch mean (`Terms.state_shrunk`)."""
+    return np.maximum(terms.unclipped(decoder=terms.state_shrunk(decoder, weight)), 0.0)
 
 
 def shift_rows(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path | None) -> tuple[list, np.ndarray, dict]:
@@ -100,15 +96,16 @@ def shift_rows(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path | 
     check_shipped(default, adata, model, batch_key, "default")
     decoder = terms.reference - terms.scale * terms.own
     rows = {"default": default, f"state {STATE:g}": shrunk(terms, decoder, STATE),
-            "default, recalibrated": np.maximum(with_own(terms, terms.own), 0.0)}
+            "default, recalibrated": with_own(terms, terms.own)}
     structured = factor_own(terms)
     for w in FACTOR_STATES:
-        rows[f"factor, state {w:g}"] = np.maximum(with_own(terms, structured + w * (terms.own - structured)), 0.0)
+        rows[f"factor, state {w:g}"] = with_own(terms, structured + w * (terms.own - structured))
     log_mean = log_mean_reference(adata, model)
     level_kept = log_mean + (terms.reference - log_mean).mean(axis=0)  # (cells, G) + (G,)
     for name, reference in (("log-mean reference", log_mean), ("log-mean reference, level kept", level_kept)):
-        rows[name] = shrunk(terms, reference - terms.scale * terms.own, 1.0)
-        rows[f"{name}, state {STATE:g}"] = shrunk(terms, reference - terms.scale * terms.own, STATE)
+        decoder = reference - terms.scale * terms.own
+        rows[name] = np.maximum(terms.unclipped(decoder=decoder), 0.0)
+        rows[f"{name}, state {STATE:g}"] = shrunk(terms, decoder, STATE)
     counts, uncorrected = reference_rows(adata, model.genes, batch_key)
     return list(model.genes), counts, {**uncorrected, **rows}
 

@@ -283,4 +283,4 @@ def test_companion_outputs_keep_the_variants_correction_options(monkeypatch):
         assert settings.residual_weight == 0.75, name
         assert settings.state_dependence == 0.5, name
         assert settings.spread == ("batch" if name == "counterfactual_batch" else "gene"), name
-        assert settings.regional_shift == name.partition("regional_")[2] or "keep", name
+        assert settings.regional_shift == (name.partition("regional_")[2] or "keep"), name
