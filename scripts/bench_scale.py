@@ -27,7 +27,7 @@ Per file:
 - `--variant NAME KEY=VALUE ...` (repeatable) also trains a named variant of batchfix (its Hydra
   overrides) on every file, each compared with the same scVI measurement.
 
-Everything runs on this machine's CPU with --threads threads (no GPU figure exists yet).
+Everything runs on this machine's CPU with --threads threads (the GPU's figures: scripts/bench_gpu.py).
 
     python scripts/bench_scale.py                       # 10,000 and 100,000 cells
     python scripts/bench_scale.py --sizes 10000 --bundled --threads 1
@@ -272,7 +272,7 @@ def main() -> None:
             if row["end_to_end_ratio"] is not None:
                 print(f"  end to end  the whole train command ({row['wall_s']:.0f} s: start-up, fit, correct, attention "
                       f"picture, evaluation) / scVI default training = {row['end_to_end_ratio']:.3f}", flush=True)
-    summary = {"threads": args.threads, "device": "cpu (no GPU figure exists yet)", "rows": rows}
+    summary = {"threads": args.threads, "device": "cpu", "rows": rows}
     (workdir / "bench_scale.json").write_text(json.dumps(summary, indent=2) + "\n")
     print("\n" + json.dumps(summary, indent=2))
 
