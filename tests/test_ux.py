@@ -294,3 +294,22 @@ def test_api_evaluate_scores_a_corrected_anndata_as_the_command_line(sample_adat
     assert sorted(p.name for p in (tmp_path / "scores").iterdir()) == ["metrics.json", "metrics.md", "umap.png"]
     with pytest.raises(ConfigError, match="evaluation.neighbors must be one of"):
         batchfix.evaluate(adata, neighbors="fast")
+
+
+def test_a_skipped_first_step_of_fp16_training_is_not_reported_as_a_scheduler_mistake():
+    """Lightning's 16-mixed skips the first steps whose fp16 gradients overflow while the schedule steps: torch then
+    warns as if the scheduler were called first. batchfix's fit hides that one warning (not others)."""
+    import warnings
+
+    import torch
+
+    from batchfix.console import quiet_warnings
+
+    parameter = torch.nn.Parameter(torch.zeros(1))
+    schedule = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW([parameter]), lambda step: 1.0)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        quiet_warnings()
+        schedule.step()  # no optimizer step before it, as when the loss scaler skipped it
+        warnings.warn("another warning")
+    assert [str(w.message) for w in shown] == ["another warning"]
