@@ -7,8 +7,9 @@ The counterfactual output (batchfix/correction/counterfactual.py) is, for cell c
 with a the residual weight: 1 (the default) keeps each cell's whole deviation from what the decoder expects for its
 state, 0 leaves the denoised output plus the reference's location. The rows are built from one model's terms
 (`marker_loss.counterfactual_terms`), with rows for correction.spread=gene beside them (k per gene and batch, a = 1),
-alone and with state_dependence=STATE; the a = 1, a = CHECKED and spread=gene, state STATE rows are checked against
-batchfix.correct with those options (regional_shift=apply). They are scored as scripts/decoding_scale.py scores its
+alone and with state_dependence=STATE, and that pair at a = SPREAD_GENE_WEIGHT; the a = 1, a = CHECKED and spread=gene,
+state STATE rows (at a = 1 and at SPREAD_GENE_WEIGHT) are checked against batchfix.correct with those options
+(regional_shift=apply). They are scored as scripts/decoding_scale.py scores its
 rows (scIB Total of each matrix's PCA, the gene-level scores, and with --truth-layer the contrast truth error and
 the gene-level scores against the truth counts, a second model per seed being trained on the truth counts), with the
 same options.
@@ -34,6 +35,7 @@ WEIGHTS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)  # the rows' residual weights
 CHECKED = 0.75  # a weight below 1 whose row is compared with batchfix.correct's
 SPREAD_GENE = "spread gene"  # correction.spread=gene at weight 1: k per gene and batch, as ComBat's scale
 STATE = 0.5  # the spread=gene row is also given with this correction.state_dependence
+SPREAD_GENE_WEIGHT = 0.9  # ... and that row with this residual weight as well
 
 
 def weight_rows(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path | None) -> tuple[list, np.ndarray, dict]:
@@ -45,12 +47,14 @@ def weight_rows(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path |
     gene_scale = counterfactual.Statistics(model.net, None, [], spread_by="gene").scale.numpy()[terms.codes]
     gene_scale = gene_scale.astype(np.float64)  # (cells, G)
     rows[SPREAD_GENE] = np.maximum(terms.unclipped(scale=gene_scale), 0.0)
-    decoder = terms.reference - gene_scale * terms.own
-    mean = terms.batch_mean(decoder)
-    rows[f"{SPREAD_GENE}, state {STATE:g}"] = np.maximum(
-        terms.unclipped(decoder=mean + STATE * (decoder - mean), scale=gene_scale), 0.0)
+    for weight, suffix in ((1.0, ""), (SPREAD_GENE_WEIGHT, f", weight {SPREAD_GENE_WEIGHT:g}")):
+        scale = weight * gene_scale
+        rows[f"{SPREAD_GENE}, state {STATE:g}{suffix}"] = np.maximum(
+            terms.unclipped(decoder=terms.state_shrunk(terms.reference - scale * terms.own, STATE), scale=scale), 0.0)
     checked = {f"residual weight {1.0:g}": {}, f"residual weight {CHECKED:g}": {"residual_weight": CHECKED},
-               f"{SPREAD_GENE}, state {STATE:g}": {"spread": "gene", "state_dependence": STATE}}
+               f"{SPREAD_GENE}, state {STATE:g}": {"spread": "gene", "state_dependence": STATE},
+               f"{SPREAD_GENE}, state {STATE:g}, weight {SPREAD_GENE_WEIGHT:g}": {
+                   "spread": "gene", "state_dependence": STATE, "residual_weight": SPREAD_GENE_WEIGHT}}
     for name, options in checked.items():
         check_shipped(rows[name], adata, model, batch_key, name, **options)
     counts, uncorrected = reference_rows(adata, model.genes, batch_key)

@@ -271,7 +271,7 @@ def test_keeping_the_regional_shift_keeps_a_confounded_clone(bundled_adata):
 
 def test_the_residual_weight_script_rebuilds_batchfix_correct_and_scores_against_a_truth(subset, tiny_model, tmp_path):
     """scripts/residual_weight.py's rows for one saved model: its checked rows (weights 1 and 0.75, spread=gene with
-    state 0.5) are batchfix.correct's, or it stops; with a truth layer equal to X and the same model as the truth's,
+    state 0.5 at weights 1 and 0.9) are batchfix.correct's, or it stops; with a truth layer equal to X and the same model as the truth's,
     every gene score against the truth equals the one against the data and every contrast truth error is 0."""
     import decoding_scale
     import residual_weight
@@ -283,7 +283,8 @@ def test_the_residual_weight_script_rebuilds_batchfix_correct_and_scores_against
     args = decoding_scale.parse_args(["unused.h5ad", "--truth-layer", "truth", "--model-dir", str(tmp_path)])
     table = decoding_scale.seed_scores(adata, args, 0, build=residual_weight.weight_rows)
     weights = [f"residual weight {w:g}" for w in residual_weight.WEIGHTS]
-    assert list(table.index) == ["uncorrected", "ComBat", *weights, "spread gene", "spread gene, state 0.5"]
+    assert list(table.index) == ["uncorrected", "ComBat", *weights, "spread gene", "spread gene, state 0.5",
+                                 "spread gene, state 0.5, weight 0.9"]
     scored = [metric for metric in fidelity.GENE_METRICS if table[metric].notna().all()]
     assert len(scored) >= 2  # the scores this small subset allows
     for metric in fidelity.GENE_METRICS:
