@@ -27,7 +27,7 @@ skipped, and the file says so.
 
 score: each saved model corrects the bundled data (batchfix.correct: the default counterfactual output),
 and its latent and the PCA of its corrected matrix are scored as scripts/benchmark.py scores them (scIB Total; the
-four gene scores of batchfix.eval.fidelity): per precision, mean ± sd over seeds, beside the fit figures.
+four gene scores of batchfix.eval.fidelity): per model and precision, mean ± sd over seeds, beside the fit figures.
 """
 from __future__ import annotations
 
@@ -106,6 +106,11 @@ def guard_check(device: str) -> list[dict]:
             row[f"{name}_finite"] and row[f"{name}_max_error"] <= GUARD_TOLERANCE for name in backends)
         rows.append(row)
     return rows
+
+
+def model_path(folder: Path, name: str, precision: str, seed: int) -> Path:
+    """Where `train` saves a bundled model and `score` reads it."""
+    return folder / f"bundled_{name}_{precision}_{seed}.ckpt"
 
 
 def logged_losses(run_dir: Path) -> tuple[float | None, int, int]:
@@ -236,8 +241,7 @@ def train(args: argparse.Namespace) -> None:
                 continue
             figures, result, prepared, scratch = timed_fit(bundled, precision, seed, args.accelerator, **fit_options)
             figures["name"] = args.name
-            path = out / f"bundled_{args.name}_{precision}_{seed}.ckpt"
-            calibrated_model(result.best_checkpoint, prepared).save(path)
+            calibrated_model(result.best_checkpoint, prepared).save(model_path(out, args.name, precision, seed))
             scratch.cleanup()
             report["bundled"].append(figures)
             save()
@@ -246,12 +250,12 @@ def train(args: argparse.Namespace) -> None:
         return
     from resampled import generate  # scripts/resampled.py, beside this script
 
-    path = Path(tempfile.mkdtemp(prefix="batchfix-gpu-")) / f"resampled_{args.cells}.h5ad"
     if not in_budget(f"scale {args.cells} cells"):
         return
-    generate(path, args.cells, n_genes=SCALE_GENES)
-    cells = ad.read_h5ad(path)
-    cells = select_genes(cells, "batch", 2000)
+    with tempfile.TemporaryDirectory(prefix="batchfix-gpu-") as folder:  # the file is read whole, then removed
+        path = Path(folder) / f"resampled_{args.cells}.h5ad"
+        generate(path, args.cells, n_genes=SCALE_GENES)
+        cells = select_genes(ad.read_h5ad(path), "batch", 2000)
     cells.X = cells.X.astype(np.float32)
     for precision in SCALE_PRECISIONS:
         if not in_budget(f"scale {args.cells} cells, batchfix {precision}"):
@@ -287,8 +291,7 @@ def model_scores(folder: Path, adata, uncorrected: np.ndarray) -> list[dict]:
     batch, labels = adata.obs["batch"].to_numpy(), adata.obs["cell_type"].to_numpy()
     rows = []
     for figures in report["bundled"]:
-        model = batchfix.BatchfixModel.load(folder / f"bundled_{figures['name']}_{figures['precision']}_"
-                                                     f"{figures['seed']}.ckpt")
+        model = batchfix.BatchfixModel.load(model_path(folder, figures["name"], figures["precision"], figures["seed"]))
         corrected = batchfix.correct(adata, model, copy=True)
         modelled = corrected.var["batchfix_modelled"].to_numpy()
         matrix = np.asarray(corrected.layers["batchfix"][:, modelled].toarray(), dtype=np.float32)
@@ -339,7 +342,8 @@ def speed_table(folders: list[Path]) -> pd.DataFrame:
                 continue
             rows.append({"cells": f"{row['cells']:,}", "batchfix precision": row["precision"],
                          "batchfix fit s (epochs, steps)": f"{row['fit_s']:.1f} ({row['epochs']}, {row['steps']})",
-                         "train cells/s": f"{row['train_cells_per_s']:,}", "peak GPU MB": f"{row['peak_gpu_mb']:,}",
+                         "train cells/s": f"{row['train_cells_per_s']:,}",
+                         "peak GPU MB": "" if row["peak_gpu_mb"] is None else f"{row['peak_gpu_mb']:,}",
                          "scVI epoch x default epochs": "" if scvi is None else
                          f"{scvi['scvi_epoch_s']:.2f} s x {scvi['scvi_default_epochs']} = "
                          f"{scvi['scvi_default_s']:,.0f} s",

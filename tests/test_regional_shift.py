@@ -271,8 +271,9 @@ def test_keeping_the_regional_shift_keeps_a_confounded_clone(bundled_adata):
 
 def test_the_residual_weight_script_rebuilds_batchfix_correct_and_scores_against_a_truth(subset, tiny_model, tmp_path):
     """scripts/residual_weight.py's rows for one saved model: its checked rows (weights 1 and 0.75, spread=gene with
-    state 0.5 at weights 1 and 0.9) are batchfix.correct's, or it stops; with a truth layer equal to X and the same model as the truth's,
-    every gene score against the truth equals the one against the data and every contrast truth error is 0."""
+    state 0.5 at weights 1 and 0.9) are batchfix.correct's, or it stops; with a truth layer equal to X and the same
+    model as the truth's, every gene score against the truth equals the one against the data and every contrast truth
+    error is 0."""
     import decoding_scale
     import residual_weight
 
