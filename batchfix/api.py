@@ -31,8 +31,8 @@ from batchfix.config import (
     option_descriptions,
     validated,
 )
+from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.corrector import correct_adata
-from batchfix.correction.counterfactual import calibrated_model
 from batchfix.errors import ConfigError
 from batchfix.training import fitting
 from batchfix.training.module import BatchfixModel, load_trained
@@ -207,7 +207,7 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode
         the reference's location). Lower mixes and clusters better and keeps fewer within-type neighbours.
     spread
         The counterfactual output's residual scale: "batch" (one per batch) or "gene" (per gene and batch,
-        shrunk toward the batch's level; batchfix.correction.counterfactual.shrunk_variances).
+        shrunk toward the batch's level; batchfix.correction.calibration.shrunk_variances).
 
     Adds layers[key_added] (float32 CSR on the log1p(expression per 10k counts) scale, values stored
     for the modelled genes only: other genes read as 0 and are False in var[f"{key_added}_modelled"]),

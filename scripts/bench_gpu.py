@@ -204,7 +204,7 @@ def train(args: argparse.Namespace) -> None:
     import anndata as ad
     import pytorch_lightning as pl
 
-    from batchfix.correction.counterfactual import calibrated_model
+    from batchfix.correction.calibration import calibrated_model
     from batchfix.data.io import bundled_dataset
 
     if args.accelerator != "cpu" and not torch.cuda.is_available():

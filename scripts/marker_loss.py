@@ -45,7 +45,7 @@ import pandas as pd
 import torch
 
 import batchfix
-from batchfix.correction import counterfactual
+from batchfix.correction import calibration, counterfactual
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import fidelity, metrics
 from batchfix.nn.attention import fused_attention
@@ -102,7 +102,7 @@ def counterfactual_terms(adata: ad.AnnData, model: batchfix.BatchfixModel, batch
     net = model.net
     counts = np.asarray(adata[:, model.genes].X, dtype=np.float32)  # the model's gene order
     codes = counterfactual.batch_codes(adata.obs[batch_key].astype(str).to_numpy(), model.batch_categories).codes
-    stats = counterfactual.Statistics(net, None, [])
+    stats = calibration.Statistics(net, None, [])
     present = torch.ones(len(model.genes), dtype=torch.bool)
     parts = {"reference": [], "own": [], "observed": []}
     with fused_attention(net):

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decoding_scale import main, trained_model  # noqa: E402
 from marker_loss import check_shipped, counterfactual_terms, reference_rows  # noqa: E402
 
-from batchfix.correction import counterfactual  # noqa: E402
+from batchfix.correction import calibration  # noqa: E402
 
 WEIGHTS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)  # the rows' residual weights
 CHECKED = 0.75  # a weight below 1 whose row is compared with batchfix.correct's
@@ -44,7 +44,7 @@ def weight_rows(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path |
     terms = counterfactual_terms(adata, model, batch_key)
     rows = {f"residual weight {weight:g}": np.maximum(terms.unclipped(scale=weight * terms.scale), 0.0)
             for weight in WEIGHTS}
-    gene_scale = counterfactual.Statistics(model.net, None, [], spread_by="gene").scale.numpy()[terms.codes]
+    gene_scale = calibration.Statistics(model.net, None, [], spread_by="gene").scale.numpy()[terms.codes]
     gene_scale = gene_scale.astype(np.float64)  # (cells, G)
     rows[SPREAD_GENE] = np.maximum(terms.unclipped(scale=gene_scale), 0.0)
     for weight, suffix in ((1.0, ""), (SPREAD_GENE_WEIGHT, f", weight {SPREAD_GENE_WEIGHT:g}")):

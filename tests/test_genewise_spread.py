@@ -14,7 +14,7 @@ import torch
 
 import batchfix
 from batchfix.config import CorrectionSettings, TrainConfig, validated
-from batchfix.correction import counterfactual
+from batchfix.correction import calibration
 from batchfix.errors import ConfigError
 
 UNSEEN = "sc_dropseq"
@@ -29,12 +29,12 @@ def dense(matrix) -> np.ndarray:
 def test_few_cells_pull_a_gene_toward_its_batch_and_many_keep_its_own():
     ratio = np.random.default_rng(0).gamma(20.0, 1 / 20.0, size=500)  # variance ratios around 1
     ratio[0] = 3.0  # one gene far from its batch's level
-    few = counterfactual.inverse_gamma_posterior(ratio, dof=2)
-    many = counterfactual.inverse_gamma_posterior(ratio, dof=100_000)
+    few = calibration.inverse_gamma_posterior(ratio, dof=2)
+    many = calibration.inverse_gamma_posterior(ratio, dof=100_000)
     assert abs(few[0] - ratio.mean()) < 0.2 * abs(ratio[0] - ratio.mean())  # pulled most of the way
     assert abs(many[0] - 3.0) < 0.01  # keeps its own
-    np.testing.assert_allclose(counterfactual.inverse_gamma_posterior(ratio, dof=0), ratio.mean())
-    np.testing.assert_allclose(counterfactual.inverse_gamma_posterior(np.full(5, 2.0), dof=50), 2.0)
+    np.testing.assert_allclose(calibration.inverse_gamma_posterior(ratio, dof=0), ratio.mean())
+    np.testing.assert_allclose(calibration.inverse_gamma_posterior(np.full(5, 2.0), dof=50), 2.0)
 
 
 def test_shrunk_variances_pull_a_small_batch_toward_its_own_level_not_the_others():
@@ -43,8 +43,8 @@ def test_shrunk_variances_pull_a_small_batch_toward_its_own_level_not_the_others
     noise = rng.gamma(20.0, 1 / 20.0, size=(2, 300))
     variance = np.array([[1.0], [4.0]]) * gene_level * noise  # batch 1: four times noisier in every gene
     variance[1, 0] = 40.0 * gene_level[0]  # one outlying gene in batch 1
-    small = counterfactual.shrunk_variances(variance, np.array([1000, 3]), n_training=2)
-    large = counterfactual.shrunk_variances(variance, np.array([1000, 100_000]), n_training=2)
+    small = calibration.shrunk_variances(variance, np.array([1000, 3]), n_training=2)
+    large = calibration.shrunk_variances(variance, np.array([1000, 100_000]), n_training=2)
     assert large[1, 0] == pytest.approx(variance[1, 0], rel=0.01)
     level = np.mean(variance[1] / variance.mean(axis=0))  # batch 1's ratio to the genes' level
     assert small[1, 0] / variance.mean(axis=0)[0] == pytest.approx(level, rel=0.2)
@@ -83,7 +83,7 @@ def test_gene_spread_equalizes_each_genes_scaled_spread_across_training_batches(
     kept = (raw_sd > 0).all(axis=0)
     dispersion = {}
     for spread in ("batch", "gene"):
-        scale = counterfactual.Statistics(model.net, None, [], spread_by=spread).scale.numpy()  # (batches, 1 or G)
+        scale = calibration.Statistics(model.net, None, [], spread_by=spread).scale.numpy()  # (batches, 1 or G)
         scaled = np.log(scale * raw_sd)[:, kept]
         dispersion[spread] = float(np.mean(scaled.std(axis=0)))
     assert dispersion["gene"] < 0.5 * dispersion["batch"], dispersion

@@ -25,7 +25,7 @@ from scipy.stats import spearmanr
 
 import batchfix
 from batchfix.config import CorrectConfig, CorrectionSettings, TrainConfig, validated
-from batchfix.correction import counterfactual
+from batchfix.correction import calibration
 from batchfix.correction.corrector import correct_file
 from batchfix.data.normalize import log_cp10k
 from batchfix.data.prepare import PreparedData
@@ -143,13 +143,13 @@ def test_values_that_would_go_negative_are_zero_and_counted(outputs):
 
 
 def test_an_unseen_batch_with_too_few_cells_gets_the_denoised_output(shifted, model, outputs, caplog):
-    few = np.flatnonzero(shifted.obs["batch"] == UNSEEN)[counterfactual.MIN_UNSEEN_CELLS - 1:]
+    few = np.flatnonzero(shifted.obs["batch"] == UNSEEN)[calibration.MIN_UNSEEN_CELLS - 1:]
     adata = shifted[np.setdiff1d(np.arange(shifted.n_obs), few)].copy()
     small = (adata.obs["batch"] == UNSEEN).to_numpy()
-    assert small.sum() == counterfactual.MIN_UNSEEN_CELLS - 1
+    assert small.sum() == calibration.MIN_UNSEEN_CELLS - 1
     with caplog.at_level(logging.WARNING, logger="batchfix"):
         out = batchfix.correct(adata, model, copy=True)
-    assert f"fewer than {counterfactual.MIN_UNSEEN_CELLS} cells: ['{UNSEEN}']" in caplog.text
+    assert f"fewer than {calibration.MIN_UNSEEN_CELLS} cells: ['{UNSEEN}']" in caplog.text
     assert list(out.uns["batchfix"]["unseen_batches_denoised"]) == [UNSEEN]
     modelled = out.var["batchfix_modelled"].to_numpy()
     denoised = outputs["denoised"][adata.obs_names]
@@ -219,13 +219,13 @@ def test_calibration_with_the_fused_kernel_matches_the_written_out_attention(shi
     fused_calls = []
     kernel = attention.sdpa_attention
     monkeypatch.setattr(attention, "sdpa_attention", lambda *args: fused_calls.append(1) or kernel(*args))
-    counterfactual.calibrate(net, prepared)
+    calibration.calibrate(net, prepared)
     assert fused_calls, "calibration did not run the fused kernel"
     assert all(m.backend == "guarded" for m in net.modules() if hasattr(m, "backend")), "backend not restored"
     fused = net.residual_location.clone(), net.residual_spread.clone()
-    monkeypatch.setattr(counterfactual, "fused_attention", lambda net: contextlib.nullcontext())
+    monkeypatch.setattr(calibration, "fused_attention", lambda net: contextlib.nullcontext())
     fused_calls.clear()
-    counterfactual.calibrate(net, prepared)
+    calibration.calibrate(net, prepared)
     assert not fused_calls
     torch.testing.assert_close(fused[0], net.residual_location, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fused[1], net.residual_spread, atol=1e-6, rtol=1e-5)
@@ -234,24 +234,24 @@ def test_calibration_with_the_fused_kernel_matches_the_written_out_attention(shi
 
 def test_calibration_cells_keep_small_batches_whole_and_draw_the_rest():
     batch_index = np.repeat([0, 1, 2], [5, 40, 12])
-    cells = counterfactual.calibration_cells(batch_index, 3, per_batch=12)
+    cells = calibration.calibration_cells(batch_index, 3, per_batch=12)
     assert (np.diff(cells) > 0).all()  # sorted, no repeats: read in file order
     assert np.bincount(batch_index[cells]).tolist() == [5, 12, 12]
     assert set(cells[batch_index[cells] != 1]) == set(np.flatnonzero(batch_index != 1))  # small batches whole
-    assert (counterfactual.calibration_cells(batch_index, 3, per_batch=12) == cells).all()  # the same draw
+    assert (calibration.calibration_cells(batch_index, 3, per_batch=12) == cells).all()  # the same draw
 
 
 def test_calibration_on_a_sample_of_each_large_batch_estimates_the_full_statistics(shifted, model, monkeypatch):
     prepared = training_cells(shifted, model)
     net = copy.deepcopy(model.net)
-    counterfactual.calibrate(net, prepared)  # every batch below the cap: every cell, as the fit stored them
+    calibration.calibrate(net, prepared)  # every batch below the cap: every cell, as the fit stored them
     torch.testing.assert_close(net.residual_spread, model.net.residual_spread)
     per_batch = np.bincount(prepared.batch_index).min() // 2
-    monkeypatch.setattr(counterfactual, "CALIBRATION_CELLS_PER_BATCH", int(per_batch))
+    monkeypatch.setattr(calibration, "CALIBRATION_CELLS_PER_BATCH", int(per_batch))
     served = []
-    real = counterfactual.in_order
-    monkeypatch.setattr(counterfactual, "in_order", lambda *args: served.append(args[2]) or real(*args))
-    counterfactual.calibrate(net, prepared)
+    real = calibration.in_order
+    monkeypatch.setattr(calibration, "in_order", lambda *args: served.append(args[2]) or real(*args))
+    calibration.calibrate(net, prepared)
     assert len(served[0]) == per_batch * len(model.batch_categories)
     # A sample's estimates, within their sampling error: a per-gene location drawn from n of N cells is off by
     # about spread * sqrt(1/n - 1/N) (root-mean-square over genes; the spread is that of the per-gene sd).

@@ -15,8 +15,8 @@ import torch
 
 import batchfix
 from batchfix.api import train_config
-from batchfix.correction import counterfactual
-from batchfix.correction.counterfactual import GenomeSmoother, genome_smoother
+from batchfix.correction import calibration, counterfactual
+from batchfix.correction.regional import GenomeSmoother, genome_smoother
 from batchfix.data.normalize import log_cp10k
 from batchfix.errors import ConfigError
 from batchfix.eval import fidelity
@@ -142,7 +142,7 @@ def test_keep_input_keeps_a_regional_shift_in_a_batch_location(subset, tiny_mode
     batch = subset.obs["batch"].astype(str).to_numpy()
     cells, share = batch == own, (batch == own).mean()
     chromosome = np.array([str(c) for c in tiny_model.module.hparams.chromosome])
-    unpatched = counterfactual.Statistics.__init__
+    unpatched = calibration.Statistics.__init__
 
     def shifted(stats, net, *args, **kwargs):
         unpatched(stats, net, *args, **kwargs)
@@ -150,7 +150,7 @@ def test_keep_input_keeps_a_regional_shift_in_a_batch_location(subset, tiny_mode
 
     modes = ("apply", "keep", "keep_all", "keep_input")
     before = {mode: in_model_order(subset, tiny_model, mode)[cells] for mode in modes}
-    monkeypatch.setattr(counterfactual.Statistics, "__init__", shifted)
+    monkeypatch.setattr(calibration.Statistics, "__init__", shifted)
     after = {mode: in_model_order(subset, tiny_model, mode)[cells] for mode in modes}
     change = {}
     for mode in modes:
@@ -167,14 +167,14 @@ def test_keep_input_keeps_a_regional_shift_in_a_batch_location(subset, tiny_mode
 
 
 def default_terms(adata, model):
-    """(batch codes (cells,), counterfactual.Statistics, then output_terms's values, decoder term, input and
+    """(batch codes (cells,), calibration.Statistics, then output_terms's values, decoder term, input and
     reference decoding, each (cells, G) in the model's order) of the default output (average reference)."""
     x = torch.from_numpy(np.asarray(adata[:, list(model.genes)].X.toarray(), dtype=np.float32))
     batch = adata.obs["batch"].astype(str).to_numpy()
     codes = torch.as_tensor([list(model.batch_categories).index(b) for b in batch])
     net = model.net.eval()
     with torch.no_grad():
-        stats = counterfactual.Statistics(net, None, [])
+        stats = calibration.Statistics(net, None, [])
         return (codes, stats, *counterfactual.output_terms(net, x, net.encode(x)[0], codes, None, stats))
 
 

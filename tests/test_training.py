@@ -21,7 +21,8 @@ from hydra import compose, initialize_config_module
 
 from batchfix import tasks
 from batchfix.config import TrainConfig, validated
-from batchfix.correction import counterfactual
+from batchfix.correction import calibration, counterfactual
+from batchfix.correction.regional import GenomeSmoother, RegionalShift
 from batchfix.errors import InputError
 from batchfix.training import fitting
 from batchfix.training.module import BatchfixModule, load_trained
@@ -122,13 +123,13 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad):
     assert (columns >= 0).all()
     x = torch.from_numpy(np.asarray(source.X[:, columns], dtype=np.float32))
     codes = torch.from_numpy(np.searchsorted(trained.batch_categories, source.obs["batch"].astype(str).to_numpy()))
-    statistics = counterfactual.Statistics(trained.net, None, [])
+    statistics = calibration.Statistics(trained.net, None, [])
     mu, _ = trained.net.encode(x)
     shift = counterfactual.output_terms(trained.net, x, mu, codes, None, statistics)[1]  # decoder term (cells, G)
     mean_shift = torch.stack([shift[codes == b].mean(dim=0) for b in range(len(trained.batch_categories))])
-    assert all((codes == b).sum() >= counterfactual.MIN_UNSEEN_CELLS for b in range(len(trained.batch_categories)))
-    regional = counterfactual.RegionalShift(
-        counterfactual.GenomeSmoother(list(trained.module.hparams.chromosome), 100), mean_shift,
+    assert all((codes == b).sum() >= calibration.MIN_UNSEEN_CELLS for b in range(len(trained.batch_categories)))
+    regional = RegionalShift(
+        GenomeSmoother(list(trained.module.hparams.chromosome), 100), mean_shift,
         torch.ones(len(trained.batch_categories)))
     latent, expression, _ = counterfactual.corrected(trained.net, x, codes, None, statistics, regional=regional)
     corrected = ad.read_h5ad(cli_run / "corrected.h5ad")

@@ -57,7 +57,8 @@ from tqdm.auto import tqdm
 import batchfix
 from batchfix import signals
 from batchfix.config import CorrectionSettings
-from batchfix.correction import counterfactual
+from batchfix.correction import calibration, counterfactual
+from batchfix.correction.regional import RegionalShift, genome_smoother
 from batchfix.data import ondisk
 from batchfix.data.io import (
     OutputKeys,
@@ -160,11 +161,11 @@ class Corrector:
         self.n_empty_modelled = 0  # cells with no counts in the modelled genes (the empty ones among them)
         self.batches = None if batch is None else counterfactual.batch_codes(batch, trained.batch_categories)
         self.statistics = None
-        self.regional = None  # counterfactual.RegionalShift, estimated by `prepare` unless regional_shift=apply
+        self.regional = None  # regional.RegionalShift, estimated by `prepare` unless regional_shift=apply
         self.state = None  # counterfactual.StateShrink, estimated by `prepare` when state_dependence < 1
         self.latents = None  # (cells, latent) encoded by that estimate, reused by the correction
         if settings.output_mode == "counterfactual":
-            counterfactual.training_statistics(trained.net)  # refuses an uncalibrated checkpoint before any work
+            calibration.training_statistics(trained.net)  # refuses an uncalibrated checkpoint before any work
             self.log_batches()
 
     @property
@@ -181,7 +182,7 @@ class Corrector:
                         "cells (a per-gene location and a spread against the average decoder).", self.batches.unseen)
         if self.batches.denoised:
             log.warning("Batches the model was not trained on, with fewer than %d cells: %s. Their cells get the "
-                        "denoised output.", counterfactual.MIN_UNSEEN_CELLS, self.batches.denoised)
+                        "denoised output.", calibration.MIN_UNSEEN_CELLS, self.batches.denoised)
 
     def prepare(self, rows, n_obs: int) -> None:
         """Before correcting: estimate the unseen batches' location and spread (one pass over their cells) and,
@@ -203,7 +204,7 @@ class Corrector:
     def estimate_mean_shift(self, rows, n_obs: int, regional: bool) -> None:
         """Each batch code's mean decoder term decoded_ref - k_b decoded_b over its cells (for state_dependence,
         counterfactual.StateShrink) and, with `regional`, the mean that regional_shift splits against
-        (counterfactual.RegionalShift): of the decoder term over the batch's cells (keep) or over all cells
+        (RegionalShift): of the decoder term over the batch's cells (keep) or over all cells
         (keep_all), or of the whole change over all cells (keep_input). The cells' latents are kept (`latents`),
         so the correction decodes them without encoding again."""
         n_codes = self.batches.n_training + len(self.batches.unseen)
@@ -229,14 +230,14 @@ class Corrector:
                     if change is not None:
                         change_sums[code] += change[codes == code].sum(axis=0)
                     counts[code] += int((codes == code).sum())
-        estimated = counts >= counterfactual.MIN_UNSEEN_CELLS
+        estimated = counts >= calibration.MIN_UNSEEN_CELLS
         small = [self.batch_name(c) for c in np.flatnonzero(~estimated & (counts > 0))]
         unmet = [what for what, needed in (
             ("keep no regional part of their shift (regional_shift=keep)", mode == "keep"),
             ("get all of its state dependence (state_dependence < 1)", self.settings.state_dependence < 1)) if needed]
         if small and unmet:
             log.warning("Batches with fewer than %d cells in the input have no mean shift of their own; their cells "
-                        "%s: %s", counterfactual.MIN_UNSEEN_CELLS, " and ".join(unmet), small)
+                        "%s: %s", calibration.MIN_UNSEEN_CELLS, " and ".join(unmet), small)
         batch_mean = decoder_sums / np.maximum(counts, 1)[:, None]  # (codes, G)
         as_tensor = partial(torch.as_tensor, dtype=torch.float32)
         if self.settings.state_dependence < 1:
@@ -249,11 +250,11 @@ class Corrector:
         else:  # one mean over every cell, for every batch
             sums = change_sums if mode == "keep_input" else decoder_sums
             mean_shift = np.repeat(sums.sum(axis=0, keepdims=True) / max(counts.sum(), 1), n_codes, axis=0)
-            estimated = np.full(n_codes, counts.sum() >= counterfactual.MIN_UNSEEN_CELLS)
-        smoother = counterfactual.genome_smoother(list(self.trained.module.hparams.chromosome),
+            estimated = np.full(n_codes, counts.sum() >= calibration.MIN_UNSEEN_CELLS)
+        smoother = genome_smoother(list(self.trained.module.hparams.chromosome),
                                                   self.settings.regional_order, self.settings.regional_window,
                                                   self.settings.regional_seed)
-        self.regional = counterfactual.RegionalShift(smoother, as_tensor(mean_shift), as_tensor(estimated),
+        self.regional = RegionalShift(smoother, as_tensor(mean_shift), as_tensor(estimated),
                                                      whole=mode == "keep_input")
 
     def batch_name(self, code: int) -> str:
@@ -262,7 +263,7 @@ class Corrector:
 
     def estimate_unseen(self, rows, n_obs: int) -> None:
         n_training = self.batches.n_training
-        sums = [counterfactual.ResidualSums(len(self.trained.genes)) for _ in self.batches.unseen]
+        sums = [calibration.ResidualSums(len(self.trained.genes)) for _ in self.batches.unseen]
         for start in range(0, n_obs if sums else 0, self.settings.chunk_size):
             stop = min(start + self.settings.chunk_size, n_obs)
             codes = self.batches.codes[start:stop]
@@ -271,10 +272,10 @@ class Corrector:
                 x = self.model_input(rows.rows(start, stop)[picked], start)
                 for begin in range(0, len(picked), self.batch_size):
                     part = slice(begin, begin + self.batch_size)
-                    r = counterfactual.residual(self.net, x[part], None, self.present).numpy()
+                    r = calibration.residual(self.net, x[part], None, self.present).numpy()
                     for code in np.unique(codes[picked[part]]):
                         sums[code - n_training].add(r[codes[picked[part]] == code])
-        self.statistics = counterfactual.Statistics(self.trained.net, self.reference, sums, self.present.numpy(),
+        self.statistics = calibration.Statistics(self.trained.net, self.reference, sums, self.present.numpy(),
                                                     self.settings.spread, self.settings.residual_weight)
 
     def model_input(self, chunk, first_cell: int = 0) -> torch.Tensor:

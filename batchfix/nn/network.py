@@ -140,7 +140,7 @@ class BatchfixNet(nn.Module):
         self.encoder = LocusEncoder(cfg, windows, n_genes)
         self.decoder = ExpressionDecoder(cfg, n_genes, n_batches)
         self.adversary = nn.Sequential(nn.Linear(cfg.latent_dim, 64), nn.ReLU(), nn.Linear(64, n_batches))
-        # Residual statistics of each training batch (batchfix.correction.counterfactual.calibrate, after the fit): the
+        # Residual statistics of each training batch (batchfix.correction.calibration.calibrate, after the fit): the
         # counterfactual output's per-gene location and per-batch spread. A spread of 0 means not calibrated.
         self.register_buffer("residual_location", torch.zeros(n_batches, n_genes))
         self.register_buffer("residual_spread", torch.zeros(n_batches))
