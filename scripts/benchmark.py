@@ -169,7 +169,7 @@ def run_batchfix(
 
     from batchfix import tasks
     from batchfix.config import TrainConfig, validated
-    from batchfix.correction.corrector import correct_file
+    from batchfix.correction.writers import correct_file
     from batchfix.training.module import load_trained
 
     with tempfile.TemporaryDirectory(prefix="batchfix-bench-") as tmp:

@@ -39,7 +39,7 @@ from batchfix import runfolder, signals, tasks
 from batchfix.api import train_config
 from batchfix.cli import folder_check
 from batchfix.config import CorrectConfig, CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
-from batchfix.correction.corrector import correct_file
+from batchfix.correction.writers import correct_file
 from batchfix.data import io, ondisk
 from batchfix.data.prepare import CellDataModule
 from batchfix.errors import (

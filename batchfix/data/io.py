@@ -54,8 +54,18 @@ class OutputKeys:
 
     @property
     def layer(self) -> str:
-        """layers[...]: corrected log1p(counts per 10k), values in the modelled genes only."""
+        """layers[...]: corrected log expression (normalize_total + log1p of the corrected counts)."""
         return self.key_added
+
+    @property
+    def counts(self) -> str:
+        """layers[...]: corrected counts of every gene (the NB model's counterfactual output)."""
+        return f"{self.key_added}_counts"
+
+    @property
+    def corrected(self) -> str:
+        """var[...]: True for the genes whose values the correction changed."""
+        return f"{self.key_added}_corrected"
 
     @property
     def latent(self) -> str:
