@@ -18,7 +18,8 @@ except ImportError:  # pragma: no cover - older anndata
 from batchfix import runfolder
 from batchfix.config import CorrectionOptions, EvaluateConfig, EvaluationOptions
 from batchfix.data import ondisk
-from batchfix.data.io import OutputKeys, atomic_output, check_h5ad_path, input_path, obs_strings, read_h5ad
+from batchfix.data.atomic import atomic_output
+from batchfix.data.io import OutputKeys, check_h5ad_path, input_path, obs_strings, read_h5ad
 from batchfix.data.subsample import SEED, stratified_rows
 from batchfix.errors import InputError
 from batchfix.eval import caches, metrics, reports, umap_plots
