@@ -60,13 +60,12 @@ from batchfix.config import CorrectionSettings
 from batchfix.correction import calibration, counterfactual
 from batchfix.correction.regional import RegionalShift, genome_smoother
 from batchfix.data import ondisk
+from batchfix.data.atomic import atomic_output, output_exists
 from batchfix.data.io import (
     OutputKeys,
-    atomic_output,
     check_h5ad_path,
     check_values,
     duplicate_genes_error,
-    output_exists,
     repeated,
     select_matrix,
 )
