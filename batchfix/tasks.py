@@ -16,7 +16,8 @@ from batchfix.config import AttentionConfig, CorrectConfig, CorrectionSettings, 
 from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.corrector import reference_index
 from batchfix.correction.writers import correct_adata, correct_file
-from batchfix.data.io import atomic_output, input_path
+from batchfix.data.atomic import atomic_output
+from batchfix.data.io import input_path
 from batchfix.data.prepare import PreparedData
 from batchfix.errors import Interrupted
 from batchfix.training import fitting

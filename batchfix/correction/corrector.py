@@ -1,49 +1,24 @@
-"""Inference: corrected expression and latent for any cells, with a trained checkpoint.
+"""Inference: the latent and the corrected output of any cells, with a trained checkpoint.
 
-Two entry points share one chunked core (`Corrector` + `corrected_chunks`), so they give the
-same numbers:
+`Corrector` binds a trained model to one input's genes (and, for the counterfactual output, its cells' batches)
+and turns a row chunk of the input into (latent, output layers); `corrected_chunks` runs it over a file chunk by
+chunk. The writers (batchfix.correction.writers) put the layers into an AnnData or a new .h5ad, so the in-memory
+and the streamed outputs are the same numbers.
 
-- `correct_file` (the CLI, and `train`'s corrected.h5ad): .h5ad in, new .h5ad out, streamed.
-  The input is read a chunk of cells at a time (X or a layer, dense or CSR) and the new entries
-  are written chunk by chunk into a copy of the input's other groups, so memory stays bounded
-  by the chunk size whatever the file size. The input is opened read-only and never modified;
-  the output appears (atomically) only once complete.
-- `correct_adata` (the notebook API, `batchfix.correct`): an in-memory AnnData, scanpy style.
-
-What is added (key = key_added, default 'batchfix'):
-
-- layers[key]: corrected expression on the log1p(counts per 10k) scale, float32 CSR of the data's
-  full width (n_obs x n_vars, as anndata requires) that stores only the columns of the modelled
-  genes: every modelled gene has a value in every cell, and genes the model did not model hold no
-  entries (they read as 0). var[f'{key}_modelled'] marks the modelled genes; subset to them
-  (adata[:, adata.var[f'{key}_modelled']]) before analysing the layer. Compared with a dense
-  full-width layer this stores n_modelled instead of n_vars values per cell (2,000 instead of
-  11,533 for the bundled data), and for an uncorrected value in an uncorrected gene there is no
-  honest corrected number to store. What the values are depends on `output_mode`:
-  counterfactual (each cell's own expression with only what its batch explains removed; see
-  batchfix.correction.counterfactual) or denoised (every cell decoded from its latent as the reference).
-- obsm[f'X_{key}']: the latent (posterior mean), float32 (n_obs, latent_dim).
-- uns[key]: provenance (package version, checkpoint path and sha256, output mode, reference batch,
-  training batches, unseen batches and how they were treated, modelled and missing genes, values
-  raised to 0, correction and model parameters).
-
-Modelled genes are matched to the input by var_names (a modelled gene named twice is refused: which
-column is meant is ambiguous). Missing ones enter the encoder as zero counts, get no output column,
-and are reported (log and uns[key]['missing_genes']); past `max_missing_fraction` the correction
-stops with an error. The counterfactual output reads each cell's batch from obs[batch_key] (an error
-names the obs columns when it is absent; the denoised output does not need it). The encoder does not
-see the batch, so cells of batches the model never saw get a latent like any other; for the
-counterfactual output their batch effect is estimated from their own cells in a first pass over them
-(`Corrector.prepare`).
+Modelled genes are matched to the input by var_names (a modelled gene named twice is refused: which column is
+meant is ambiguous). Missing ones enter the encoder as zero counts, get no output column, and are reported (log
+and uns[key]['missing_genes']); past `max_missing_fraction` the correction stops with an error. The
+counterfactual output reads each cell's batch from obs[batch_key]; the denoised output does not need it. The
+encoder does not see the batch, so cells of batches the model never saw get a latent like any other; for the
+counterfactual output their batch effect is estimated from their own cells first (`Corrector.prepare`,
+batchfix.correction.estimates).
 """
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -64,14 +39,6 @@ from batchfix.nn.attention import fused_attention
 from batchfix.training.module import BatchfixModel
 
 log = logging.getLogger(__name__)
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def reference_index(batch_categories: list[str], reference: str | None) -> int | None:

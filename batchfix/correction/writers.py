@@ -32,7 +32,8 @@ from batchfix.config import CorrectionSettings
 from batchfix.correction.corrector import Corrector, corrected_chunks
 from batchfix.correction.provenance import for_hdf5, provenance
 from batchfix.data import ondisk
-from batchfix.data.io import OutputKeys, atomic_output, check_h5ad_path, output_exists, select_matrix
+from batchfix.data.atomic import atomic_output, output_exists
+from batchfix.data.io import OutputKeys, check_h5ad_path, select_matrix
 from batchfix.errors import InputError
 from batchfix.training.module import BatchfixModel
 

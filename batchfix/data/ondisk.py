@@ -9,7 +9,7 @@ cells, never for the whole matrix:
   as compression kept, values byte for byte), leaving out the entries the correction replaces.
 - `create_csr` / `create_array` make the new entries with anndata's on-disk encoding
   (encoding-type / encoding-version attributes), to be filled slice by slice.
-- Outputs go through `batchfix.data.io.atomic_output`: a temporary path beside the target, moved into
+- Outputs go through `batchfix.data.atomic.atomic_output`: a temporary path beside the target, moved into
   place only when the writing finished, so a failed run leaves neither a partial output nor a
   temporary file.
 """

@@ -17,8 +17,8 @@ import pytorch_lightning as pl
 import torch
 
 from batchfix.config import ModelConfig
+from batchfix.data.atomic import atomic_output
 from batchfix.data.genome import GeneCoordinates, LocusWindows, make_windows
-from batchfix.data.io import atomic_output
 from batchfix.errors import CheckpointError, CheckpointFormatError, TrainingError
 from batchfix.nn.attention import EntropyMeter
 from batchfix.nn.network import BatchfixNet
