@@ -35,6 +35,7 @@ from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.writers import correct_adata
 from batchfix.errors import ConfigError
 from batchfix.training import fitting
+from batchfix.training.extra_genes import add_extra_genes_from
 from batchfix.training.module import BatchfixModel, load_trained
 
 # Options of the command line that have no meaning for an in-memory AnnData.
@@ -123,6 +124,7 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
     with tempfile.TemporaryDirectory(prefix="batchfix-train-") as scratch:
         result = fitting.fit(cfg, prepared, Path(scratch))
         model = calibrated_model(result.best_checkpoint, prepared)
+        add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
     model.path = None  # the checkpoint it came from is gone: model.save(path) keeps it
     return model
 

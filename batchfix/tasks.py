@@ -21,6 +21,7 @@ from batchfix.data.io import input_path
 from batchfix.data.prepare import PreparedData
 from batchfix.errors import Interrupted
 from batchfix.training import fitting
+from batchfix.training.extra_genes import add_extra_genes_from
 from batchfix.training.module import ENTROPY_PREFIX, BatchfixModel, load_trained
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
     """model.ckpt (the best checkpoint, calibrated), corrected.h5ad and the evaluation of a finished fit;
     returns the metrics so far."""
     model = calibrated_model(result.best_checkpoint, prepared)
+    add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
     model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
     metrics = fit_metrics(result, prepared)
     correct_started = time.perf_counter()

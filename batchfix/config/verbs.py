@@ -73,10 +73,10 @@ class CorrectionOptions:
     residual_weight: float = 1.0
     # Corrected counts: the seed of each count's randomised quantile (a counter-based draw per seed, cell and gene:
     # the same counts for the same input in every run, streamed or in memory)
-    seed: int = 0
+    quantile_seed: int = 0
 
     def __post_init__(self):
-        within(f"{self.PREFIX}seed", self.seed, 0, 2**32 - 1)
+        within(f"{self.PREFIX}quantile_seed", self.quantile_seed, 0, 2**32 - 1)
         one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
         one_of(f"{self.PREFIX}spread", self.spread, SPREADS)
         one_of(f"{self.PREFIX}regional_shift", self.regional_shift, REGIONAL_SHIFTS)

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from batchfix import signals
 from batchfix.config import CorrectionSettings
-from batchfix.correction import calibration, counterfactual, counts, estimates, layers
+from batchfix.correction import calibration, count_output, counterfactual, counts, estimates, layers
 from batchfix.data.io import (
     check_values,
     duplicate_genes_error,
@@ -92,7 +92,8 @@ class Corrector:
     """
 
     def __init__(self, trained: BatchfixModel, var_names: pd.Index, settings: CorrectionSettings,
-                 source: str = "X", batch: np.ndarray | None = None, batch_key: str | None = None):
+                 source: str = "X", batch: np.ndarray | None = None, batch_key: str | None = None,
+                 obs_names: pd.Index | None = None):
         self.trained = trained
         self.net = int8_network(trained.net) if settings.int8 else trained.net
         self.batch_key = batch_key
@@ -123,11 +124,29 @@ class Corrector:
         # The NB model's counterfactual output is corrected counts (and their log layer): `estimates` sets the
         # dispersion of each batch code (theta, (codes, G)), the reference's and the unseen batches' ratios.
         self.counts_output = settings.output_mode == "counterfactual" and trained.config.likelihood == "nb"
-        self.theta = self.reference_theta = self.unseen_ratio = None
         self.n_zeros = self.n_zeros_raised = 0  # observed zeros of the output's genes, and those made positive
+        self.gene_sets: list[count_output.GeneSet] = []  # the counts' modelled genes, then the extra genes
+        self.corrected_mask = self.modelled_mask.copy()  # genes whose values the output changes
+        if self.counts_output:
+            self.set_count_genes(var_names, obs_names if obs_names is not None else range(len(batch)))
         if settings.output_mode == "counterfactual":
             calibration.training_statistics(trained.net)  # refuses an uncalibrated checkpoint before any work
             self.log_batches()
+
+    def set_count_genes(self, var_names: pd.Index, obs_names) -> None:
+        """The gene sets of the corrected counts (modelled genes; the extra genes held by the input) and the keys
+        of the randomised quantiles (the cells' and the genes' names)."""
+        names = pd.Index(var_names).astype(str)
+        modelled = count_output.GeneSet(False, self.out_model, self.out_columns, self.present,
+                                        counts.name_keys(names[self.out_columns]))
+        extra = count_output.gene_set(self.trained.extra_genes, names, extra=True)
+        if extra is not None:  # an extra gene the model also reads (a repeated name) stays the modelled one's
+            keep = ~self.modelled_mask[extra.columns]
+            extra.model_index, extra.columns, extra.keys = (extra.model_index[keep], extra.columns[keep],
+                                                           extra.keys[keep])
+            self.corrected_mask[extra.columns] = True
+        self.gene_sets = [modelled] + ([extra] if extra is not None and len(extra.columns) else [])
+        self.cell_keys = counts.name_keys(obs_names)
 
     @property
     def n_out(self) -> int:
@@ -208,6 +227,8 @@ class Corrector:
         corrected counts, 'log' alone for the denoised and the log-scale outputs (`layers`))."""
         x = self.model_input(chunk, first_cell)
         self.count_empty(chunk, x)
+        if self.counts_output:
+            return self.corrected_counts(chunk, x, first_cell)
         latent = np.empty((x.shape[0], self.latent_dim), dtype=np.float32)
         values = np.empty((x.shape[0], self.n_out), dtype=np.float32)
         for start in range(0, x.shape[0], self.batch_size):
@@ -217,48 +238,51 @@ class Corrector:
             else:
                 mu, expression = self.counterfactual_batch(x[start:stop], first_cell + start)
             latent[start:stop] = mu.numpy()
-            values[start:stop] = expression if self.counts_output else expression.numpy()[:, self.out_model]
-        if self.counts_output:
-            return latent, layers.count_layers(chunk, values, self.out_columns, self.modelled_mask)
+            values[start:stop] = expression.numpy()[:, self.out_model]
         if self.settings.output_mode == "counterfactual":  # log-scale input: an input zero stays zero
             values[x.numpy()[:, self.out_model] == 0] = 0.0
         return latent, {"log": layers.modelled_layer(values, self.out_columns, self.n_vars)}
 
-    def counterfactual_batch(self, x: torch.Tensor, first_cell: int) -> tuple[torch.Tensor, np.ndarray]:
-        """(latent mean, counterfactual values) of one forward batch: corrected counts (B, n_out) for the NB model,
-        else the log output (B, model genes)."""
+    def latents_of(self, x: torch.Tensor, cells: np.ndarray) -> torch.Tensor:
+        """(B, latent) the latent means of the cells at `cells`: kept from `prepare`, else encoded now."""
+        return self.net.encode(x)[0] if self.latents is None else torch.from_numpy(self.latents[cells])
+
+    def counterfactual_batch(self, x: torch.Tensor, first_cell: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(latent mean, the log-scale counterfactual output (B, model genes)) of one forward batch."""
         if self.statistics is None:
             raise RuntimeError("Corrector.prepare(rows, n_obs) must run before the counterfactual output.")
         cells = np.arange(first_cell, first_cell + x.shape[0])
         codes = torch.from_numpy(self.batches.codes[cells])
-        mu = self.net.encode(x)[0] if self.latents is None else torch.from_numpy(self.latents[cells])
-        if self.counts_output:
-            return mu, self.corrected_counts(x, mu, codes, cells)
         mu, expression, n_clipped = counterfactual.corrected(self.net, x, codes, self.reference, self.statistics,
-                                                             self.present, self.regional, self.state, mu=mu)
+                                                             self.present, self.regional, self.state,
+                                                             mu=self.latents_of(x, cells))
         self.n_clipped += n_clipped
         return mu, expression
 
-    def corrected_counts(self, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor, cells: np.ndarray) -> np.ndarray:
-        """(B, n_out) each observed count of the output's genes moved from its batch's NB to the reference's
-        (batchfix.correction.counts): the cell's library kept, the shift after every option applied."""
-        shift, own = counterfactual.log_mean_shift(self.net, mu, codes, self.reference, self.present,
-                                                   self.unseen_ratio)
-        shift = counterfactual.applied_shift(shift, codes, self.state, self.regional)[:, self.out_model]
-        library = x[:, self.present].sum(-1, keepdim=True)  # (B, 1): the modelled genes' counts
-        own_mean = (own[:, self.out_model] * library).double().numpy()
-        ref_mean = own_mean * np.exp(shift.double().numpy())
-        known = codes.clamp_min(0).numpy()
-        own_theta = self.theta[known][:, self.out_model]
-        ref_theta = np.where((codes < 0).numpy()[:, None], own_theta, self.reference_theta[self.out_model])
-        observed = x[:, self.out_model].double().numpy()
-        uniform = counts.counter_uniform(self.settings.seed, cells, self.out_columns)
-        mapped = counts.quantile_map(observed.ravel(), own_mean.ravel(), ref_mean.ravel(), own_theta.ravel(),
-                                     ref_theta.ravel(), uniform.ravel()).reshape(observed.shape)
-        zeros = observed == 0
-        self.n_zeros += int(zeros.sum())
-        self.n_zeros_raised += int((zeros & (mapped > 0)).sum())
-        return mapped
+    def corrected_counts(self, chunk, x: torch.Tensor, first_cell: int) -> tuple[np.ndarray, dict]:
+        """(latent, {'counts', 'log'}) of a chunk: each observed count of every corrected gene moved from its
+        batch's NB to the reference's (batchfix.correction.counts; the cell's library kept, the shift after every
+        option), each gene set with its decoder (count_output)."""
+        if self.gene_sets[0].theta is None:
+            raise RuntimeError("Corrector.prepare(rows, n_obs) must run before the corrected counts.")
+        inputs = [x] + [genes.observed(chunk) for genes in self.gene_sets[1:]]
+        latent = np.empty((x.shape[0], self.latent_dim), dtype=np.float32)
+        mapped = [np.empty((x.shape[0], len(genes.columns))) for genes in self.gene_sets]
+        for start in range(0, x.shape[0], self.batch_size):
+            part = slice(start, start + self.batch_size)
+            cells = np.arange(first_cell + start, first_cell + min(start + self.batch_size, x.shape[0]))
+            codes = torch.from_numpy(self.batches.codes[cells])
+            mu = self.latents_of(x[part], cells)
+            latent[part] = mu.numpy()
+            for genes, values, out in zip(self.gene_sets, inputs, mapped):
+                observed, out[part] = count_output.mapped_counts(
+                    self.net, genes, values[part], mu, codes, self.cell_keys[cells], self.reference,
+                    self.settings.quantile_seed, self.state, self.regional)
+                self.n_zeros += int((observed == 0).sum())
+                self.n_zeros_raised += int(((observed == 0) & (out[part] > 0)).sum())
+        columns = np.concatenate([genes.columns for genes in self.gene_sets])
+        order = np.argsort(columns, kind="stable")
+        return latent, layers.count_layers(chunk, np.hstack(mapped)[:, order], columns[order], self.corrected_mask)
 
 
 def corrected_chunks(corrector: Corrector, rows, n_obs: int, chunk_size: int,

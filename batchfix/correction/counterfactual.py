@@ -155,18 +155,19 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
 
 @torch.no_grad()
 def log_mean_shift(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, reference: int | None,
-                   present: torch.Tensor | None, unseen_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                   present: torch.Tensor | None, unseen_ratio: torch.Tensor,
+                   extra: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(log(mean_ref / mean_b), the own batch's mean fractions), each (B, G), for latents `mu`: the shift of the
     NB mean that the corrected counts apply, before the options. A batch the model never saw (code >= n_batches)
     has the average decoder times its own per-gene ratio (`unseen_ratio`, (unseen, G)) as its mean; cells of
-    code -1 have no shift."""
+    code -1 have no shift. `extra`: of the extra genes' decoder."""
     tiny = torch.finfo(torch.float32).tiny
-    reference_fractions = net.mean_fractions(mu, reference, present)
-    own = reference_fractions if reference is None else net.mean_fractions(mu, None, present)
+    reference_fractions = net.mean_fractions(mu, reference, present, extra)
+    own = reference_fractions if reference is None else net.mean_fractions(mu, None, present, extra)
     own = own.clone()
     seen = (codes >= 0) & (codes < net.n_batches)
     if seen.any():
-        own[seen] = net.mean_fractions(mu[seen], codes[seen].long(), present)
+        own[seen] = net.mean_fractions(mu[seen], codes[seen].long(), present, extra)
     unseen = codes >= net.n_batches
     if unseen.any():
         own[unseen] = own[unseen] * unseen_ratio[codes[unseen].long() - net.n_batches]

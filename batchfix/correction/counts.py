@@ -9,8 +9,9 @@ distribution (ComBat-seq's mapping, here with the model's means):
     u  ~ U(F_b(y - 1), F_b(y))         a randomised probability integral transform (PIT)
     y' = F_ref^-1(u)
 
-- The draw u comes from a counter-based generator keyed by (seed, cell, gene): the cell's row and the gene's
-  column in the file, so streamed, in-memory and repeated runs give the same counts.
+- The draw u comes from a counter-based generator keyed by (seed, cell, gene): hashes of the cell's and the
+  gene's names (`name_keys`), so streamed, in-memory and repeated runs give the same counts, and so does a file
+  with its cells or genes reordered or subset (two cells of one name share their draws).
 - The cell's library is kept: a cell without counts keeps none, and a count's scale is its own cell's depth.
 - Where y's lower tail probability F_b(y - 1) passes one half, the survival functions are used instead (float64):
   a large count's quantile is not lost to rounding 1 - F near 1.
@@ -22,6 +23,8 @@ The dispersions: theta_b per batch and gene is calibrated after the fit (`Disper
 model's shared theta_g); the reference's is theta_g for the average reference and the batch's own for a named one.
 """
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 from scipy import stats
@@ -41,8 +44,15 @@ def _splitmix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+def name_keys(names) -> np.ndarray:
+    """(n,) uint64 keys of cell or gene names (the first 8 bytes of each name's BLAKE2b digest): the same name
+    gets the same key in any file, whatever its row or column."""
+    return np.array([int.from_bytes(hashlib.blake2b(str(name).encode(), digest_size=8).digest(), "little")
+                     for name in names], dtype=np.uint64)
+
+
 def counter_uniform(seed: int, cells: np.ndarray, genes: np.ndarray) -> np.ndarray:
-    """(len(cells), len(genes)) uniforms in (0, 1), each a function of (seed, cell, gene) alone."""
+    """(len(cells), len(genes)) uniforms in (0, 1), each a function of (seed, cell key, gene key) alone."""
     with np.errstate(over="ignore"):
         key = _splitmix64(np.uint64(seed) * SPLITMIX_GAMMA + np.asarray(cells, dtype=np.uint64) + SPLITMIX_GAMMA)
         mixed = _splitmix64(key[:, None] ^ (_splitmix64(np.asarray(genes, dtype=np.uint64) + SPLITMIX_GAMMA)[None, :]))

@@ -21,52 +21,59 @@ log = logging.getLogger(__name__)
 
 
 def unseen_cells(corrector, rows, n_obs: int):
-    """(model input, codes) of the cells of unseen batches, chunk by chunk, in batches of the forward pass."""
+    """(model input, the count gene sets' inputs, codes) of the cells of unseen batches, chunk by chunk, in
+    batches of the forward pass."""
     n_training = corrector.batches.n_training
     for start in range(0, n_obs, corrector.settings.chunk_size):
         stop = min(start + corrector.settings.chunk_size, n_obs)
         codes = corrector.batches.codes[start:stop]
         picked = np.flatnonzero(codes >= n_training)
         if len(picked):
-            x = corrector.model_input(rows.rows(start, stop)[picked], start)
+            chunk = rows.rows(start, stop)[picked]
+            x = corrector.model_input(chunk, start)
+            inputs = [x] + [genes.observed(chunk) for genes in corrector.gene_sets[1:]]
             for begin in range(0, len(picked), corrector.batch_size):
                 part = slice(begin, begin + corrector.batch_size)
-                yield x[part], codes[picked[part]]
+                yield x[part], [values[part] for values in inputs], codes[picked[part]]
 
 
 @torch.no_grad()
 def estimate_unseen(corrector, rows, n_obs: int) -> None:
-    """Set the corrector's `statistics` (log output) and, for the counts, its unseen batches' ratios and the
-    dispersion table of every batch code."""
+    """Set the corrector's `statistics` (log output) and, for the counts, each gene set's unseen batches' ratios
+    and the dispersion table of every batch code."""
     n_training, n_genes = corrector.batches.n_training, len(corrector.trained.genes)
     sums = [calibration.ResidualSums(n_genes) for _ in corrector.batches.unseen]
-    count_sums = [counts.UnseenCountSums(n_genes) for _ in corrector.batches.unseen]
+    count_sums = [[counts.UnseenCountSums(len(genes.present)) for _ in corrector.batches.unseen]
+                  for genes in corrector.gene_sets]
     net, present = corrector.net, corrector.present
-    for x, codes in unseen_cells(corrector, rows, n_obs) if sums else ():
+    for x, inputs, codes in unseen_cells(corrector, rows, n_obs) if sums else ():
         mu, _ = net.encode(x)
         r = (net.log_expression(x) - net.decoded(mu, None, present)).numpy()
-        mean = (net.mean_fractions(mu, None, present) * x[:, present].sum(-1, keepdim=True)).numpy()
         for code in np.unique(codes):
             sums[code - n_training].add(r[codes == code])
-            count_sums[code - n_training].add(x.numpy()[codes == code], mean[codes == code])
+        for genes, values, set_sums in zip(corrector.gene_sets, inputs, count_sums):
+            mean = (net.mean_fractions(mu, None, genes.present, genes.extra)
+                    * values[:, genes.present].sum(-1, keepdim=True)).numpy()
+            for code in np.unique(codes):
+                set_sums[code - n_training].add(values.numpy()[codes == code], mean[codes == code])
     settings = corrector.settings
     corrector.statistics = calibration.Statistics(corrector.trained.net, corrector.reference, sums, present.numpy(),
                                                   settings.spread, settings.residual_weight)
-    if corrector.counts_output:
-        set_count_tables(corrector, count_sums)
+    for genes, set_sums in zip(corrector.gene_sets, count_sums):
+        set_count_tables(corrector.trained.net, genes, set_sums, corrector.reference)
 
 
-def set_count_tables(corrector, count_sums: list[counts.UnseenCountSums]) -> None:
-    """The corrector's unseen_ratio (unseen, G), theta (codes, G) and reference_theta (G,), float64."""
-    net = corrector.trained.net
-    shared = net.decoder.log_theta.detach().double().exp().numpy()
-    trained_theta = net.count_theta.double().numpy()
+def set_count_tables(net, genes, count_sums: list[counts.UnseenCountSums], reference: int | None) -> None:
+    """The gene set's unseen_ratio (unseen, G), theta (codes, G) and reference_theta (G,), float64."""
+    decoder = net.extra_decoder if genes.extra else net.decoder
+    shared = decoder.log_theta.detach().double().exp().numpy()
+    trained_theta = (net.extra_count_theta if genes.extra else net.count_theta).double().numpy()
     unseen_theta = [s.dispersion().theta(shared) for s in count_sums]
-    corrector.theta = np.vstack([trained_theta, *unseen_theta]) if unseen_theta else trained_theta
+    genes.theta = np.vstack([trained_theta, *unseen_theta]) if unseen_theta else trained_theta
     ratios = [s.ratio() for s in count_sums]
-    corrector.unseen_ratio = torch.as_tensor(np.stack(ratios) if ratios else np.ones((0, net.n_genes)),
-                                             dtype=torch.float32)
-    corrector.reference_theta = shared if corrector.reference is None else trained_theta[corrector.reference]
+    genes.unseen_ratio = torch.as_tensor(np.stack(ratios) if ratios else np.ones((0, len(shared))),
+                                         dtype=torch.float32)
+    genes.reference_theta = shared if reference is None else trained_theta[reference]
 
 
 def batch_terms(corrector, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, whole: bool):
@@ -75,7 +82,7 @@ def batch_terms(corrector, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray,
     code_tensor = torch.from_numpy(codes)
     if corrector.counts_output:
         shift, _ = counterfactual.log_mean_shift(corrector.net, mu, code_tensor, corrector.reference,
-                                                 corrector.present, corrector.unseen_ratio)
+                                                 corrector.present, corrector.gene_sets[0].unseen_ratio)
         return shift.numpy(), None
     values, decoder, observed, _ = counterfactual.output_terms(
         corrector.net, x, mu, code_tensor, corrector.reference, corrector.statistics, corrector.present)

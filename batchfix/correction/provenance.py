@@ -26,10 +26,10 @@ LAYER_MEANING = {
 NOT_APPLIED = {
     "counts": {"spread": "the counts keep each batch's own dispersion through the quantile mapping",
                "residual_weight": "a count is mapped whole, not as a location and a residual"},
-    "log_counterfactual": {"seed": "no random draw: the log-scale output has no counts"},
+    "log_counterfactual": {"quantile_seed": "no random draw: the log-scale output has no counts"},
     "denoised": {name: "the denoised output decodes the latent alone" for name in (
         "regional_shift", "regional_window", "regional_order", "regional_seed", "spread", "state_dependence",
-        "residual_weight", "seed")},
+        "residual_weight", "quantile_seed")},
 }
 
 
@@ -76,8 +76,9 @@ def provenance(corrector) -> dict:
         "n_modelled_genes": len(trained.genes),
         "missing_genes": corrector.missing_genes,
         "n_missing_genes": len(corrector.missing_genes),
-        "n_corrected_genes": int(corrector.modelled_mask.sum()),
-        "n_uncorrected_genes": int((~corrector.modelled_mask).sum()),
+        "n_corrected_genes": int(corrector.corrected_mask.sum()),
+        "n_uncorrected_genes": int((~corrector.corrected_mask).sum()),
+        "extra_genes_corrected": int(corrector.corrected_mask.sum() - corrector.modelled_mask.sum()),
         "n_cells_without_counts": corrector.n_empty_modelled,  # in the modelled genes: decoded from nothing
         "layers": layer_entries(corrector),
         "params": {**params, "counts": corrector.source, "scale": trained.scale,

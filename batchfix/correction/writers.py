@@ -94,7 +94,8 @@ def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: Correctio
     if settings.output_mode == "counterfactual":
         batch = cell_batches(adata.obs[batch_key] if batch_key in adata.obs else None, batch_key,
                              list(map(str, adata.obs.columns)), trained.batch_categories, all_batches_new)
-    corrector = Corrector(trained, adata.var_names, settings, source_name(counts_layer), batch, batch_key)
+    corrector = Corrector(trained, adata.var_names, settings, source_name(counts_layer), batch, batch_key,
+                          adata.obs_names)
     rows = ondisk.InMemoryRows(matrix)
     n_obs = adata.n_obs
     corrector.prepare(rows, n_obs)
@@ -113,7 +114,7 @@ def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: Correctio
         adata.layers[layer_names(keys)[kind]] = sp.vstack(parts, format="csr")
     adata.obsm[keys.latent] = latent
     adata.var[keys.modelled] = corrector.modelled_mask
-    adata.var[keys.corrected] = corrector.modelled_mask
+    adata.var[keys.corrected] = corrector.corrected_mask
     adata.uns[keys.uns] = info
     return adata if copy else None
 
@@ -181,7 +182,8 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
         if settings.output_mode == "counterfactual":
             batch = cell_batches(ondisk.read_obs_column(src, batch_key), batch_key, ondisk.obs_columns(src),
                                  trained.batch_categories, all_batches_new)
-        corrector = Corrector(trained, var_names, settings, source_name(counts_layer), batch, batch_key)
+        corrector = Corrector(trained, var_names, settings, source_name(counts_layer), batch, batch_key,
+                              ondisk.read_obs_names(src))
         corrector.prepare(rows, n_obs)
         with atomic_output(target, overwrite) as tmp, h5py.File(tmp, "w") as dst:
             write_streamed(src, dst, corrector, rows, n_obs, progress)
@@ -204,9 +206,9 @@ def write_streamed(src: h5py.File, dst: h5py.File, corrector: Corrector, rows, n
     ondisk.copy_file_except(src, dst, top_skip={"var"},
                             skip={"layers": set(names.values()), "obsm": {keys.latent}, "uns": {keys.uns}})
     ondisk.replace_var_columns(src, dst, {keys.modelled: corrector.modelled_mask,
-                                          keys.corrected: corrector.modelled_mask})
+                                          keys.corrected: corrector.corrected_mask})
     shape = (n_obs, corrector.n_vars)
-    kinds = ["counts", "log"] if corrector.counts_output else ["log"]
+    kinds = list(names) if corrector.counts_output else ["log"]
     writers = {kind: CsrAppender(dst["layers"], names[kind], shape) for kind in kinds}
     latent = ondisk.create_array(dst["obsm"], keys.latent, (n_obs, corrector.latent_dim))
     for start, stop, mu, chunk_layers in corrected_chunks(corrector, rows, n_obs, settings.chunk_size, progress):

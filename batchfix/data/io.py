@@ -87,6 +87,7 @@ class ExpressionInput:
     var: pd.DataFrame  # index = gene names (var_names)
     scale: str  # "counts" or "log"
     path: str
+    rows: np.ndarray | None = None  # (cells,) the file rows of these cells (empty cells are dropped)
 
     @property
     def batch_categories(self) -> list[str]:
@@ -130,6 +131,20 @@ def require_obs_column(adata: ad.AnnData, key: str, what: str, option: str, hint
     if key not in adata.obs.columns:
         raise missing_obs_column(key, list(adata.obs.columns), what, option, hint)
     return obs_strings(adata.obs[key], key)
+
+
+def warn_if_labels_follow_batches(labels: np.ndarray, batch: np.ndarray, label_key: str, batch_key: str) -> bool:
+    """Warn (and return True) when each label lives in one batch (95 % of its cells or more): then the labels
+    differ between batches, and what the correction removes as batch effect is their difference."""
+    table = pd.crosstab(pd.Series(labels, name="label"), pd.Series(batch, name="batch"))
+    if table.shape[0] < 2 or table.shape[1] < 2:
+        return False
+    if not (table.max(axis=1) >= 0.95 * table.sum(axis=1)).all():
+        return False
+    log.warning("The labels of obs['%s'] line up with the batches of obs['%s']: each lives in one batch. The "
+                "correction removes what differs between batches, so their differences go with it; a condition you "
+                "want to compare must never be the batch_key (docs/corrected-matrix.md).", label_key, batch_key)
+    return True
 
 
 def missing_obs_column(key: str, columns: list, what: str, option: str, hint: str = "") -> InputError:
@@ -255,8 +270,9 @@ def expression_input(adata: ad.AnnData, keys: DataKeys, scale: str = "counts",
     check_names(adata)
     batch = require_obs_column(adata, keys.batch_key, "Batch", "data.batch_key")
     if keys.label_key:  # the evaluation after training reads the labels: a wrong column stops before the fit
-        require_obs_column(adata, keys.label_key, "Label", "data.label_key",
-                           "; data.label_key=null trains without labels")
+        labels = require_obs_column(adata, keys.label_key, "Label", "data.label_key",
+                                    "; data.label_key=null trains without labels")
+        warn_if_labels_follow_batches(labels, batch, keys.label_key, keys.batch_key)
     counts = as_float32_csr(select_matrix(adata, keys.counts_layer))
     check_values(counts.data, scale)
     var = adata.var.copy()
@@ -272,4 +288,5 @@ def expression_input(adata: ad.AnnData, keys: DataKeys, scale: str = "counts",
         var=var,
         scale=scale,
         path=source,
+        rows=np.flatnonzero(cell_ok),
     )

@@ -77,10 +77,19 @@ def open_anndata(path) -> h5py.File:
 
 def read_var_names(f: h5py.File) -> pd.Index:
     """var_names of an open .h5ad file (only var's index is read)."""
-    var = f["var"]
-    index_key = var.attrs.get("_index", "_index")
+    return read_index(f, "var")
+
+
+def read_obs_names(f: h5py.File) -> pd.Index:
+    """obs_names of an open .h5ad file (only obs's index is read)."""
+    return read_index(f, "obs")
+
+
+def read_index(f: h5py.File, group: str) -> pd.Index:
+    frame = f[group]
+    index_key = frame.attrs.get("_index", "_index")
     index_key = index_key.decode() if isinstance(index_key, bytes) else index_key
-    return pd.Index(read_elem(var[index_key]), dtype=object).astype(str)
+    return pd.Index(read_elem(frame[index_key]), dtype=object).astype(str)
 
 
 def obs_columns(f: h5py.File) -> list[str]:

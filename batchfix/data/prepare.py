@@ -53,10 +53,18 @@ class PreparedData:
     gene_mean: np.ndarray
     gene_std: np.ndarray
     disk: DiskCells | None = None
+    rows: np.ndarray | None = None  # (cells,) the input's rows of these cells, in memory (streamed: disk.rows)
 
     @property
     def n_cells(self) -> int:
         return len(self.batch_index)
+
+    @property
+    def file_rows(self) -> np.ndarray:
+        """(cells,) the row of each prepared cell in the input (empty cells are not prepared)."""
+        if self.disk is not None:
+            return self.disk.rows
+        return np.arange(self.n_cells) if self.rows is None else self.rows
 
 
 def model_genes(var: pd.DataFrame, selected: np.ndarray, data: DataConfig) -> tuple[np.ndarray, GeneCoordinates]:
@@ -93,6 +101,7 @@ def prepare(inp: ExpressionInput, data: DataConfig) -> PreparedData:
         coordinates=coordinates,
         gene_mean=gene_mean,
         gene_std=gene_std,
+        rows=inp.rows,
     )
 
 

@@ -41,6 +41,7 @@ from batchfix.data.io import (
     missing_obs_column,
     obs_strings,
     repeated,
+    warn_if_labels_follow_batches,
 )
 from batchfix.data.normalize import log_cp10k
 from batchfix.data.prepare import DiskCells, PreparedData, model_genes, standardization
@@ -169,7 +170,9 @@ def prepare_streamed(path: str, data: DataConfig) -> PreparedData:
         reader, element = ondisk.open_rows(elem), elem.name
         batch = required_obs_column(f, data.batch_key, "Batch", "data.batch_key")
         if data.label_key:
-            required_obs_column(f, data.label_key, "Label", "data.label_key", "; data.label_key=null trains without labels")
+            labels = required_obs_column(f, data.label_key, "Label", "data.label_key",
+                                         "; data.label_key=null trains without labels")
+            warn_if_labels_follow_batches(labels, batch, data.label_key, data.batch_key)
         var = read_var(f)
         n_rows, n_vars = reader.shape
         ranks = data.n_top_genes is not None and data.n_top_genes < n_vars

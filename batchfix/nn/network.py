@@ -153,6 +153,13 @@ class BatchfixNet(nn.Module):
         # Each training batch's NB inverse dispersion per gene (batchfix.correction.counts, calibrated after the
         # fit; 0 = not calibrated): the corrected counts map a count from its batch's NB to the reference's.
         self.register_buffer("count_theta", torch.zeros(n_batches, n_genes))
+        self.extra_decoder: ExpressionDecoder | None = None  # the genes the encoder does not read (`add_extra_genes`)
+
+    def add_extra_genes(self, n_extra: int) -> None:
+        """A second NB decoder for `n_extra` genes the encoder does not read (fitted after the main fit with the
+        encoder frozen: batchfix.training.extra_genes), with its per-batch dispersions (extra_count_theta)."""
+        self.extra_decoder = ExpressionDecoder(self.cfg, n_extra, self.n_batches)
+        self.register_buffer("extra_count_theta", torch.zeros(self.n_batches, n_extra))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """A checkpoint of an earlier format (no per-batch dispersions) is refused in one line."""
@@ -208,9 +215,11 @@ class BatchfixNet(nn.Module):
         return torch.log1p(mean * LIBRARY_SIZE)
 
     def mean_fractions(self, mu: torch.Tensor, batch: int | torch.Tensor | None = None,
-                       present: torch.Tensor | None = None) -> torch.Tensor:
+                       present: torch.Tensor | None = None, extra: bool = False) -> torch.Tensor:
         """(B, G) the decoder's NB mean fractions (each cell's expected share of its library per gene; of the
-        `present` genes' library when given) as in `decoded`; the Gaussian model's standardized means."""
+        `present` genes' library when given) as in `decoded`; the Gaussian model's standardized means. With
+        `extra`, the extra genes' decoder's fractions of their own library."""
+        decoder = self.extra_decoder if extra else self.decoder
         n_cells = mu.shape[0]
         if batch is None:
             codes = [torch.full((n_cells,), b, dtype=torch.long, device=mu.device) for b in range(self.n_batches)]
@@ -220,10 +229,10 @@ class BatchfixNet(nn.Module):
             codes = [batch]
         total = 0.0
         for code in codes:
-            out = self.decoder(mu, code).float()  # (B, G)
-            total = total + (torch.softmax(out, -1) if self.cfg.likelihood == "nb" else out)
+            out = decoder(mu, code).float()  # (B, G)
+            total = total + (torch.softmax(out, -1) if extra or self.cfg.likelihood == "nb" else out)
         mean = total / len(codes)
-        if present is not None and self.cfg.likelihood == "nb":
+        if present is not None and (extra or self.cfg.likelihood == "nb"):
             mean = mean / mean[:, present].sum(-1, keepdim=True)
         return mean
 

@@ -41,7 +41,7 @@ class BatchfixModule(pl.LightningModule):
     def __init__(self, model: dict, genes: list[str], chromosome: list[str | None], start: list[int],
                  end: list[int], batch_categories: list[str], scale: str = "counts",
                  learning_rate: float = 2e-3, weight_decay: float = 1e-4, kl_warmup_fraction: float = 0.3,
-                 planned_steps: int = 1000, data: dict | None = None):
+                 planned_steps: int = 1000, data: dict | None = None, extra_genes: list[str] | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.model_config = ModelConfig(**model)
@@ -50,6 +50,8 @@ class BatchfixModule(pl.LightningModule):
         n_genes = len(genes)
         self.net = BatchfixNet(self.model_config, self.windows, n_genes, len(batch_categories),
                                gene_mean=np.zeros(n_genes), gene_std=np.ones(n_genes))
+        if extra_genes:  # the genes the encoder does not read, corrected through a second decoder
+            self.net.add_extra_genes(len(extra_genes))
         self.entropy = EntropyMeter(self.model_config.n_layers, self.model_config.n_heads)
         self.last_entropy: torch.Tensor | None = None  # (layers, heads) of the last validation epoch
         self.warned_heads: set[tuple[int, int]] = set()
@@ -162,6 +164,11 @@ class BatchfixModel:
     @property
     def genes(self) -> list[str]:
         return list(self.module.hparams.genes)
+
+    @property
+    def extra_genes(self) -> list[str]:
+        """The genes corrected through the second decoder (batchfix.training.extra_genes), in its order."""
+        return list(self.module.hparams.get("extra_genes") or [])
 
     @property
     def batch_categories(self) -> list[str]:

@@ -1,0 +1,77 @@
+"""The corrected counts of one set of genes: the modelled genes (the main decoder) or the extra genes (the second
+decoder, batchfix.training.extra_genes), matched to an input's columns.
+
+Each set's counts are mapped by batchfix.correction.counts with the set's decoder: the own batch's mean at the
+cell's library of that set's genes, the reference's mean after the shift (the options of the counterfactual
+output act on the modelled genes' shift; the extra genes, which have no place in the encoder's genomic order,
+take their whole shift), and the dispersions of its decoder.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+import torch
+
+from batchfix.correction import counterfactual, counts
+
+
+@dataclass
+class GeneSet:
+    """Output genes of one decoder: `model_index` (k,) their index among the decoder's genes and `columns` (k,)
+    their input columns (ascending); `present` (decoder genes,) bool: held by the input; `keys` (k,) their names'
+    keys for the draws. `estimates` fills theta (codes, decoder genes), reference_theta (decoder genes,) and
+    unseen_ratio (unseen batches, decoder genes)."""
+
+    extra: bool
+    model_index: np.ndarray
+    columns: np.ndarray
+    present: torch.Tensor
+    keys: np.ndarray
+    theta: np.ndarray | None = None
+    reference_theta: np.ndarray | None = None
+    unseen_ratio: torch.Tensor | None = None
+
+    def observed(self, rows) -> torch.Tensor:
+        """(cells, decoder genes) float32 counts of the input rows in the decoder's gene order (missing: 0)."""
+        values = np.zeros((rows.shape[0], len(self.present)), dtype=np.float32)
+        picked = rows[:, self.columns]
+        values[:, self.model_index] = picked.toarray() if sp.issparse(picked) else np.asarray(picked)
+        return torch.from_numpy(values)
+
+
+def gene_set(genes: list[str], var_names: pd.Index, extra: bool) -> GeneSet | None:
+    """The GeneSet of a decoder's `genes` found in `var_names` (first of repeated names), or None if none is."""
+    names = pd.Index(var_names).astype(str)
+    position = pd.Series(np.arange(len(names)), index=names)[~names.duplicated()]
+    columns = position.reindex(genes).fillna(-1).to_numpy(dtype=np.int64)
+    held = np.flatnonzero(columns >= 0)
+    if len(held) == 0:
+        return None
+    order = np.argsort(columns[held], kind="stable")
+    model_index, file_columns = held[order], columns[held][order]
+    return GeneSet(extra, model_index, file_columns, torch.from_numpy(columns >= 0), counts.name_keys(names[file_columns]))
+
+
+@torch.no_grad()
+def mapped_counts(net, genes: GeneSet, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor, cell_keys: np.ndarray,
+                  reference: int | None, seed: int, state=None, regional=None) -> tuple[np.ndarray, np.ndarray]:
+    """(observed, corrected) counts (B, k) of the set's output genes for cells with input `x` (B, decoder genes),
+    latents `mu` and batch `codes`."""
+    shift, own = counterfactual.log_mean_shift(net, mu, codes, reference, genes.present, genes.unseen_ratio,
+                                               extra=genes.extra)
+    if not genes.extra:
+        shift = counterfactual.applied_shift(shift, codes, state, regional)
+    shift = shift[:, genes.model_index]
+    library = x[:, genes.present].sum(-1, keepdim=True)  # (B, 1): this set's counts in the cell
+    own_mean = (own[:, genes.model_index] * library).double().numpy()
+    ref_mean = own_mean * np.exp(shift.double().numpy())
+    own_theta = genes.theta[codes.clamp_min(0).numpy()][:, genes.model_index]
+    ref_theta = np.where((codes < 0).numpy()[:, None], own_theta, genes.reference_theta[genes.model_index])
+    observed = x[:, genes.model_index].double().numpy()
+    uniform = counts.counter_uniform(seed, cell_keys, genes.keys)
+    mapped = counts.quantile_map(observed.ravel(), own_mean.ravel(), ref_mean.ravel(), own_theta.ravel(),
+                                 ref_theta.ravel(), uniform.ravel())
+    return observed, mapped.reshape(observed.shape)

@@ -1,0 +1,132 @@
+"""The genes the encoder does not read: a second NB decoder, fitted after the main fit with the encoder frozen.
+
+Only the highly variable genes are tokens of the encoder; every other gene detected in at least MIN_CELLS cells
+of the training file is corrected too, through a decoder of its own: (latent, batch) -> NB mean fractions of those
+genes' library (their counts' sum in the cell) and a dispersion per gene. The latent and the modelled genes'
+outputs stay as they are: the encoder's latents are computed once (no gradient) and only the new decoder learns.
+Its per-batch dispersions are then calibrated as the main decoder's are (batchfix.correction.counts). Genes
+detected in fewer cells keep their uncorrected counts; the output flags them (var[f'{key}_corrected']).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+import torch.nn.functional as F
+
+from batchfix.correction import counts
+from batchfix.correction.calibration import CALIBRATION_CELLS_PER_BATCH, calibration_cells
+from batchfix.data import ondisk
+from batchfix.data.io import input_path, select_matrix
+from batchfix.data.prepare import PreparedData, in_order
+from batchfix.nn.attention import fused_attention
+from batchfix.nn.network import negative_binomial_log_likelihood
+from batchfix.training.module import BatchfixModel
+
+log = logging.getLogger(__name__)
+
+MIN_CELLS = 3  # a gene detected in fewer cells of the training file is not corrected
+STEPS = 600  # optimizer steps of the extra decoder's fit (the latents are fixed: a small, convex-ish problem)
+BATCH_SIZE = 256
+LEARNING_RATE = 1e-2
+
+
+def detected_cells(rows, n_obs: int, chunk_size: int = 4096) -> np.ndarray:
+    """(genes,) the number of cells with a nonzero count in each gene, over a row reader."""
+    detected = np.zeros(rows.shape[1], dtype=np.int64)
+    for start in range(0, n_obs, chunk_size):
+        chunk = rows.rows(start, min(start + chunk_size, n_obs))
+        detected += np.asarray((chunk != 0).sum(axis=0)).ravel()
+    return detected
+
+
+@torch.no_grad()
+def latents_and_codes(model: BatchfixModel, prepared: PreparedData, cells: np.ndarray) -> tuple[torch.Tensor, ...]:
+    """(latent means (cells, latent), batch codes (cells,)) of the prepared cells at `cells` (sorted)."""
+    net = model.net
+    net.eval()
+    latents, codes = [], []
+    with fused_attention(net):
+        for x, batch in in_order(prepared, 256, cells):
+            latents.append(net.encode(x)[0])
+            codes.append(torch.from_numpy(batch))
+    return torch.cat(latents), torch.cat(codes)
+
+
+def fit_decoder(net, latents: torch.Tensor, codes: torch.Tensor, extra_counts: torch.Tensor, seed: int) -> float:
+    """Fit net.extra_decoder on (latent, batch) -> counts (cells, extra genes); returns the last loss per cell."""
+    generator = torch.Generator().manual_seed(seed)
+    decoder = net.extra_decoder
+    optimizer = torch.optim.Adam(decoder.parameters(), lr=LEARNING_RATE)
+    library = extra_counts.sum(-1, keepdim=True)  # (cells, 1)
+    loss = torch.zeros(())
+    decoder.train()
+    with torch.enable_grad():
+        for _ in range(STEPS):
+            rows = torch.randint(len(latents), (min(BATCH_SIZE, len(latents)),), generator=generator)
+            mean = F.softmax(decoder(latents[rows], codes[rows]).float(), dim=-1) * library[rows]
+            loss = -negative_binomial_log_likelihood(extra_counts[rows], mean, decoder.log_theta).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    decoder.eval()
+    return float(loss)
+
+
+@torch.no_grad()
+def calibrate_dispersion(net, latents: torch.Tensor, codes: torch.Tensor, extra_counts: torch.Tensor) -> None:
+    """net.extra_count_theta: each training batch's dispersion of the extra genes around the fitted means."""
+    shared = net.extra_decoder.log_theta.double().exp().numpy()
+    sums = [counts.DispersionSums(extra_counts.shape[1]) for _ in range(net.n_batches)]
+    library = extra_counts.sum(-1, keepdim=True)
+    for start in range(0, len(latents), 1024):
+        part = slice(start, start + 1024)
+        mean = (net.mean_fractions(latents[part], codes[part], extra=True) * library[part]).numpy()
+        for b in np.unique(codes[part].numpy()):
+            chosen = (codes[part] == b).numpy()
+            sums[b].add(extra_counts[part].numpy()[chosen], mean[chosen])
+    net.extra_count_theta.copy_(torch.as_tensor(np.stack([s.theta(shared) for s in sums]), dtype=torch.float32))
+
+
+def add_extra_genes(model: BatchfixModel, prepared: PreparedData, rows, var_names, seed: int = 0) -> list[str]:
+    """Fit the extra genes' decoder into `model` (NB models only) from the training file's counts (`rows`, a row
+    reader of the whole file with columns `var_names`); returns the extra genes (also in the checkpoint's
+    hyperparameters)."""
+    if model.config.likelihood != "nb":
+        return []
+    var_names = np.asarray(var_names).astype(str)
+    detected = detected_cells(rows, rows.shape[0])
+    modelled = np.isin(var_names, model.genes)
+    _, first = np.unique(var_names, return_index=True)
+    unique = np.zeros(len(var_names), dtype=bool)
+    unique[first] = True
+    columns = np.flatnonzero((detected >= MIN_CELLS) & ~modelled & unique)
+    n_rare = int(((detected < MIN_CELLS) & ~modelled).sum())
+    if len(columns) == 0:
+        return []
+    cells = calibration_cells(prepared.batch_index, len(prepared.batch_categories), CALIBRATION_CELLS_PER_BATCH)
+    taken = rows.take(prepared.file_rows[cells])[:, columns]
+    extra_counts = torch.as_tensor(taken.toarray() if sp.issparse(taken) else np.asarray(taken), dtype=torch.float32)
+    latents, codes = latents_and_codes(model, prepared, cells)
+    torch.manual_seed(seed)
+    model.net.add_extra_genes(len(columns))
+    loss = fit_decoder(model.net, latents, codes, extra_counts, seed)
+    calibrate_dispersion(model.net, latents, codes, extra_counts)
+    genes = var_names[columns].tolist()
+    model.module.hparams["extra_genes"] = genes
+    log.info("Corrected beyond the %d modelled genes: %d more genes detected in >= %d cells, through a second "
+             "decoder fitted on %d cells (final NB loss %.1f per cell); %d genes detected in fewer cells keep their "
+             "counts.", len(model.genes), len(genes), MIN_CELLS, len(cells), loss, n_rare)
+    return genes
+
+
+def add_extra_genes_from(model: BatchfixModel, prepared: PreparedData, data, adata=None, seed: int = 0) -> list[str]:
+    """`add_extra_genes` from the training data: `adata` in memory, else the file data.path (read by chunks)."""
+    if adata is not None:
+        rows = ondisk.InMemoryRows(select_matrix(adata, data.counts_layer))
+        return add_extra_genes(model, prepared, rows, adata.var_names, seed)
+    with ondisk.open_anndata(input_path(data.path)) as f:
+        rows = ondisk.open_rows(ondisk.matrix_element(f, data.counts_layer))
+        return add_extra_genes(model, prepared, rows, ondisk.read_var_names(f), seed)
