@@ -4,8 +4,8 @@ Each table in a page sits between `<!-- table: NAME -->` and `<!-- /table -->`; 
 between them with docs/results/NAME.csv as a markdown table (the CSV's first row is the header, cells as
 written). A number is changed in its results file, then the pages are written again:
 
-    python scripts/make_docs_tables.py           # rewrite the tables of docs/*.md and README.md
-    python scripts/make_docs_tables.py --check   # exit 1, naming the pages, when a table is not its file's
+    python -m scripts.make_docs_tables           # rewrite the tables of docs/*.md and README.md
+    python -m scripts.make_docs_tables --check   # exit 1, naming the pages, when a table is not its file's
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def main() -> None:
             if not args.check:
                 page.write_text(text)
     if args.check and stale:
-        sys.exit(f"out of date with docs/results/: {stale} (run python scripts/make_docs_tables.py)")
+        sys.exit(f"out of date with docs/results/: {stale} (run python -m scripts.make_docs_tables)")
     print(("written: " if stale else "up to date: ") + (", ".join(stale) or "docs/*.md, README.md"))
 
 

@@ -28,16 +28,15 @@ Printed: a line per (seed, variant), then mean and sd over seeds per variant, th
 and DE-rank gap between the shipped output and ComBat (and between the shipped output and the uncorrected
 values) each single change closes.
 
-    nice python scripts/marker_loss.py data/cellbench5.h5ad --seeds 0 1 2 \\
+    nice python -m scripts.lab.marker_loss data/cellbench5.h5ad --seeds 0 1 2 \\
         --batches sc_celseq2_5cl_p1 sc_celseq2_5cl_p2 sc_celseq2_5cl_p3
-    nice python scripts/marker_loss.py data/cellbench5.h5ad --seeds 0 1 2 --batches sc_celseq2 sc_dropseq
+    nice python -m scripts.lab.marker_loss data/cellbench5.h5ad --seeds 0 1 2 --batches sc_celseq2 sc_dropseq
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import anndata as ad
 import numpy as np
@@ -49,10 +48,8 @@ from batchfix.correction import calibration, counterfactual
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import fidelity, metrics
 from batchfix.nn.attention import fused_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import combat  # noqa: E402
-from benchmark import load  # noqa: E402
+from scripts.baselines import combat
+from scripts.benchmark import load
 
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False)
 SHRINKS = (0.25, 0.5)

@@ -25,10 +25,10 @@ batchfix.correct, regional_shift=apply):
     swap N]                  and with the cluster swap applied to all it leaves beyond decoded_ref + location_ref
                              (the residual and the state shift it does not apply)
 
-Scored as scripts/decoding_scale.py scores its rows, with the same options (--truth-layer, --model-dir, --out).
+Scored as scripts/lab/decoding_scale.py scores its rows, with the same options (--truth-layer, --model-dir, --out).
 
-    nice python scripts/residual_forms.py data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
-    nice python scripts/residual_forms.py data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
+    nice python -m scripts.lab.residual_forms data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
+    nice python -m scripts.lab.residual_forms data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
 """
 from __future__ import annotations
 
@@ -44,10 +44,8 @@ from sklearn.neighbors import NearestNeighbors
 
 import batchfix
 from batchfix.nn.attention import fused_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decoding_scale import main, trained_model  # noqa: E402
-from marker_loss import BATCH_SIZE, check_shipped, counterfactual_terms, reference_rows  # noqa: E402
+from scripts.lab.decoding_scale import main, trained_model
+from scripts.lab.marker_loss import BATCH_SIZE, check_shipped, counterfactual_terms, reference_rows
 
 WEIGHTS = (0.75, 0.5)  # residual weights of the plain and the local-mean-kept rows
 LOCAL_NEIGHBOURS = 50

@@ -31,10 +31,11 @@ stressed ones (columns "... (truth)": which true markers, DE ranks, neighbours a
 counts recovers; the stressed counts themselves no longer score 1). --model-dir keeps the trained models and reuses
 them.
 
-    nice python scripts/decoding_scale.py data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
-    nice python scripts/decoding_scale.py data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --model-dir models/pair
-    python scripts/stress_set.py data/cellbench5.h5ad stress_sd1.h5ad --sd 1.0
-    nice python scripts/decoding_scale.py stress_sd1.h5ad --truth-layer truth --seeds 0 1 2 --model-dir models/sd1
+    nice python -m scripts.lab.decoding_scale data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
+    nice python -m scripts.lab.decoding_scale data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq \\
+        --model-dir models/pair
+    python -m scripts.stress_set data/cellbench5.h5ad stress_sd1.h5ad --sd 1.0
+    nice python -m scripts.lab.decoding_scale stress_sd1.h5ad --truth-layer truth --seeds 0 1 2 --model-dir models/sd1
 """
 from __future__ import annotations
 
@@ -52,10 +53,8 @@ import batchfix
 from batchfix.data.normalize import LIBRARY_SIZE
 from batchfix.eval import fidelity, metrics
 from batchfix.nn.attention import fused_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import dense_float32, load, select_genes  # noqa: E402
-from marker_loss import (  # noqa: E402
+from scripts.benchmark import dense_float32, load, select_genes
+from scripts.lab.marker_loss import (
     BATCH_SIZE,
     Terms,
     check_shipped,
@@ -64,7 +63,7 @@ from marker_loss import (  # noqa: E402
     reference_rows,
     summary,
 )
-from stress_set import contrast_truth_error  # noqa: E402
+from scripts.stress_set import contrast_truth_error
 
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False, label_key=None, n_top_genes=None)
 CONTRAST = "Truth error (group contrasts, relative)"

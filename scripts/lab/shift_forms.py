@@ -26,11 +26,11 @@ dependence but constrain it, each built from one model's terms (`marker_loss.cou
     level kept [, 0.5]  state dependence is taken out, the gene's level stays the arithmetic reference's.
 
 Beside them: the default (checked against batchfix.correct, regional_shift=apply) and correction.state_dependence
-0.5 (the decoder term shrunk toward its batch mean). Scored as scripts/decoding_scale.py scores its rows, with the
+0.5 (the decoder term shrunk toward its batch mean). Scored as scripts/lab/decoding_scale.py scores its rows, with the
 same options (--truth-layer, --model-dir, --out, --seeds).
 
-    nice python scripts/shift_forms.py data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
-    nice python scripts/shift_forms.py stress_sd1.h5ad --truth-layer truth --seeds 0 1 2 --model-dir models/sd1
+    nice python -m scripts.lab.shift_forms data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
+    nice python -m scripts.lab.shift_forms stress_sd1.h5ad --truth-layer truth --seeds 0 1 2 --model-dir models/sd1
 """
 from __future__ import annotations
 
@@ -43,10 +43,8 @@ import torch
 
 import batchfix
 from batchfix.nn.attention import fused_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decoding_scale import batch_means, main, recalibration, trained_model  # noqa: E402
-from marker_loss import BATCH_SIZE, Terms, check_shipped, counterfactual_terms, reference_rows  # noqa: E402
+from scripts.lab.decoding_scale import batch_means, main, recalibration, trained_model
+from scripts.lab.marker_loss import BATCH_SIZE, Terms, check_shipped, counterfactual_terms, reference_rows
 
 FACTOR_STATES = (0.0, 0.25, 0.5)  # W: the share of the decoder's own-batch term's departure from the factor form kept
 STATE = 0.5  # correction.state_dependence of the rows shrunk toward the batch mean

@@ -9,13 +9,13 @@ state, 0 leaves the denoised output plus the reference's location. The rows are 
 (`marker_loss.counterfactual_terms`), with rows for correction.spread=gene beside them (k per gene and batch, a = 1),
 alone and with state_dependence=STATE, and that pair at a = SPREAD_GENE_WEIGHT; the a = 1, a = CHECKED and spread=gene,
 state STATE rows (at a = 1 and at SPREAD_GENE_WEIGHT) are checked against batchfix.correct with those options
-(regional_shift=apply). They are scored as scripts/decoding_scale.py scores its
+(regional_shift=apply). They are scored as scripts/lab/decoding_scale.py scores its
 rows (scIB Total of each matrix's PCA, the gene-level scores, and with --truth-layer the contrast truth error and
 the gene-level scores against the truth counts, a second model per seed being trained on the truth counts), with the
 same options.
 
-    nice python scripts/residual_weight.py data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
-    nice python scripts/residual_weight.py stress_sd1.h5ad --truth-layer truth --seeds 0 1 2 --model-dir models/sd1
+    nice python -m scripts.lab.residual_weight data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
+    nice python -m scripts.lab.residual_weight stress_sd1.h5ad --truth-layer truth --seeds 0 1 2 --model-dir models/sd1
 """
 from __future__ import annotations
 
@@ -25,11 +25,9 @@ from pathlib import Path
 import anndata as ad
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decoding_scale import main, trained_model  # noqa: E402
-from marker_loss import check_shipped, counterfactual_terms, reference_rows  # noqa: E402
-
-from batchfix.correction import calibration  # noqa: E402
+from batchfix.correction import calibration
+from scripts.lab.decoding_scale import main, trained_model
+from scripts.lab.marker_loss import check_shipped, counterfactual_terms, reference_rows
 
 WEIGHTS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)  # the rows' residual weights
 CHECKED = 0.75  # a weight below 1 whose row is compared with batchfix.correct's
