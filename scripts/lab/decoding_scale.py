@@ -54,15 +54,8 @@ from batchfix.data.normalize import LIBRARY_SIZE
 from batchfix.eval import fidelity, metrics
 from batchfix.nn.attention import fused_attention
 from scripts.benchmark import dense_float32, load, select_genes
-from scripts.lab.marker_loss import (
-    BATCH_SIZE,
-    Terms,
-    check_shipped,
-    counterfactual_terms,
-    matrix_scores,
-    reference_rows,
-    summary,
-)
+from scripts.lab.harness import BATCH_SIZE, Terms, counterfactual_terms, recalibration
+from scripts.lab.marker_loss import check_shipped, matrix_scores, reference_rows, summary
 from scripts.stress_set import contrast_truth_error
 
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False, label_key=None, n_top_genes=None)
@@ -148,16 +141,6 @@ def expected_logs(counts: np.ndarray, model: batchfix.BatchfixModel, codes: np.n
     return np.concatenate(own), np.concatenate(reference)
 
 
-def recalibration(terms: Terms, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(location (batches, G), each cell's k (cells, 1)) estimated again from the residuals observed - own (all
-    cells), one spread per batch."""
-    n_batches = int(terms.codes.max()) + 1
-    residual = terms.observed - own
-    location = batch_means(residual, terms.codes, n_batches)
-    spread = np.sqrt(np.array([residual[terms.codes == b].var(axis=0).mean() for b in range(n_batches)]))
-    return location, (np.sqrt(np.mean(spread ** 2)) / spread)[terms.codes][:, None]
-
-
 def recalibrated(terms: Terms, own: np.ndarray, reference: np.ndarray) -> dict[str, np.ndarray]:
     """Unclipped values with decoded_b = `own` and decoded_ref = `reference`, the location and the spread estimated
     again from the residuals observed - own (all cells); at full state dependence and at each of STATE_WEIGHTS."""
@@ -184,7 +167,7 @@ def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path
     terms = counterfactual_terms(adata, model, batch_key)
     default = np.maximum(terms.unclipped(), 0.0)
     check_shipped(default, adata, model, batch_key, "default")
-    decoder = terms.reference - terms.scale * terms.own
+    decoder = terms.decoder
     mean = terms.batch_mean(decoder)
     counts, uncorrected = reference_rows(adata, model.genes, batch_key)
     rows = {**uncorrected, "default": default,

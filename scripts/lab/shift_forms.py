@@ -43,8 +43,9 @@ import torch
 
 import batchfix
 from batchfix.nn.attention import fused_attention
-from scripts.lab.decoding_scale import batch_means, main, recalibration, trained_model
-from scripts.lab.marker_loss import BATCH_SIZE, Terms, check_shipped, counterfactual_terms, reference_rows
+from scripts.lab.decoding_scale import batch_means, main, trained_model
+from scripts.lab.harness import BATCH_SIZE, Terms, counterfactual_terms, recalibration
+from scripts.lab.marker_loss import check_shipped, reference_rows
 
 FACTOR_STATES = (0.0, 0.25, 0.5)  # W: the share of the decoder's own-batch term's departure from the factor form kept
 STATE = 0.5  # correction.state_dependence of the rows shrunk toward the batch mean
@@ -61,7 +62,7 @@ def factor_own(terms: Terms) -> np.ndarray:
 
 def with_own(terms: Terms, own: np.ndarray) -> np.ndarray:
     """Floored values with decoded_b = `own`, the location and one spread per batch estimated again from
-    observed - own (`decoding_scale.recalibration`)."""
+    observed - own (`harness.recalibration`)."""
     location, scale = recalibration(terms, own)
     return np.maximum(terms.reference + location.mean(axis=0) + scale * (terms.observed - own - location[terms.codes]),
                       0.0)
@@ -92,7 +93,7 @@ def shift_rows(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path | 
     terms = counterfactual_terms(adata, model, batch_key)
     default = np.maximum(terms.unclipped(), 0.0)
     check_shipped(default, adata, model, batch_key, "default")
-    decoder = terms.reference - terms.scale * terms.own
+    decoder = terms.decoder
     rows = {"default": default, f"state {STATE:g}": shrunk(terms, decoder, STATE),
             "default, recalibrated": with_own(terms, terms.own)}
     structured = factor_own(terms)
@@ -101,7 +102,7 @@ def shift_rows(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path | 
     log_mean = log_mean_reference(adata, model)
     level_kept = log_mean + (terms.reference - log_mean).mean(axis=0)  # (cells, G) + (G,)
     for name, reference in (("log-mean reference", log_mean), ("log-mean reference, level kept", level_kept)):
-        decoder = reference - terms.scale * terms.own
+        decoder = terms.decoder_term(reference=reference)
         rows[name] = np.maximum(terms.unclipped(decoder=decoder), 0.0)
         rows[f"{name}, state {STATE:g}"] = shrunk(terms, decoder, STATE)
     counts, uncorrected = reference_rows(adata, model.genes, batch_key)
