@@ -32,7 +32,7 @@ from batchfix.config import (
     validated,
 )
 from batchfix.correction.calibration import calibrated_model
-from batchfix.correction.corrector import correct_adata
+from batchfix.correction.writers import correct_adata
 from batchfix.errors import ConfigError
 from batchfix.training import fitting
 from batchfix.training.module import BatchfixModel, load_trained

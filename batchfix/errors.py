@@ -24,6 +24,10 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint that is missing, truncated, tampered with, or not a batchfix checkpoint."""
 
 
+class CheckpointFormatError(CheckpointError):
+    """A checkpoint written by an earlier batchfix in a format this version cannot use."""
+
+
 class OutputExistsError(UserError, FileExistsError):
     """An output that exists already and was not to be replaced."""
 

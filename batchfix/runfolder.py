@@ -26,7 +26,7 @@ try:
 except ImportError:  # Windows: folders are not locked
     fcntl = None
 
-from batchfix.data.io import missing_folders, remove_empty
+from batchfix.data.atomic import missing_folders, remove_empty
 from batchfix.errors import ConfigError, FolderInUseError, OutputError, OutputExistsError
 
 log = logging.getLogger(__name__)

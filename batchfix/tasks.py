@@ -14,8 +14,10 @@ import torch
 from batchfix import runfolder, signals
 from batchfix.config import AttentionConfig, CorrectConfig, CorrectionSettings, TrainConfig
 from batchfix.correction.calibration import calibrated_model
-from batchfix.correction.corrector import correct_adata, correct_file, reference_index
-from batchfix.data.io import atomic_output, input_path
+from batchfix.correction.corrector import reference_index
+from batchfix.correction.writers import correct_adata, correct_file
+from batchfix.data.atomic import atomic_output
+from batchfix.data.io import input_path
 from batchfix.data.prepare import PreparedData
 from batchfix.errors import Interrupted
 from batchfix.training import fitting

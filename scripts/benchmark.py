@@ -90,7 +90,7 @@ import scipy.sparse as sp
 
 from batchfix.config import OUTPUT_MODES, REGIONAL_SHIFTS, SPREADS, CorrectionOptions, CorrectionSettings
 from batchfix.data.normalize import log_cp10k
-from batchfix.eval import cnv, fidelity, metrics
+from batchfix.eval import cnv, fidelity, metrics, reports
 from scripts import baselines
 from scripts.stress_set import contrast_truth_error, group_truth_error, relative_group_truth_error, truth_error
 
@@ -167,7 +167,7 @@ def run_batchfix(
 
     from batchfix import tasks
     from batchfix.config import TrainConfig, validated
-    from batchfix.correction.corrector import correct_file
+    from batchfix.correction.writers import correct_file
     from batchfix.training.module import load_trained
 
     with tempfile.TemporaryDirectory(prefix="batchfix-bench-") as tmp:
@@ -622,14 +622,14 @@ def markdown(rows: pd.DataFrame, table: pd.DataFrame, args: argparse.Namespace) 
           if labels_from_args(args) is None else []),
         "## Summary (mean over seeds)",
         "",
-        metrics.markdown_table(table, digits=3),
+        reports.markdown_table(table, digits=3),
         "## Every metric, every seed",
         "",
-        metrics.markdown_table(rows.set_index("embedding").drop(columns="method"), digits=3),
+        reports.markdown_table(rows.set_index("embedding").drop(columns="method"), digits=3),
     ]
     if args.ablation:
         lines += ["", "## Position-encoding ablation (corrected expression; mean and sd over seeds)", "",
-                  metrics.markdown_table(ablation_table(rows), digits=3)]
+                  reports.markdown_table(ablation_table(rows), digits=3)]
     return "\n".join(lines)
 
 

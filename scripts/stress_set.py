@@ -29,7 +29,7 @@ import anndata as ad
 import numpy as np
 import scipy.sparse as sp
 
-from batchfix.data.io import atomic_output
+from batchfix.data.atomic import atomic_output
 
 N_EXPRESSION_BINS = 20  # genes grouped by mean count for the shared part of the effect
 

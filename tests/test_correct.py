@@ -27,7 +27,7 @@ import torch
 import batchfix
 from batchfix.config import CorrectConfig, CorrectionSettings, validated
 from batchfix.correction import corrector
-from batchfix.correction.corrector import correct_file
+from batchfix.correction.writers import correct_file
 from batchfix.data import ondisk
 from batchfix.errors import CheckpointError, InputError
 from batchfix.training.module import load_trained

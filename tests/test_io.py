@@ -1,13 +1,10 @@
-"""Input side of batchfix.data.io: clear errors on bad files, validation, and atomic writing."""
+"""Input side of batchfix.data.io: clear errors on bad files, and validation."""
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import stat
 from pathlib import Path
 
-import anndata as ad
 import h5py
 import numpy as np
 import pandas as pd
@@ -16,13 +13,14 @@ import scipy.sparse as sp
 
 from batchfix.config import DataConfig, DataKeys
 from batchfix.data import io
-from batchfix.data.io import atomic_output, read_h5ad
+from batchfix.data.io import expression_input, read_h5ad
 from batchfix.errors import ConfigError, InputError
 
 
-def load_expression(path, scale: str = "counts", **keys) -> io.ExpressionInput:
-    """io.load_expression with the data keys (batch_key, label_key, counts_layer) by name."""
-    return io.load_expression(path, DataKeys(**keys), scale)
+def read_for_training(path, scale: str = "counts", **keys) -> io.ExpressionInput:
+    """A file read and validated as training reads it, with the data keys (batch_key, label_key, counts_layer)
+    by name."""
+    return expression_input(read_h5ad(path), DataKeys(**keys), scale, source=str(path))
 
 # The real subset written by conftest.small_h5ad: 200 cells (40 per batch) x 600 genes.
 N_SUBSET_CELLS, N_SUBSET_GENES, N_BATCHES = 200, 600, 5
@@ -43,7 +41,7 @@ def dense(matrix) -> np.ndarray:
 
 def test_loads_real_subset_unchanged(small_adata, small_h5ad):
     before = file_digest(small_h5ad)
-    inp = load_expression(small_h5ad, batch_key="batch", label_key="cell_type")
+    inp = read_for_training(small_h5ad, batch_key="batch", label_key="cell_type")
     assert file_digest(small_h5ad) == before
     assert isinstance(inp.counts, sp.csr_matrix) and inp.counts.dtype == np.float32
     assert inp.counts.shape == (N_SUBSET_CELLS, N_SUBSET_GENES)
@@ -59,7 +57,7 @@ def test_loads_real_subset_unchanged(small_adata, small_h5ad):
 
 def test_bundled_file_loads(bundled_h5ad, bundled_adata):
     before = file_digest(bundled_h5ad)
-    inp = load_expression(bundled_h5ad, label_key="cell_type")
+    inp = read_for_training(bundled_h5ad, label_key="cell_type")
     assert file_digest(bundled_h5ad) == before
     assert inp.counts.shape == (1021, 11533)
     assert len(inp.batch_categories) == 5
@@ -78,7 +76,7 @@ def test_unknown_scale_rejected():
 def test_missing_file(tmp_path):
     path = tmp_path / "nowhere" / "missing.h5ad"
     with pytest.raises(InputError) as err:
-        load_expression(path)
+        read_for_training(path)
     assert str(path) in str(err.value)
     assert "not found" in str(err.value)
 
@@ -87,7 +85,7 @@ def test_folder_instead_of_file(tmp_path):
     path = tmp_path / "looks_like.h5ad"
     path.mkdir()
     with pytest.raises(InputError) as err:
-        load_expression(path)
+        read_for_training(path)
     assert str(path) in str(err.value)
     assert "folder" in str(err.value)
 
@@ -99,7 +97,7 @@ def test_csv_renamed_to_h5ad(small_adata, tmp_path):
     frame.to_csv(path)
     before = file_digest(path)
     with pytest.raises(InputError) as err:
-        load_expression(path)
+        read_for_training(path)
     message = str(err.value)
     assert str(path) in message
     assert "not an .h5ad file" in message and "HDF5 signature" in message
@@ -110,7 +108,7 @@ def test_empty_file(tmp_path):
     path = tmp_path / "empty.h5ad"
     path.touch()
     with pytest.raises(InputError) as err:
-        load_expression(path)
+        read_for_training(path)
     assert str(path) in str(err.value) and "not an .h5ad file" in str(err.value)
 
 
@@ -120,7 +118,7 @@ def test_truncated_hdf5(small_h5ad, tmp_path):
     path.write_bytes(data[: len(data) // 2])
     before = file_digest(path)
     with pytest.raises(InputError) as err:
-        load_expression(path)
+        read_for_training(path)
     message = str(err.value)
     assert str(path) in message
     assert "Cannot read" in message and "truncated" in message
@@ -134,7 +132,7 @@ def test_corrupt_hdf5_superblock(small_h5ad, tmp_path):
     path.write_bytes(bytes(data))
     before = file_digest(path)
     with pytest.raises(InputError) as err:
-        load_expression(path)
+        read_for_training(path)
     assert str(path) in str(err.value) and "Cannot read" in str(err.value)
     assert file_digest(path) == before
 
@@ -156,7 +154,7 @@ def test_hdf5_that_is_not_anndata(tmp_path):
 def test_batch_key_absent_lists_columns(small_h5ad):
     before = file_digest(small_h5ad)
     with pytest.raises(InputError) as err:
-        load_expression(small_h5ad, batch_key="sample")
+        read_for_training(small_h5ad, batch_key="sample")
     message = str(err.value)
     assert "'sample'" in message and "data.batch_key" in message
     assert "'batch'" in message and "'cell_type'" in message
@@ -165,7 +163,7 @@ def test_batch_key_absent_lists_columns(small_h5ad):
 
 def test_label_key_absent_lists_columns(small_h5ad):
     with pytest.raises(InputError) as err:
-        load_expression(small_h5ad, label_key="celltype")
+        read_for_training(small_h5ad, label_key="celltype")
     message = str(err.value)
     assert "'celltype'" in message and "data.label_key" in message
     assert "'batch'" in message and "'cell_type'" in message
@@ -176,7 +174,7 @@ def test_batch_with_missing_values(small_adata, write_h5ad):
     small_adata.obs.iloc[[3, 9], small_adata.obs.columns.get_loc("batch")] = np.nan
     path = write_h5ad(small_adata)
     with pytest.raises(InputError, match=r"'batch' has 2 missing values"):
-        load_expression(path)
+        read_for_training(path)
 
 
 def test_counts_layer_absent_lists_layers(small_adata, write_h5ad):
@@ -184,7 +182,7 @@ def test_counts_layer_absent_lists_layers(small_adata, write_h5ad):
     small_adata.layers["unspliced"] = small_adata.X.copy()
     path = write_h5ad(small_adata)
     with pytest.raises(InputError) as err:
-        load_expression(path, counts_layer="counts")
+        read_for_training(path, counts_layer="counts")
     message = str(err.value)
     assert "'counts'" in message
     assert "'spliced'" in message and "'unspliced'" in message
@@ -192,7 +190,7 @@ def test_counts_layer_absent_lists_layers(small_adata, write_h5ad):
 
 def test_counts_layer_absent_no_layers(small_h5ad):
     with pytest.raises(InputError) as err:
-        load_expression(small_h5ad, counts_layer="counts")
+        read_for_training(small_h5ad, counts_layer="counts")
     assert "'counts'" in str(err.value) and "(none)" in str(err.value)
 
 
@@ -202,8 +200,8 @@ def test_counts_layer_is_read_instead_of_x(small_adata, write_h5ad):
     small_adata.X = np.log1p(raw / raw.sum(axis=1, keepdims=True) * 1e4).astype(np.float32)
     path = write_h5ad(small_adata)
     with pytest.raises(InputError):  # X is log-normalized: not counts
-        load_expression(path)
-    inp = load_expression(path, counts_layer="counts")
+        read_for_training(path)
+    inp = read_for_training(path, counts_layer="counts")
     np.testing.assert_array_equal(inp.counts.toarray(), raw)
 
 
@@ -218,12 +216,12 @@ def test_negative_values_are_not_counts(small_adata, write_h5ad):
     path = write_h5ad(small_adata)
     before = file_digest(path)
     with pytest.raises(InputError) as err:
-        load_expression(path, scale="counts")
+        read_for_training(path, scale="counts")
     message = str(err.value)
     assert "not hold raw counts" in message
     assert "4 negative" in message and "0 non-integer" in message
     assert "data.scale=log" in message
-    inp = load_expression(path, scale="log")
+    inp = read_for_training(path, scale="log")
     assert inp.scale == "log"
     np.testing.assert_array_equal(inp.counts.toarray(), X)
     assert file_digest(path) == before
@@ -237,11 +235,11 @@ def test_log_normalized_values_are_not_counts(small_adata, write_h5ad):
     n_fraction = int(((X != np.round(X)) & (X != 0)).sum())
     assert n_fraction > 1000
     with pytest.raises(InputError) as err:
-        load_expression(path)
+        read_for_training(path)
     message = str(err.value)
     assert "not hold raw counts" in message and "data.scale=log" in message
     assert f"{n_fraction} non-integer" in message
-    inp = load_expression(path, scale="log")
+    inp = read_for_training(path, scale="log")
     np.testing.assert_allclose(inp.counts.toarray(), X)
 
 
@@ -256,7 +254,7 @@ def test_nan_and_inf_are_counted(small_adata, write_h5ad, scale):
     small_adata.X = X
     path = write_h5ad(small_adata)
     with pytest.raises(InputError) as err:
-        load_expression(path, scale=scale)
+        read_for_training(path, scale=scale)
     assert "5 NaN or infinite" in str(err.value)
 
 
@@ -266,7 +264,7 @@ def test_nan_in_sparse_matrix_counted(small_adata, write_h5ad):
     small_adata.X = X
     path = write_h5ad(small_adata)
     with pytest.raises(InputError, match=r"\b6 NaN or infinite"):
-        load_expression(path)
+        read_for_training(path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,7 +275,7 @@ def test_single_batch_rejected_for_training(small_adata, write_h5ad):
     one = small_adata[small_adata.obs["batch"] == "sc_dropseq"].copy()
     path = write_h5ad(one)
     with pytest.raises(InputError) as err:
-        load_expression(path, batch_key="batch")
+        read_for_training(path, batch_key="batch")
     message = str(err.value)
     assert "sc_dropseq" in message and "two batches" in message and "'batch'" in message
 
@@ -286,8 +284,8 @@ def test_batch_key_naming_a_constant_column(small_adata, write_h5ad):
     small_adata.obs["donor"] = "d1"
     path = write_h5ad(small_adata)
     with pytest.raises(InputError, match=r"found one: \['d1'\]"):
-        load_expression(path, batch_key="donor")
-    assert load_expression(path, batch_key="batch").counts.shape[0] == N_SUBSET_CELLS
+        read_for_training(path, batch_key="donor")
+    assert read_for_training(path, batch_key="batch").counts.shape[0] == N_SUBSET_CELLS
 
 
 def test_batch_left_with_only_empty_cells_rejected(small_adata, write_h5ad):
@@ -298,7 +296,7 @@ def test_batch_left_with_only_empty_cells_rejected(small_adata, write_h5ad):
     two.X = X
     path = write_h5ad(two)
     with pytest.raises(InputError) as err:
-        load_expression(path)
+        read_for_training(path)
     message = str(err.value)
     assert "found one: ['sc_dropseq']" in message
     assert "only empty cells: ['sc_celseq2']" in message
@@ -320,7 +318,7 @@ def test_empty_cells_and_genes_dropped_with_log(small_adata, write_h5ad, caplog)
     assert set(np.flatnonzero(X.sum(axis=0) == 0)) == set(empty_genes)
     path = write_h5ad(small_adata)
     with caplog.at_level(logging.INFO, logger="batchfix.data.io"):
-        inp = load_expression(path, label_key="cell_type")
+        inp = read_for_training(path, label_key="cell_type")
     text = caplog.text
     assert f"Dropped 7 empty cells (no non-zero values) of {N_SUBSET_CELLS}" in text
     assert f"Dropped 11 empty genes (no non-zero values) of {N_SUBSET_GENES}" in text
@@ -338,7 +336,7 @@ def test_empty_cells_and_genes_dropped_with_log(small_adata, write_h5ad, caplog)
 
 def test_no_drop_log_when_nothing_is_empty(small_h5ad, caplog):
     with caplog.at_level(logging.INFO, logger="batchfix.data.io"):
-        inp = load_expression(small_h5ad)
+        inp = read_for_training(small_h5ad)
     assert "Dropped" not in caplog.text
     assert inp.counts.shape == (N_SUBSET_CELLS, N_SUBSET_GENES)
 
@@ -350,7 +348,7 @@ def test_explicit_zeros_in_sparse_input_count_as_empty(small_adata, write_h5ad, 
     small_adata.X = X
     path = write_h5ad(small_adata)
     with caplog.at_level(logging.INFO, logger="batchfix.data.io"):
-        inp = load_expression(path)
+        inp = read_for_training(path)
     assert "Dropped 1 empty cells" in caplog.text
     assert small_adata.obs_names[4] not in set(inp.obs_names)
 
@@ -359,94 +357,5 @@ def test_all_empty_matrix_rejected(small_adata, write_h5ad):
     small_adata.X = np.zeros_like(small_adata.X)
     path = write_h5ad(small_adata)
     with pytest.raises(InputError) as err:
-        load_expression(path)
+        read_for_training(path)
     assert str(path) in str(err.value) and "no non-empty" in str(err.value)
-
-
-# --------------------------------------------------------------------------------------------
-# Atomic writing (atomic_output, as every whole-file output is written)
-
-
-def write_h5ad_atomic(adata: ad.AnnData, target: Path, overwrite: bool = False) -> Path:
-    with atomic_output(target, overwrite) as tmp:
-        adata.write_h5ad(tmp)
-    return target
-
-
-def test_write_atomic_roundtrip(small_adata, tmp_path):
-    target = tmp_path / "out" / "corrected.h5ad"
-    assert write_h5ad_atomic(small_adata, target) == target
-    back = ad.read_h5ad(target)
-    np.testing.assert_array_equal(dense(back.X), small_adata.X)
-    assert list(back.obs_names) == list(small_adata.obs_names)
-    assert sorted(p.name for p in target.parent.iterdir()) == ["corrected.h5ad"]
-
-
-def test_write_atomic_refuses_existing_output(small_adata, tmp_path):
-    target = tmp_path / "corrected.h5ad"
-    target.write_bytes(b"precious results")
-    with pytest.raises(FileExistsError) as err:
-        write_h5ad_atomic(small_adata, target)
-    assert str(target) in str(err.value) and "overwrite" in str(err.value)
-    assert target.read_bytes() == b"precious results"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrected.h5ad"]
-
-    write_h5ad_atomic(small_adata, target, overwrite=True)
-    assert ad.read_h5ad(target).shape == small_adata.shape
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrected.h5ad"]
-
-
-def _failing_write(exc):
-    """A stand-in for AnnData.write_h5ad that writes part of a file, then fails."""
-    calls = []
-
-    def write_h5ad(self, filename, *args, **kwargs):
-        calls.append(str(filename))
-        with open(filename, "wb") as fh:
-            fh.write(io.HDF5_SIGNATURE + b"\0" * 4096)  # partial output
-        raise exc
-
-    return write_h5ad, calls
-
-
-@pytest.mark.parametrize("exc", [OSError("No space left on device"), KeyboardInterrupt()])
-def test_write_atomic_failure_leaves_no_temp_file(small_adata, tmp_path, monkeypatch, exc):
-    fake, calls = _failing_write(exc)
-    monkeypatch.setattr(ad.AnnData, "write_h5ad", fake)
-    target = tmp_path / "corrected.h5ad"
-    with pytest.raises(type(exc)):
-        write_h5ad_atomic(small_adata, target)
-    assert len(calls) == 1 and calls[0] != str(target)  # it wrote to a temporary name
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_write_atomic_failure_keeps_previous_output(small_adata, tmp_path, monkeypatch):
-    target = tmp_path / "corrected.h5ad"
-    write_h5ad_atomic(small_adata, target)
-    before = file_digest(target)
-    fake, _ = _failing_write(OSError("disk full"))
-    monkeypatch.setattr(ad.AnnData, "write_h5ad", fake)
-    with pytest.raises(OSError, match="disk full"):
-        write_h5ad_atomic(small_adata, target, overwrite=True)
-    assert file_digest(target) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrected.h5ad"]
-
-
-def test_write_atomic_does_not_touch_input(small_h5ad, tmp_path):
-    before = file_digest(small_h5ad)
-    inp = read_h5ad(small_h5ad)
-    write_h5ad_atomic(inp, tmp_path / "copy.h5ad")
-    assert file_digest(small_h5ad) == before
-
-
-def test_write_atomic_output_permissions_follow_umask(small_adata, tmp_path):
-    """The output must be as readable as a plain write_h5ad (mkstemp makes 0600 files)."""
-    old = os.umask(0o022)
-    try:
-        plain = tmp_path / "plain.h5ad"
-        small_adata.write_h5ad(plain)
-        atomic = write_h5ad_atomic(small_adata, tmp_path / "atomic.h5ad")
-    finally:
-        os.umask(old)
-    mode = stat.S_IMODE(atomic.stat().st_mode)
-    assert mode == stat.S_IMODE(plain.stat().st_mode) == 0o644, oct(mode)

@@ -12,7 +12,7 @@ import scanpy as sc
 
 from batchfix.data.io import OutputKeys
 from batchfix.data.normalize import log_cp10k
-from batchfix.eval import fidelity, metrics
+from batchfix.eval import fidelity, metrics, reports, umap_plots
 from batchfix.eval.evaluate import evaluate_file
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "cellbench5.h5ad"
@@ -195,10 +195,10 @@ def test_evaluation_without_labels_scores_batch_mixing_only(corrected_file, tmp_
     assert genes["note"] == fidelity.NO_LABELS_NOTE and not genes["labels_given"]
     assert all(genes[m] is None for m in fidelity.LABEL_METRICS)
     assert 0.5 < genes[fidelity.HVG_CONSERVATION] <= 1
-    assert "No labels" in metrics.gene_markdown(genes)
+    assert "No labels" in reports.gene_markdown(genes)
 
     out = tmp_path / "umap.png"
-    metrics.plot_umaps({"latent": adata.obsm["X_batchfix"]}, adata.obs["batch"], None, out)
+    umap_plots.plot_umaps({"latent": adata.obsm["X_batchfix"]}, adata.obs["batch"], None, out)
     assert out.read_bytes().startswith(b"\x89PNG")
 
 
@@ -312,12 +312,12 @@ def test_umap_starts_from_pca_on_a_graph_of_many_components():
     from scipy.sparse import block_diag, csr_matrix
 
     clique = csr_matrix(np.ones((4, 4)) - np.eye(4))
-    few = block_diag([clique] * metrics.MAX_SPECTRAL_COMPONENTS)
-    many = block_diag([clique] * (metrics.MAX_SPECTRAL_COMPONENTS + 1))
-    assert metrics.umap_initialisation(few) == "spectral"
-    assert metrics.umap_initialisation(many) == "pca"
+    few = block_diag([clique] * umap_plots.MAX_SPECTRAL_COMPONENTS)
+    many = block_diag([clique] * (umap_plots.MAX_SPECTRAL_COMPONENTS + 1))
+    assert umap_plots.umap_initialisation(few) == "spectral"
+    assert umap_plots.umap_initialisation(many) == "pca"
     points = np.repeat(np.arange(30.0)[:, None] * 100, 6, axis=0) + np.random.default_rng(0).normal(size=(180, 3))
-    coords = metrics.umap_coordinates(points.astype(np.float32), neighbors="exact")  # 30 far-apart clusters
+    coords = umap_plots.umap_coordinates(points.astype(np.float32), neighbors="exact")  # 30 far-apart clusters
     assert coords.shape == (180, 2) and np.isfinite(coords).all()
 
 
@@ -350,7 +350,7 @@ def test_umap_of_8192_cells_or_more(log_expr):
     rng = np.random.default_rng(0)
     source = rng.integers(0, len(pcs), size=8300)
     embedding = pcs[source] + rng.normal(scale=0.01, size=(8300, pcs.shape[1])).astype(np.float32)
-    coords = metrics.umap_coordinates(embedding)
+    coords = umap_plots.umap_coordinates(embedding)
     assert coords.shape == (8300, 2) and np.isfinite(coords).all()
     twins = np.flatnonzero(source == source[0])[1:]  # resampled copies of the first cell
     spread = np.linalg.norm(coords - coords.mean(axis=0), axis=1).mean()

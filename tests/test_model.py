@@ -9,7 +9,7 @@ from torch.distributions import NegativeBinomial
 
 from batchfix.config import DataConfig, DataKeys, ModelConfig
 from batchfix.data.genome import GeneCoordinates, make_windows
-from batchfix.data.io import load_expression
+from batchfix.data.io import expression_input, read_h5ad
 from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
 from batchfix.data.prepare import prepare
 from batchfix.nn.network import BatchfixNet, GradientReversal, LocusEncoder, negative_binomial_log_likelihood
@@ -56,7 +56,7 @@ def test_corrected_expression_averages_the_decoder_over_batches_in_count_space()
 
 
 def test_prepare_orders_genes_genomically_and_computes_the_encoder_statistics(small_h5ad):
-    inp = load_expression(small_h5ad, DataKeys())
+    inp = expression_input(read_h5ad(small_h5ad), DataKeys())
     prepared = prepare(inp, DataConfig(n_top_genes=150))
     coords = prepared.coordinates
     placed = coords.placed

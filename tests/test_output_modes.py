@@ -26,7 +26,7 @@ from scipy.stats import spearmanr
 import batchfix
 from batchfix.config import CorrectConfig, CorrectionSettings, TrainConfig, validated
 from batchfix.correction import calibration
-from batchfix.correction.corrector import correct_file
+from batchfix.correction.writers import correct_file
 from batchfix.data.normalize import log_cp10k
 from batchfix.data.prepare import PreparedData
 from batchfix.errors import ConfigError, InputError

@@ -39,8 +39,8 @@ from batchfix import runfolder, signals, tasks
 from batchfix.api import train_config
 from batchfix.cli import folder_check
 from batchfix.config import CorrectConfig, CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
-from batchfix.correction.corrector import correct_file
-from batchfix.data import io, ondisk
+from batchfix.correction.writers import correct_file
+from batchfix.data import atomic, ondisk
 from batchfix.data.prepare import CellDataModule
 from batchfix.errors import (
     CheckpointError,
@@ -662,7 +662,7 @@ def test_output_that_is_a_folder_is_refused(files, tmp_path):
 def test_stale_temporary_files_are_removed_and_live_ones_named(tmp_path, caplog):
     target = tmp_path / "out.h5ad"
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    host = io._host()
+    host = atomic._host()
     stale = tmp_path / f".out.h5ad.batchfix-{host}-{int(finished.stdout)}-abc123.tmp"
     live = tmp_path / f".out.h5ad.batchfix-{host}-{os.getpid()}-def456.tmp"
     elsewhere = tmp_path / f".out.h5ad.batchfix-otherhost-{int(finished.stdout)}-ghi789.tmp"
@@ -670,7 +670,7 @@ def test_stale_temporary_files_are_removed_and_live_ones_named(tmp_path, caplog)
     for path in (stale, live, elsewhere, unknown):
         path.write_bytes(b"partial")
     with caplog.at_level(logging.WARNING, logger="batchfix"):
-        with io.atomic_output(target, overwrite=False) as tmp:
+        with atomic.atomic_output(target, overwrite=False) as tmp:
             tmp.write_bytes(b"done")
     assert target.read_bytes() == b"done"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name, elsewhere.name, unknown.name])
@@ -681,17 +681,17 @@ def test_stale_temporary_files_are_removed_and_live_ones_named(tmp_path, caplog)
 
 def test_a_signal_while_the_temporary_file_is_made_leaves_no_file(tmp_path, monkeypatch):
     """The signal lands just after mkstemp made the file, before atomic_output knows its name."""
-    made = io.tempfile.mkstemp
+    made = atomic.tempfile.mkstemp
 
     def mkstemp_then_signal(*args, **kwargs):
         result = made(*args, **kwargs)
         os.kill(os.getpid(), signal.SIGTERM)  # the handler runs at the next bytecode
         return result
 
-    monkeypatch.setattr(io.tempfile, "mkstemp", mkstemp_then_signal)
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", mkstemp_then_signal)
     with signals.interrupts_raised():
         with pytest.raises(Interrupted):
-            with io.atomic_output(tmp_path / "out.h5ad", overwrite=False) as tmp:
+            with atomic.atomic_output(tmp_path / "out.h5ad", overwrite=False) as tmp:
                 tmp.write_bytes(b"never")
     assert list(tmp_path.iterdir()) == []
 

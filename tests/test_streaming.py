@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import anndata as ad
@@ -16,10 +17,10 @@ from hydra import compose, initialize_config_module
 
 from batchfix import tasks
 from batchfix.config import DataConfig, TrainConfig, validated
-from batchfix.data.io import load_expression
-from batchfix.data.prepare import CellDataModule, StreamedCells, in_order, prepare
+from batchfix.data.prepare import CellDataModule, StreamedCells, in_order
 from batchfix.data.streaming import prepare_streamed, use_streaming
 from batchfix.errors import ConfigError
+from batchfix.training.fitting import load_training_data
 from batchfix.training.module import load_trained
 
 N_TOP_GENES = 200
@@ -50,7 +51,7 @@ def row_keys(matrix: np.ndarray) -> list[bytes]:
 def test_streamed_preparation_matches_the_in_memory_route(disk_h5ad):
     before = hashlib.sha256(disk_h5ad.read_bytes()).hexdigest()
     data = data_config(disk_h5ad, chunk_cells=32, hvg_max_cells=1000)
-    memory = prepare(load_expression(data.path, data, data.scale), data)
+    memory = load_training_data(replace(data, stream="false"))
     disk = prepare_streamed(data.path, data)
     assert hashlib.sha256(disk_h5ad.read_bytes()).hexdigest() == before
     assert disk.counts is None and disk.n_cells == memory.n_cells == 199
@@ -80,7 +81,7 @@ def test_hvgs_of_a_subsample_when_the_file_has_more_cells(disk_h5ad, caplog):
 
 def test_epochs_serve_every_cell_once_in_shuffled_chunks(disk_h5ad):
     data = data_config(disk_h5ad, chunk_cells=32, hvg_max_cells=1000)
-    memory = prepare(load_expression(data.path, data, data.scale), data)
+    memory = load_training_data(replace(data, stream="false"))
     disk = prepare_streamed(data.path, data)
     cells = np.arange(0, disk.n_cells, 2)  # a training split
     stream = StreamedCells(disk.disk, cells, disk.batch_index, 16, 32, shuffle=True, seed=3)
@@ -126,7 +127,7 @@ def test_stream_option_and_auto_threshold(disk_h5ad):
 
 def test_validation_cap_moves_the_other_held_out_cells_into_training(disk_h5ad):
     data = data_config(disk_h5ad)
-    prepared = prepare(load_expression(data.path, data, data.scale), data)
+    prepared = load_training_data(replace(data, stream="false"))
     capped = CellDataModule(prepared, 64, 0.1, seed=0, max_validation_cells=5)
     uncapped = CellDataModule(prepared, 64, 0.1, seed=0, max_validation_cells=10_000)
     assert len(capped.validation_rows) == 5 and len(uncapped.validation_rows) == 20

@@ -149,9 +149,8 @@ def test_cli_loss_falls(cli_run):
     assert list(epochs["step"]) == [STEPS_PER_EPOCH * (e + 1) - 1 for e in range(CLI_EPOCHS)]
 
 
-def test_cli_without_verb_prints_usage(tmp_path, monkeypatch):
-    """Only the first argument selects a verb; nothing in the environment does."""
-    monkeypatch.setenv("BATCHFIX_VERB", "train")
+def test_cli_without_verb_prints_usage(tmp_path):
+    """Only the first argument selects a verb: an override in its place prints the usage."""
     result = run_cli(["trainer.max_epochs=1"], cwd=tmp_path, timeout=60)
     assert result.returncode == 2
     assert "usage: python -m batchfix" in result.stdout

@@ -1,5 +1,5 @@
 """`python -m batchfix VERB --help`: that verb's options, their defaults (the schema with the verb's presets)
-and their descriptions (the comments of batchfix/config.py), nothing of Hydra's internals or other verbs."""
+and their descriptions (the schemas' comments in batchfix/config/), nothing of Hydra's internals or other verbs."""
 from __future__ import annotations
 
 import textwrap

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from batchfix.correction import counts
 from batchfix.data.prepare import PreparedData, in_order
 from batchfix.errors import CheckpointError
 from batchfix.nn.attention import fused_attention
@@ -97,15 +98,23 @@ def calibrate(net: BatchfixNet, prepared: PreparedData) -> None:
     """
     n_batches = len(prepared.batch_categories)
     sums = [ResidualSums(net.n_genes) for _ in range(n_batches)]
+    dispersions = [counts.DispersionSums(net.n_genes) for _ in range(n_batches)]
     cells = calibration_cells(prepared.batch_index, n_batches, CALIBRATION_CELLS_PER_BATCH)
     was_training = net.training
     net.eval()
     with fused_attention(net):
         for x, codes in in_order(prepared, CALIBRATION_BATCH_SIZE, cells):  # (B, G), (B,)
-            r = residual(net, x, torch.from_numpy(codes)).numpy()
+            mu, _ = net.encode(x)
+            own = torch.from_numpy(codes)
+            r = (net.log_expression(x) - net.decoded(mu, own)).numpy()
+            mean = (net.mean_fractions(mu, own) * x.sum(-1, keepdim=True)).numpy()  # NB means (B, G)
             for b in np.unique(codes):
                 sums[b].add(r[codes == b])
+                dispersions[b].add(x.numpy()[codes == b], mean[codes == b])
     net.train(was_training)
+    if net.cfg.likelihood == "nb":
+        shared = net.decoder.log_theta.detach().double().exp().numpy()
+        net.count_theta.copy_(torch.as_tensor(np.stack([d.theta(shared) for d in dispersions]), dtype=torch.float32))
     spreads = np.array([s.spread() for s in sums])
     fallback = np.sqrt(np.mean(np.square(spreads[spreads > 0]))) if (spreads > 0).any() else 1.0
     spreads[spreads <= 0] = fallback  # a batch of one training cell: its residuals keep their scale

@@ -151,3 +151,36 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
     below = values.lt(0) | floored
     n_clipped = int((below if present is None else below[:, present]).sum())
     return mu, values.clamp_min(0.0), n_clipped
+
+
+@torch.no_grad()
+def log_mean_shift(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, reference: int | None,
+                   present: torch.Tensor | None, unseen_ratio: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log(mean_ref / mean_b), the own batch's mean fractions), each (B, G), for latents `mu`: the shift of the
+    NB mean that the corrected counts apply, before the options. A batch the model never saw (code >= n_batches)
+    has the average decoder times its own per-gene ratio (`unseen_ratio`, (unseen, G)) as its mean; cells of
+    code -1 have no shift."""
+    tiny = torch.finfo(torch.float32).tiny
+    reference_fractions = net.mean_fractions(mu, reference, present)
+    own = reference_fractions if reference is None else net.mean_fractions(mu, None, present)
+    own = own.clone()
+    seen = (codes >= 0) & (codes < net.n_batches)
+    if seen.any():
+        own[seen] = net.mean_fractions(mu[seen], codes[seen].long(), present)
+    unseen = codes >= net.n_batches
+    if unseen.any():
+        own[unseen] = own[unseen] * unseen_ratio[codes[unseen].long() - net.n_batches]
+    shift = reference_fractions.clamp_min(tiny).log() - own.clamp_min(tiny).log()
+    return torch.where((codes < 0)[:, None], torch.zeros_like(shift), shift), own
+
+
+def applied_shift(shift: torch.Tensor, codes: torch.Tensor, state: StateShrink | None,
+                  regional: RegionalShift | None) -> torch.Tensor:
+    """The shift after correction.state_dependence (`state`) and the regional part kept (`regional`), as for the
+    log output's decoder term (`corrected`)."""
+    known = codes.clamp_min(0).long()
+    if state is not None:
+        shift = shift - (1.0 - state.weight) * (shift - state.batch_mean[known]) * state.estimated[known, None]
+    if regional is not None:
+        shift = shift - regional.smoother((shift - regional.mean_shift[known]) * regional.estimated[known, None])
+    return torch.where((codes < 0)[:, None], torch.zeros_like(shift), shift)

@@ -1,21 +1,13 @@
-"""Reading and validating AnnData files, and atomic whole-file writes (streamed writes: ondisk.py).
+"""Reading and validating AnnData files (atomic writes: atomic.py; streamed reads and writes: ondisk.py).
 
-Reading validates the input and turns it into plain arrays (`ExpressionInput`); writing is
-atomic (temporary file in the destination folder, then rename), so a crash never leaves a
-partial output and the input file is never touched.
+Reading validates the input and turns it into plain arrays (`ExpressionInput`); the input file is
+never touched.
 """
 from __future__ import annotations
 
-import errno
-import glob
 import logging
 import os
-import re
-import socket
-import tempfile
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +16,8 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from batchfix import signals
 from batchfix.config import DataKeys
-from batchfix.errors import InputError, OutputError, OutputExistsError, UserError
+from batchfix.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +45,18 @@ class OutputKeys:
 
     @property
     def layer(self) -> str:
-        """layers[...]: corrected log1p(counts per 10k), values in the modelled genes only."""
+        """layers[...]: corrected log expression (normalize_total + log1p of the corrected counts)."""
         return self.key_added
+
+    @property
+    def counts(self) -> str:
+        """layers[...]: corrected counts of every gene (the NB model's counterfactual output)."""
+        return f"{self.key_added}_counts"
+
+    @property
+    def corrected(self) -> str:
+        """var[...]: True for the genes whose values the correction changed."""
+        return f"{self.key_added}_corrected"
 
     @property
     def latent(self) -> str:
@@ -248,11 +249,6 @@ def check_batches(batch: np.ndarray, cell_ok: np.ndarray, batch_key: str) -> Non
         log.warning("Batches %s hold only empty cells: they are not trained on.", lost)
 
 
-def load_expression(path: str | os.PathLike, keys: DataKeys, scale: str = "counts") -> ExpressionInput:
-    """Read and validate an .h5ad file for training."""
-    return expression_input(read_h5ad(path), keys, scale, source=str(path))
-
-
 def expression_input(adata: ad.AnnData, keys: DataKeys, scale: str = "counts",
                      source: str = "the AnnData") -> ExpressionInput:
     """Validate an AnnData for training and take what training needs from it (`adata` is not changed)."""
@@ -277,133 +273,3 @@ def expression_input(adata: ad.AnnData, keys: DataKeys, scale: str = "counts",
         scale=scale,
         path=source,
     )
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def remove_stale_temporaries(target: Path) -> None:
-    """Delete the temporary files that killed writers of `target` left beside it.
-
-    A temporary file is named `.<target name>.batchfix-<host>-<pid>-<random>.tmp`: it is deleted only when
-    written on this host by a process that no longer runs. Others (a writer still running, another host,
-    an unknown owner) are left in place and named in a warning.
-    """
-    ours = re.compile(rf"\.{re.escape(target.name)}\.batchfix-(?P<host>\w*)-(?P<pid>\d+)-\w+\.tmp")
-    for path in sorted(target.parent.glob(f".{glob.escape(target.name)}.*.tmp")):
-        match = ours.fullmatch(path.name)
-        if match and match["host"] == _host() and not _alive(int(match["pid"])):
-            path.unlink(missing_ok=True)
-            log.warning("Removed %s, a temporary file left by a writer that was stopped (process %s).",
-                        path, match["pid"])
-        else:
-            owner = f"process {match['pid']} on {match['host']}" if match else "an unknown writer"
-            log.warning("Left %s in place: a temporary file of %s, which may still be writing it; delete it "
-                        "if it is not.", path, owner)
-
-
-def cannot_write(target: Path, err: OSError) -> OutputError:
-    return OutputError(f"Cannot write the output {target}: {err.strerror or err} "
-                       f"({type(err).__name__}); choose a writable folder with free space.")
-
-
-WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
-                errno.ENOTDIR, errno.EEXIST, errno.EISDIR}
-
-
-def _temporary(target: Path) -> Path:
-    """A new empty temporary file beside `target` (its folder made if needed), named after this host and process."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(target)
-        fd, name = tempfile.mkstemp(prefix=f".{target.name}.batchfix-{_host()}-{os.getpid()}-", suffix=".tmp",
-                                    dir=target.parent)
-    except OSError as err:
-        raise cannot_write(target, err) from None
-    os.close(fd)
-    return Path(name)
-
-
-@contextmanager
-def atomic_output(target: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary path beside `target`; on success move it to `target`, on any failure delete it.
-
-    Without `overwrite` the final step is a hard link, which fails if `target` appeared meanwhile, so an
-    existing file is never replaced; with it, an atomic rename replaces the old file in one step. Temporary
-    files left by killed writers of the same target are removed first; a write that fails for lack of
-    space or permission raises OutputError.
-    """
-    made = missing_folders(target.parent)
-    tmp = None
-    try:
-        with signals.deferred():  # a signal while the file is made is raised once `tmp` names it
-            tmp = _temporary(target)
-        yield tmp
-        signals.raise_pending()  # a signal whose exception was lost on the way: never finish this output
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())  # the data is on disk before the name points at it
-        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600 files; match a plain write
-        _move_into_place(tmp, target, overwrite)
-    except BaseException as err:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
-        remove_empty(made)
-        if not isinstance(err, OSError) or isinstance(err, UserError) or err.errno not in WRITE_ERRNOS:
-            raise
-        raise cannot_write(target, err) from err
-
-
-def missing_folders(folder: Path) -> list[Path]:
-    """`folder` and those of its parents that do not exist yet, deepest first."""
-    missing = []
-    folder = folder.expanduser().resolve()
-    for path in (folder, *folder.parents):
-        if path.exists():
-            break
-        missing.append(path)
-    return missing
-
-
-def remove_empty(folders: list[Path]) -> None:
-    """Remove the folders (deepest first) while they are empty."""
-    for folder in folders:
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-
-
-def _move_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
-    if overwrite:
-        os.replace(tmp, target)
-        return
-    try:
-        os.link(tmp, target)
-    except FileExistsError:
-        raise output_exists(target) from None
-    except OSError:  # a file system without hard links
-        if target.exists():
-            raise output_exists(target) from None
-        os.replace(tmp, target)
-    tmp.unlink(missing_ok=True)
-
-
-def output_exists(target: Path) -> OutputExistsError:
-    return OutputExistsError(f"Output {target} exists; pass overwrite=true to replace it.")

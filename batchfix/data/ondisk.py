@@ -1,6 +1,6 @@
 """On-disk AnnData (.h5ad) pieces for streaming: read cells in row chunks, write a new file chunk by chunk.
 
-Used by `batchfix.correction.corrector.correct_file`, so that correcting a file needs memory for one chunk of
+Used by `batchfix.correction.writers.correct_file`, so that correcting a file needs memory for one chunk of
 cells, never for the whole matrix:
 
 - `open_rows` gives a row-chunk reader over X or a layer stored dense ('array') or as CSR
@@ -9,7 +9,7 @@ cells, never for the whole matrix:
   as compression kept, values byte for byte), leaving out the entries the correction replaces.
 - `create_csr` / `create_array` make the new entries with anndata's on-disk encoding
   (encoding-type / encoding-version attributes), to be filled slice by slice.
-- Outputs go through `batchfix.data.io.atomic_output`: a temporary path beside the target, moved into
+- Outputs go through `batchfix.data.atomic.atomic_output`: a temporary path beside the target, moved into
   place only when the writing finished, so a failed run leaves neither a partial output nor a
   temporary file.
 """
@@ -264,10 +264,11 @@ def create_csr(group: h5py.Group, name: str, shape: tuple[int, int], nnz: int,
     return data, indices, indptr
 
 
-def replace_var_column(src: h5py.File, dst: h5py.File, column: str, values: np.ndarray) -> None:
-    """Write the input's var into `dst` with one column added (or replaced)."""
+def replace_var_columns(src: h5py.File, dst: h5py.File, columns: dict[str, np.ndarray]) -> None:
+    """Write the input's var into `dst` with `columns` added (or replaced)."""
     var = read_elem(src["var"])
-    var[column] = values
+    for column, values in columns.items():
+        var[column] = values
     write_elem(dst, "var", var)
 
 

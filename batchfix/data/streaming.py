@@ -76,13 +76,12 @@ def use_streaming(data: DataConfig, path: str) -> bool:
     return True
 
 
-def read_obs_column(f: h5py.File, key: str, what: str, option: str, hint: str = "") -> np.ndarray:
-    """One obs column as strings, without reading the others."""
-    obs = f["obs"]
-    if key not in obs or key == obs.attrs.get("_index", "_index"):
-        columns = [c.decode() if isinstance(c, bytes) else c for c in obs.attrs.get("column-order", [])]
-        raise missing_obs_column(key, columns, what, option, hint)
-    return obs_strings(pd.Series(np.asarray(read_elem(obs[key]), dtype=object)), key)
+def required_obs_column(f: h5py.File, key: str, what: str, option: str, hint: str = "") -> np.ndarray:
+    """One obs column as strings, without reading the others; a missing one is an error naming those there are."""
+    values = ondisk.read_obs_column(f, key)
+    if values is None:
+        raise missing_obs_column(key, ondisk.obs_columns(f), what, option, hint)
+    return obs_strings(values, key)
 
 
 def read_var(f: h5py.File) -> pd.DataFrame:
@@ -168,9 +167,9 @@ def prepare_streamed(path: str, data: DataConfig) -> PreparedData:
     with ondisk.open_anndata(source) as f:
         elem = ondisk.matrix_element(f, data.counts_layer, "data.counts_layer")
         reader, element = ondisk.open_rows(elem), elem.name
-        batch = read_obs_column(f, data.batch_key, "Batch", "data.batch_key")
+        batch = required_obs_column(f, data.batch_key, "Batch", "data.batch_key")
         if data.label_key:
-            read_obs_column(f, data.label_key, "Label", "data.label_key", "; data.label_key=null trains without labels")
+            required_obs_column(f, data.label_key, "Label", "data.label_key", "; data.label_key=null trains without labels")
         var = read_var(f)
         n_rows, n_vars = reader.shape
         ranks = data.n_top_genes is not None and data.n_top_genes < n_vars

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-import pandas as pd
 import torch
 from PIL import Image
 
 from batchfix.config import CorrectionSettings
 from batchfix.correction.corrector import Corrector
 from batchfix.data import ondisk
+from batchfix.data.atomic import atomic_output, output_exists
 from batchfix.data.genome import CHROMOSOMES
-from batchfix.data.io import atomic_output, check_h5ad_path, output_exists
+from batchfix.data.io import check_h5ad_path, obs_strings
 from batchfix.errors import InputError
 from batchfix.training.module import BatchfixModel
 
@@ -91,13 +91,11 @@ class MapAccumulator:
 
 def obs_column(f: h5py.File, key: str) -> np.ndarray:
     """obs[key] of an open .h5ad file as strings (only that column is read)."""
-    columns = [str(c) for c in f["obs"].attrs.get("column-order", [])]
-    if key not in columns:
+    values = ondisk.read_obs_column(f, key)
+    if values is None:
+        columns = ondisk.obs_columns(f)
         raise InputError(f"group_by '{key}' is not an obs column. Columns present: {columns or '(none)'}.")
-    values = pd.Series(ondisk.read_elem(f["obs"][key]))
-    if values.isna().any():
-        raise InputError(f"obs column '{key}' has {int(values.isna().sum())} missing values.")
-    return values.astype(str).to_numpy()
+    return obs_strings(values, key)
 
 
 def sampled_chunks(reader, rows: np.ndarray, chunk_size: int) -> Iterator[tuple[np.ndarray, object]]:

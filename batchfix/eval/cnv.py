@@ -54,10 +54,6 @@ class GenomicWindows:
     chromosome: np.ndarray
     centre: np.ndarray
 
-    @property
-    def n_windows(self) -> int:
-        return len(self.chromosome)
-
     def average(self, values: np.ndarray) -> np.ndarray:
         """(rows, genes) -> (rows, windows): each window's mean over its genes."""
         padded = np.concatenate([values, np.full((values.shape[0], 1), np.nan)], axis=1)  # -1 reads the NaN

@@ -18,10 +18,11 @@ except ImportError:  # pragma: no cover - older anndata
 from batchfix import runfolder
 from batchfix.config import CorrectionOptions, EvaluateConfig, EvaluationOptions
 from batchfix.data import ondisk
-from batchfix.data.io import OutputKeys, atomic_output, check_h5ad_path, input_path, obs_strings, read_h5ad
+from batchfix.data.atomic import atomic_output
+from batchfix.data.io import OutputKeys, check_h5ad_path, input_path, obs_strings, read_h5ad
 from batchfix.data.subsample import SEED, stratified_rows
 from batchfix.errors import InputError
-from batchfix.eval import caches, metrics
+from batchfix.eval import caches, metrics, reports, umap_plots
 from batchfix.runfolder import METRICS_JSON, METRICS_MD, UMAP_PNG
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def evaluate_file(
     out_dir.mkdir(parents=True, exist_ok=True)
     labels = adata.obs[label_key] if label_key else None
     with atomic_output(out_dir / UMAP_PNG, overwrite=True) as tmp:
-        metrics.plot_umaps(embeddings, adata.obs[batch_key], labels, tmp, image_format="png", neighbors=neighbors)
+        umap_plots.plot_umaps(embeddings, adata.obs[batch_key], labels, tmp, image_format="png", neighbors=neighbors)
     result["evaluation_seconds"] = round(time.perf_counter() - started, 2)
     with atomic_output(out_dir / METRICS_MD, overwrite=True) as tmp:
         tmp.write_text(_markdown_report(table, result))
@@ -177,16 +178,16 @@ def _markdown_report(table, result: dict) -> str:
     if "note" in result:
         lines += [f"**{result['note']}**", ""]
     genes = result["gene_fidelity"]
-    return "\n".join(lines) + "\n" + metrics.markdown_table(table) + "\n" + "\n".join([
+    return "\n".join(lines) + "\n" + reports.markdown_table(table) + "\n" + "\n".join([
         f"## Gene-level fidelity of layers['{result['corrected_layer']}']",
         "",
         f"Against {genes['reference']} (batchfix.eval.fidelity; 1.0 = the uncorrected values' own structure).",
         "",
-        metrics.gene_markdown(genes),
+        reports.gene_markdown(genes),
         f"## CNV profile retention of layers['{result['corrected_layer']}']",
         "",
         "Per (label, batch) group, Pearson r of its CNV profile with its label's uncorrected profile in the other "
         "batches; amplitude ratio = slope on that profile, corrected / uncorrected (batchfix.eval.cnv).",
         "",
-        metrics.cnv_markdown(result["cnv_fidelity"]),
+        reports.cnv_markdown(result["cnv_fidelity"]),
     ])

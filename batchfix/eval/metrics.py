@@ -9,20 +9,21 @@ Without cell-type labels only the label-free batch metrics (iLISI, PCR compariso
 computed: BRAS, kBET per label and graph connectivity are defined per label, and running them
 on one dummy label would let differences in cell-type composition between batches pass for
 batch effects. Bio conservation and Total are then NaN, and `LABEL_FREE_NOTE` says why.
+
+Their markdown tables: batchfix.eval.reports; UMAP pictures of the embeddings: batchfix.eval.umap_plots.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import anndata as ad
 import numpy as np
 import pandas as pd
 import scanpy as sc
 import scipy.sparse as sp
-from matplotlib.figure import Figure
 from scib_metrics.benchmark import BatchCorrection, Benchmarker, BioConservation
 
 from batchfix.config import NEIGHBOR_METHODS, EvaluationOptions
@@ -276,25 +277,6 @@ def cnv_level_scores(adata: ad.AnnData, keys: OutputKeys, batch_key: str, label_
             **{k: v for k, v in result.items() if k != "groups"}}
 
 
-def cnv_markdown(scores: Mapping) -> str:
-    """CNV profile retention as a one-row markdown table, or its note."""
-    if scores.get("retention_r") is None:
-        return f"{scores.get('note', 'not computed')}\n"
-    return ("| CNV profile r | uncorrected r | relative r | amplitude ratio |\n|---|---|---|---|\n"
-            f"| {scores['retention_r']:.3f} | {scores['uncorrected_r']:.3f} | {scores['relative_r']:.3f} | "
-            f"{scores['amplitude_ratio']:.3f} |\n")
-
-
-def gene_markdown(scores: Mapping) -> str:
-    """The four gene-level scores as a one-row markdown table, with the note on what was not computed."""
-    header = "| " + " | ".join(fidelity.GENE_METRICS) + " |"
-    row = "| " + " | ".join("n/a" if scores.get(m) is None else f"{scores[m]:.3f}" for m in fidelity.GENE_METRICS)
-    lines = [header, "|" + "---|" * len(fidelity.GENE_METRICS), row + " |", ""]
-    if scores.get("note"):
-        lines += [f"{scores['note']}", ""]
-    return "\n".join(lines)
-
-
 def score_evaluation(
     obs: pd.DataFrame,
     embeddings: Mapping[str, np.ndarray],
@@ -345,106 +327,6 @@ def headline(metrics: dict) -> float | None:
     return None if loss is None else float(loss)
 
 
-def markdown_table(table: pd.DataFrame, digits: int = 3) -> str:
-    """A GitHub-markdown table of a scores table ('n/a' for NaN), index as first column."""
-    header = [table.index.name or ""] + [str(c) for c in table.columns]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for name, *values in table.itertuples(name=None):
-        cells = [_format_cell(v, digits) for v in values]
-        lines.append("| " + " | ".join([str(name)] + cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_umaps(
-    embeddings: Mapping[str, np.ndarray],
-    batch: Sequence,
-    labels: Sequence | None,
-    out_png,
-    seed: int = 0,
-    image_format: str | None = None,
-    neighbors: str = EvaluationOptions.neighbors,
-) -> None:
-    """One PNG: a row per embedding (UMAP of its 15-NN graph, found as `neighbors` says), coloured by batch
-    and by label."""
-    columns = [("batch", np.asarray(batch).astype(str))]
-    if labels is not None:
-        columns.append(("label", np.asarray(labels).astype(str)))
-    fig = Figure(figsize=(5.5 * len(columns), 4.5 * len(embeddings)), layout="constrained")
-    axes = fig.subplots(len(embeddings), len(columns), squeeze=False)
-    for row, (name, emb) in enumerate(embeddings.items()):
-        coords = umap_coordinates(emb, seed, neighbors)
-        for col, (what, values) in enumerate(columns):
-            _scatter_categories(axes[row, col], coords, values, legend=row == 0)
-            axes[row, col].set_title(f"{name} — {what}", fontsize=10)
-    fig.savefig(out_png, dpi=110, format=image_format)
-
-
-def umap_coordinates(embedding: np.ndarray, seed: int = 0, neighbors: str = EvaluationOptions.neighbors) -> np.ndarray:
-    """2-D UMAP (scanpy) of an embedding, on its 15-nearest-neighbour graph (exact or as scanpy does)."""
-    tmp = ad.AnnData(obsm={"X_emb": np.asarray(embedding, dtype=np.float32)},
-                     obs=pd.DataFrame(index=np.arange(len(embedding)).astype(str)))
-    # scanpy switches to pynndescent from 8192 cells; its transformer now returns a scipy sparse array,
-    # which scanpy 1.11 cannot read (no getnnz): the same transformer, returning a sparse matrix.
-    if resolve_neighbors(neighbors, len(embedding)) == "exact":
-        transformer = "sklearn"  # scanpy's brute-force search
-    else:
-        transformer = approximate_neighbors(len(embedding), 15, seed) if len(embedding) >= 8192 else None
-    sc.pp.neighbors(tmp, use_rep="X_emb", n_neighbors=15, random_state=seed, transformer=transformer)
-    sc.tl.umap(tmp, random_state=seed, init_pos=umap_initialisation(tmp.obsp["connectivities"]))
-    return tmp.obsm["X_umap"]
-
-
-# umap-learn lays out every connected component of the graph with its own shift-invert eigensolver before
-# the optimisation; with hundreds of small components (a 20,000-cell subsample of resampled cells) that took
-# over 15 minutes on a 2-core CPU. Beyond this many components the layout starts from the embedding's PCA.
-MAX_SPECTRAL_COMPONENTS = 20
-
-
-def umap_initialisation(connectivities) -> str:
-    """UMAP's starting layout for a neighbour graph: 'spectral' (scanpy's default) unless the graph falls into
-    more than MAX_SPECTRAL_COMPONENTS connected components, then 'pca'."""
-    from scipy.sparse.csgraph import connected_components
-
-    n_components, _ = connected_components(connectivities, directed=False)
-    return "spectral" if n_components <= MAX_SPECTRAL_COMPONENTS else "pca"
-
-
-def approximate_neighbors(n_cells: int, n_neighbors: int, seed: int):
-    """scanpy's default pynndescent transformer for n_cells (UMAP's n_trees and n_iters), giving a CSR matrix."""
-    from pynndescent import PyNNDescentTransformer
-
-    class MatrixOutput(PyNNDescentTransformer):
-        def fit_transform(self, X, y=None, **kwargs):
-            return sp.csr_matrix(super().fit_transform(X, y, **kwargs))
-
-        def transform(self, X, y=None):
-            return sp.csr_matrix(super().transform(X, y))
-
-    return MatrixOutput(n_neighbors=n_neighbors, metric="euclidean", random_state=seed, n_jobs=None,
-                        n_trees=min(64, 5 + round(n_cells**0.5 / 20.0)), n_iters=max(5, round(np.log2(n_cells))))
-
-
-def _scatter_categories(ax, coords: np.ndarray, values: np.ndarray, legend: bool) -> None:
-    categories = sorted(pd.unique(values))
-    cmap = _category_colors(len(categories))
-    order = np.random.default_rng(0).permutation(len(values))  # no category painted on top
-    colors = np.array([cmap[categories.index(v)] for v in values])
-    ax.scatter(coords[order, 0], coords[order, 1], c=colors[order], s=6, linewidths=0)
-    ax.set_xticks([])
-    ax.set_yticks([])
-    if legend:
-        for cat, color in zip(categories, cmap):
-            ax.scatter([], [], color=color, s=20, label=cat)
-        ax.legend(fontsize=7, markerscale=1.2, frameon=False, loc="best")
-
-
-def _category_colors(n: int) -> list:
-    from matplotlib import colormaps
-
-    palette = colormaps["tab10" if n <= 10 else "tab20"]
-    return [palette(i % palette.N) for i in range(n)]
-
-
 def check_obs_keys(obs: pd.DataFrame, batch_key: str, label_key: str | None) -> None:
     for what, key in (("batch key", batch_key), ("label key", label_key)):
         if key is not None and key not in obs.columns:
@@ -481,9 +363,3 @@ def _is_integer_valued(matrix, n_sample: int = 100_000) -> bool:
 
 def _json_number(value) -> float | None:
     return None if pd.isna(value) else float(value)
-
-
-def _format_cell(value, digits: int) -> str:
-    if isinstance(value, (float, np.floating)):
-        return "n/a" if np.isnan(value) else f"{value:.{digits}f}"
-    return str(value)

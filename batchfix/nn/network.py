@@ -14,7 +14,10 @@ from torch.utils.checkpoint import checkpoint
 from batchfix.config import ModelConfig
 from batchfix.data.genome import LocusWindows
 from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
+from batchfix.errors import CheckpointFormatError
 from batchfix.nn.attention import GenomicCoordinateEncoding, GenomicDistanceBias, TransformerBlock
+
+CHECKPOINT_FORMAT = 2  # 2: per-batch NB dispersions (count_theta) for the corrected counts
 
 
 class GradientReversal(torch.autograd.Function):
@@ -147,14 +150,17 @@ class BatchfixNet(nn.Module):
         # Per gene: the residual's within-batch sd and the cells it was estimated on (correction.spread=gene).
         self.register_buffer("residual_gene_spread", torch.zeros(n_batches, n_genes))
         self.register_buffer("residual_cells", torch.zeros(n_batches))
+        # Each training batch's NB inverse dispersion per gene (batchfix.correction.counts, calibrated after the
+        # fit; 0 = not calibrated): the corrected counts map a count from its batch's NB to the reference's.
+        self.register_buffer("count_theta", torch.zeros(n_batches, n_genes))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """A checkpoint from before the per-gene spread gets the batch-wide form: its batch's spread for every
-        gene, estimated on no cells (so correction.spread=gene shrinks it fully to that batch-wide spread)."""
-        spread = state_dict.get(prefix + "residual_spread")
-        if spread is not None and prefix + "residual_gene_spread" not in state_dict:
-            state_dict[prefix + "residual_gene_spread"] = spread[:, None].expand(-1, self.n_genes).clone()
-            state_dict[prefix + "residual_cells"] = torch.zeros_like(spread)
+        """A checkpoint of an earlier format (no per-batch dispersions) is refused in one line."""
+        if prefix + "decoder.log_theta" in state_dict and prefix + "count_theta" not in state_dict:
+            raise CheckpointFormatError(
+                f"This checkpoint was written by an earlier batchfix (checkpoint format 1, before version "
+                f"{CHECKPOINT_FORMAT}): it lacks the per-batch dispersions that corrected counts need. Train again "
+                "with this version (docs/reference.md, 'Migrating from 0.1 outputs').")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def log_expression(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,6 +202,15 @@ class BatchfixNet(nn.Module):
         as one training batch (an int), as each cell's own batch ((B,) codes), or, if None, averaged over the
         training batches (the mean of the NB means, then log1p). `present` (G,) bool: genes the input holds;
         the NB means are then per 10k counts of those genes, as the cell's observed values are."""
+        mean = self.mean_fractions(mu, batch, present)
+        if self.cfg.likelihood == "gaussian":
+            return mean * self.gene_std + self.gene_mean
+        return torch.log1p(mean * LIBRARY_SIZE)
+
+    def mean_fractions(self, mu: torch.Tensor, batch: int | torch.Tensor | None = None,
+                       present: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, G) the decoder's NB mean fractions (each cell's expected share of its library per gene; of the
+        `present` genes' library when given) as in `decoded`; the Gaussian model's standardized means."""
         n_cells = mu.shape[0]
         if batch is None:
             codes = [torch.full((n_cells,), b, dtype=torch.long, device=mu.device) for b in range(self.n_batches)]
@@ -208,11 +223,9 @@ class BatchfixNet(nn.Module):
             out = self.decoder(mu, code).float()  # (B, G)
             total = total + (torch.softmax(out, -1) if self.cfg.likelihood == "nb" else out)
         mean = total / len(codes)
-        if self.cfg.likelihood == "gaussian":
-            return mean * self.gene_std + self.gene_mean
-        if present is not None:
+        if present is not None and self.cfg.likelihood == "nb":
             mean = mean / mean[:, present].sum(-1, keepdim=True)
-        return torch.log1p(mean * LIBRARY_SIZE)
+        return mean
 
     @torch.no_grad()
     def corrected(self, x: torch.Tensor, reference: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

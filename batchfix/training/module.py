@@ -17,9 +17,9 @@ import pytorch_lightning as pl
 import torch
 
 from batchfix.config import ModelConfig
+from batchfix.data.atomic import atomic_output
 from batchfix.data.genome import GeneCoordinates, LocusWindows, make_windows
-from batchfix.data.io import atomic_output
-from batchfix.errors import CheckpointError, TrainingError
+from batchfix.errors import CheckpointError, CheckpointFormatError, TrainingError
 from batchfix.nn.attention import EntropyMeter
 from batchfix.nn.network import BatchfixNet
 
@@ -199,6 +199,8 @@ def load_trained(path: str | Path) -> BatchfixModel:
     try:
         module = BatchfixModule(**checkpoint["hyper_parameters"])
         module.load_state_dict(checkpoint["state_dict"])
+    except CheckpointFormatError:
+        raise
     except (TypeError, RuntimeError, ValueError, KeyError) as err:
         raise CheckpointError(f"{path} does not match the batchfix model: {err}") from err
     module.eval()

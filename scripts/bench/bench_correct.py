@@ -56,13 +56,13 @@ def child(args) -> None:
     """Run the correction as the CLI does, printing progress lines for the parent."""
     import torch
 
-    from batchfix.correction import corrector
+    from batchfix.correction import writers
     from batchfix.training.module import load_trained
 
     torch.set_num_threads(args.threads)
     print(f"IMPORTS {time.time() - args.launched:.3f}", flush=True)
     started = time.perf_counter()
-    real_chunks = corrector.corrected_chunks
+    real_chunks = writers.corrected_chunks
 
     def reporting_chunks(*a, **k):
         print(f"LOOP {time.perf_counter() - started:.3f}", flush=True)
@@ -70,11 +70,11 @@ def child(args) -> None:
             yield item
             print(f"PROGRESS {item[1]} {time.perf_counter() - started:.3f}", flush=True)
 
-    corrector.corrected_chunks = reporting_chunks
+    writers.corrected_chunks = reporting_chunks
     try:
         settings = CorrectionSettings(chunk_size=args.chunk_size, batch_size=args.batch_size,
                                       regional_shift=args.regional_shift[0])
-        corrector.correct_file(args.child[0], args.child[1], load_trained(args.child[2]), settings, overwrite=True,
+        writers.correct_file(args.child[0], args.child[1], load_trained(args.child[2]), settings, overwrite=True,
                                 progress=False)
         print(f"DONE {time.perf_counter() - started:.3f}", flush=True)
     except KeyboardInterrupt:

@@ -1,0 +1,42 @@
+"""The values each choice option accepts (the one home of every choice list), and the checks that refuse
+the others with a message naming the option and what it accepts."""
+from __future__ import annotations
+
+import math
+
+from batchfix.errors import ConfigError
+
+GENOMES = ("GRCh38", "mm10")
+SCALES = ("counts", "log")
+UNPLACED_CHOICES = ("keep", "drop")
+ATTENTION_BACKENDS = ("guarded", "sdpa")
+POSITION_ENCODINGS = ("real", "shuffled", "none", "learned")
+TOKEN_IDENTITIES = ("learned", "coordinates")
+LIKELIHOODS = ("nb", "gaussian")
+PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
+STREAM_CHOICES = ("auto", "true", "false")
+OUTPUT_MODES = ("counterfactual", "denoised")
+REGIONAL_SHIFTS = ("apply", "keep", "keep_all", "keep_input")  # batchfix.correction.regional.RegionalShift
+REGIONAL_ORDERS = ("genome", "shuffled")
+SPREADS = ("batch", "gene")  # the counterfactual output's residual scale: one per batch | per gene and batch, shrunk
+NEIGHBOR_METHODS = ("auto", "exact", "approximate")  # how batchfix.eval.metrics finds the scores' neighbour graphs
+
+
+def one_of(option: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{option} must be one of {list(choices)}, got {value!r}.")
+
+
+def at_least(option: str, value, minimum, what: str = "") -> None:
+    if not (value >= minimum and math.isfinite(value)):  # NaN and inf are refused too
+        raise ConfigError(f"{option} must be >= {minimum}{what}, got {value!r}.")
+
+
+def within(option: str, value, low, high, high_open: bool = False) -> None:
+    if not (low <= value < high if high_open else low <= value <= high):  # False for NaN
+        raise ConfigError(f"{option} must be in [{low}, {high}{')' if high_open else ']'}, got {value!r}.")
+
+
+def non_empty(option: str, value) -> None:
+    if value is not None and not str(value).strip():
+        raise ConfigError(f"{option} must name something (got an empty string); use null to leave it unset.")

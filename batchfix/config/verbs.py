@@ -1,0 +1,232 @@
+"""Each verb's schema (`train`, `correct`, `evaluate`, `attention`), the correction, inference and evaluation
+options they share, and their registration in Hydra's ConfigStore."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+from batchfix.config.choices import (
+    NEIGHBOR_METHODS,
+    OUTPUT_MODES,
+    REGIONAL_ORDERS,
+    REGIONAL_SHIFTS,
+    SPREADS,
+    at_least,
+    non_empty,
+    one_of,
+    within,
+)
+from batchfix.config.groups import DataConfig, DataKeys, FitConfig, ModelConfig, TrainerConfig
+from batchfix.errors import ConfigError
+
+
+@dataclass
+class EvaluationOptions:
+    """How a corrected file is scored (`evaluation.*` of train and evaluate)."""
+
+    # Larger files are scored (scIB metrics and UMAP) on a subsample of this many cells, stratified by batch x label.
+    max_cells: int = 20000
+    # Neighbour graphs of the scores and UMAP: exact (brute force) | approximate (pynndescent, scib-metrics'
+    # default; compiled again by every process: 20-45 s) | auto (exact up to 50,000 scored cells, else approximate)
+    neighbors: str = "auto"
+
+    def __post_init__(self):
+        at_least("evaluation.max_cells", self.max_cells, 100)
+        one_of("evaluation.neighbors", self.neighbors, NEIGHBOR_METHODS)
+
+
+@dataclass
+class CorrectionOptions:
+    """How corrected expression is made, in `train`'s run folder and by `correct`."""
+
+    PREFIX: ClassVar[str] = "correction."  # how the options are named in messages
+    # counterfactual: each cell's own expression with only what its batch explains removed (for DE and
+    # markers; needs the batch column) | denoised: every cell decoded from its latent (clustering, pictures)
+    output_mode: str = "counterfactual"
+    reference: Optional[str] = None  # a training batch to express every cell as; null / average = all batches
+    key_added: str = "batchfix"  # writes layers[KEY], var[KEY_modelled], obsm[X_KEY], uns[KEY]
+    # Counterfactual output: what happens to the part of a cell's state-dependent batch shift that is smooth
+    # along the genome (copy-number-like: batchfix.correction.counterfactual): keep (its deviation from the
+    # batch's mean shift is left in the cell: a clone found in one batch keeps its CNVs) | apply (removed with
+    # the rest) | keep_all (its deviation from the mean shift over all cells: a batch-wide regional shift, e.g.
+    # a patient whose cells all carry one CNV, is kept too) | keep_input (the regional part of the whole change
+    # the output makes to the cell, beyond the mean change over all cells, is not made: each cell keeps its
+    # input's regional profile; the one that keeps a patient's CNVs whatever its batch's location and spread)
+    regional_shift: str = "keep"
+    regional_window: int = 100  # genes of the running mean along each chromosome that defines "regional"
+    # genome (neighbours along the real coordinates) | shuffled (ablation: a random gene order drawn with
+    # regional_seed, so "neighbours" are unrelated genes)
+    regional_order: str = "genome"
+    regional_seed: int = 0  # the random gene order of regional_order=shuffled
+    # The counterfactual output's residual scale k: batch = one spread per batch | gene = a spread per gene and
+    # batch, shrunk toward the batch's level (empirical Bayes, as ComBat's scale; docs/genewise_spread.md)
+    spread: str = "batch"
+    # Counterfactual output: the share of the decoder's state dependence of the batch shift that is applied.
+    # 1 = all of it (each cell's own shift decoded_ref(z) - decoded_b(z)); 0 = its mean over the batch's cells
+    # in the input, one shift per gene and batch, as ComBat's; between = mean + weight * (cell - mean).
+    # Lower keeps DE ranks and markers closer to the input's, at a cost in mixing (docs/genewise_spread.md)
+    state_dependence: float = 1.0
+    # Counterfactual output: the share of each cell's residual (its own deviation from what the decoder expects in
+    # its batch) that is kept, on top of the spread k_b. 1 = all of it; 0 = none: the denoised output (decoded as
+    # the reference) plus the reference's location; between trades within-type neighbours and HVGs for mixing and
+    # clustering scores (docs/genewise_spread.md)
+    residual_weight: float = 1.0
+    # Corrected counts: the seed of each count's randomised quantile (a counter-based draw per seed, cell and gene:
+    # the same counts for the same input in every run, streamed or in memory)
+    seed: int = 0
+
+    def __post_init__(self):
+        within(f"{self.PREFIX}seed", self.seed, 0, 2**32 - 1)
+        one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
+        one_of(f"{self.PREFIX}spread", self.spread, SPREADS)
+        one_of(f"{self.PREFIX}regional_shift", self.regional_shift, REGIONAL_SHIFTS)
+        one_of(f"{self.PREFIX}regional_order", self.regional_order, REGIONAL_ORDERS)
+        at_least(f"{self.PREFIX}regional_window", self.regional_window, 2)
+        within(f"{self.PREFIX}state_dependence", self.state_dependence, 0.0, 1.0)
+        within(f"{self.PREFIX}residual_weight", self.residual_weight, 0.0, 1.0)
+        within(f"{self.PREFIX}regional_seed", self.regional_seed, 0, 2**32 - 1)
+        non_empty(f"{self.PREFIX}reference", self.reference)
+        if self.key_added is None or not str(self.key_added).strip():
+            raise ConfigError(f"{self.PREFIX}key_added must be a non-empty name, got {self.key_added!r}.")
+        if "/" in self.key_added:
+            raise ConfigError(f"{self.PREFIX}key_added must not contain '/', got {self.key_added!r}.")
+
+
+@dataclass
+class InferenceOptions:
+    """How many cells correction handles at a time."""
+
+    chunk_size: int = 4096  # cells read, corrected and written at a time (memory grows with it)
+    # Cells per forward pass: on CPU the attention over ~60 locus tokens runs 2-4x faster per cell in
+    # batches of 64-128 than of thousands (its (cells, heads, tokens, tokens) scores stay in cache).
+    batch_size: int = 128
+    max_missing_fraction: float = 0.2  # refuse when more of the model's genes than this are missing
+    # Dynamically quantized int8 linear layers (CPU): corrected values move slightly, and it was not faster on the
+    # default model (docs/benchmarks.md, INT8).
+    int8: bool = False
+
+    def __post_init__(self):
+        at_least("chunk_size", self.chunk_size, 1)
+        at_least("batch_size", self.batch_size, 1)
+        within("max_missing_fraction", self.max_missing_fraction, 0.0, 1.0)
+
+
+@dataclass
+class CorrectionSettings(CorrectionOptions, InferenceOptions):
+    """Everything the correction core needs besides the data and the model."""
+
+    PREFIX: ClassVar[str] = ""
+
+    def __post_init__(self):
+        CorrectionOptions.__post_init__(self)
+        InferenceOptions.__post_init__(self)
+
+
+@dataclass
+class TrainConfig:
+    """`python -m batchfix train`: fit a model, write model.ckpt, corrected.h5ad and metrics.json."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    fit: FitConfig = field(default_factory=FitConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    correction: CorrectionOptions = field(default_factory=CorrectionOptions)
+    evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
+    seed: int = 0  # 0 .. 2**32 - 1 (what numpy accepts)
+    threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
+    resume: Optional[str] = None  # a previous run folder: continue from its checkpoints/last.ckpt
+    overwrite: bool = False  # train into a run folder that holds a run: its outputs and checkpoints are deleted first
+    evaluate: bool = True  # score batch mixing into metrics.json when data.label_key is set
+
+    def __post_init__(self):
+        within("seed", self.seed, 0, 2**32 - 1)
+        if self.threads is not None:
+            at_least("threads", self.threads, 1, " (or null: all cores)")
+        non_empty("resume", self.resume)
+        if self.data.scale == "counts" and self.model.likelihood == "gaussian":
+            raise ConfigError("model.likelihood=gaussian is for log-scale input: set data.scale=log as well.")
+
+
+@dataclass
+class CorrectConfig(CorrectionSettings):
+    """`python -m batchfix correct`: add corrected expression to an .h5ad with a trained checkpoint."""
+
+    input: Optional[str] = None  # .h5ad to correct; null = the bundled dataset
+    output: Optional[str] = None  # null = <input name>.corrected.h5ad in the working folder
+    checkpoint: Optional[str] = None  # a run folder's model.ckpt
+    counts_layer: Optional[str] = None  # the layer holding raw counts; X = the X matrix; null = as in training
+    batch_key: Optional[str] = None  # obs column of each cell's batch (counterfactual); null = as in training
+    all_batches_new: bool = False  # accept an input none of whose batches the model was trained on
+    overwrite: bool = False  # replace an existing output
+    progress: bool = True  # progress bar (cells/s) on stderr
+    threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("input", "output", "counts_layer", "batch_key"):
+            non_empty(name, getattr(self, name))
+        if not self.checkpoint or not str(self.checkpoint).strip():
+            raise ConfigError("correct needs checkpoint=<run folder>/model.ckpt.")
+        if self.threads is not None:
+            at_least("threads", self.threads, 1, " (or null: all cores)")
+
+
+@dataclass
+class EvaluateConfig:
+    """`python -m batchfix evaluate`: score a corrected file's batch mixing and biology conservation."""
+
+    input: Optional[str] = None  # a corrected .h5ad; null = the bundled dataset
+    data: DataKeys = field(default_factory=DataKeys)  # counts_layer: the uncorrected counts to compare with
+    key_added: str = CorrectionOptions.key_added  # the key the correction was written under
+    evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
+    overwrite: bool = False  # replace the metrics of a run folder (or an earlier evaluation's) evaluated into
+
+    def __post_init__(self):
+        non_empty("input", self.input)
+        if not self.key_added or not str(self.key_added).strip():
+            raise ConfigError(f"key_added must be a non-empty name, got {self.key_added!r}.")
+
+
+@dataclass
+class AttentionConfig:
+    """`python -m batchfix attention`: mean attention between loci along the genome, per group of cells."""
+
+    input: Optional[str] = None  # .h5ad whose cells are encoded; null = the bundled dataset
+    checkpoint: Optional[str] = None  # a run folder's model.ckpt
+    output: Optional[str] = None  # folder for attention.png and attention.npz; null = <input name>.attention
+    group_by: Optional[str] = DataKeys.batch_key  # obs column: one map per value; null = all cells together
+    counts_layer: Optional[str] = None  # null = X; else the layer holding raw counts
+    max_cells: Optional[int] = 2000  # cells drawn at random (seed 0) to average over; null = every cell
+    resolution: int = 256  # loci per axis at most: beyond it neighbouring tokens are averaged into bins
+    batch_size: int = InferenceOptions.batch_size  # cells per forward pass
+    max_missing_fraction: float = InferenceOptions.max_missing_fraction  # refuse when more model genes are missing
+    overwrite: bool = False  # replace existing attention.png / attention.npz
+    threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
+
+    def __post_init__(self):
+        for name in ("input", "output", "group_by", "counts_layer"):
+            non_empty(name, getattr(self, name))
+        if not self.checkpoint or not str(self.checkpoint).strip():
+            raise ConfigError("attention needs checkpoint=<run folder>/model.ckpt.")
+        if self.max_cells is not None:
+            at_least("max_cells", self.max_cells, 1, " (or null: every cell)")
+        at_least("resolution", self.resolution, 2)
+        at_least("batch_size", self.batch_size, 1)
+        within("max_missing_fraction", self.max_missing_fraction, 0.0, 1.0)
+        if self.threads is not None:
+            at_least("threads", self.threads, 1, " (or null: all cores)")
+
+
+SCHEMAS = {"train": TrainConfig, "correct": CorrectConfig, "evaluate": EvaluateConfig, "attention": AttentionConfig}
+GROUP_SCHEMAS = {"data": DataConfig, "model": ModelConfig, "fit": FitConfig, "trainer": TrainerConfig}
+
+
+def register_schemas() -> None:
+    """Put every schema in Hydra's ConfigStore: `<verb>_schema` for the verbs, `<group>/schema` for groups."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for verb, schema in SCHEMAS.items():
+        store.store(name=f"{verb}_schema", node=schema)
+    for group, schema in GROUP_SCHEMAS.items():
+        store.store(group=group, name="schema", node=schema)

@@ -1,0 +1,140 @@
+"""Corrected counts: each observed count moved from its batch's negative binomial to the reference's.
+
+For a cell c of batch b and a gene g, the model gives the count's distribution in the cell's own batch,
+NB(m_b, theta_b) with m_b = the decoder's mean fraction x the cell's library, and the applied log-mean shift s
+(the decoder's log(mean_ref / mean_b) after every correction option), so the reference's distribution at the same
+library is NB(m_b * exp(s), theta_ref). The observed count y is mapped to the same quantile of the reference's
+distribution (ComBat-seq's mapping, here with the model's means):
+
+    u  ~ U(F_b(y - 1), F_b(y))         a randomised probability integral transform (PIT)
+    y' = F_ref^-1(u)
+
+- The draw u comes from a counter-based generator keyed by (seed, cell, gene): the cell's row and the gene's
+  column in the file, so streamed, in-memory and repeated runs give the same counts.
+- The cell's library is kept: a cell without counts keeps none, and a count's scale is its own cell's depth.
+- Where y's lower tail probability F_b(y - 1) passes one half, the survival functions are used instead (float64):
+  a large count's quantile is not lost to rounding 1 - F near 1.
+- A zero in the cell's own batch becomes positive only where the reference expects the gene more often than the
+  cell's batch does, and with the probability the two distributions give: P(y' > 0 | y = 0) =
+  max(0, 1 - F_ref(0) / F_b(0)).
+
+The dispersions: theta_b per batch and gene is calibrated after the fit (`DispersionSums`, shrunk toward the
+model's shared theta_g); the reference's is theta_g for the average reference and the batch's own for a named one.
+"""
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats
+
+SPLITMIX_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+# Prior weight of the model's shared dispersion in a batch's calibrated one, in cells (the counts analogue of
+# the inverse-gamma shrinkage of correction.spread=gene: a batch of few cells keeps about theta_g).
+DISPERSION_PRIOR_CELLS = 20.0
+MIN_THETA, MAX_THETA = 1e-3, 1e4  # theta above MAX_THETA is Poisson for any count a cell holds
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function on uint64 values (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def counter_uniform(seed: int, cells: np.ndarray, genes: np.ndarray) -> np.ndarray:
+    """(len(cells), len(genes)) uniforms in (0, 1), each a function of (seed, cell, gene) alone."""
+    with np.errstate(over="ignore"):
+        key = _splitmix64(np.uint64(seed) * SPLITMIX_GAMMA + np.asarray(cells, dtype=np.uint64) + SPLITMIX_GAMMA)
+        mixed = _splitmix64(key[:, None] ^ (_splitmix64(np.asarray(genes, dtype=np.uint64) + SPLITMIX_GAMMA)[None, :]))
+    return ((mixed >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+
+
+def _nb(mean: np.ndarray, theta: np.ndarray):
+    """scipy's negative binomial with mean `mean` and inverse dispersion `theta`."""
+    return stats.nbinom(theta, theta / (theta + mean))
+
+
+def quantile_map(y: np.ndarray, own_mean: np.ndarray, ref_mean: np.ndarray, own_theta: np.ndarray,
+                 ref_theta: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Counts y (flat float64) moved from NB(own_mean, own_theta) to the same randomised quantile of
+    NB(ref_mean, ref_theta); u: the uniforms (flat). Entries that stay 0 are settled without the NB's inverse."""
+    out = np.zeros_like(y)
+    zero = y == 0
+    own_zero = np.power(own_theta / (own_theta + own_mean), own_theta)  # F_b(0)
+    ref_zero = np.power(ref_theta / (ref_theta + ref_mean), ref_theta)  # F_ref(0)
+    # A zero's PIT is u * F_b(0); it stays 0 where that is within F_ref(0).
+    moved = ~zero | (u * own_zero > ref_zero)
+    if not moved.any():
+        return out
+    yy, um = y[moved], u[moved]
+    own = _nb(own_mean[moved], own_theta[moved])
+    lower = np.where(yy > 0, own.cdf(yy - 1), 0.0)
+    upper_tail = lower > 0.5
+    result = np.empty_like(yy)
+    if (~upper_tail).any():
+        low = lower[~upper_tail]
+        prob = low + um[~upper_tail] * (own.cdf(yy)[~upper_tail] - low)
+        result[~upper_tail] = _nb(ref_mean[moved][~upper_tail], ref_theta[moved][~upper_tail]).ppf(prob)
+    if upper_tail.any():
+        survive_low = own.sf(yy)[upper_tail]  # 1 - F_b(y)
+        survive = survive_low + um[upper_tail] * (own.sf(yy - 1)[upper_tail] - survive_low)
+        result[upper_tail] = _nb(ref_mean[moved][upper_tail], ref_theta[moved][upper_tail]).isf(survive)
+    out[moved] = np.where(np.isfinite(result), result, yy)  # a probability rounded to 0 or 1: the count kept
+    return out
+
+
+class DispersionSums:
+    """Per-gene sums for one batch's dispersion by moments against the model's means: Var(y) = m + m^2 / theta.
+
+    excess = sum (y - m)^2 - m, and mean_sq = sum m^2 over the batch's cells; the calibrated 1 / theta is their
+    ratio, shrunk toward the model's shared 1 / theta_g with DISPERSION_PRIOR_CELLS cells' weight (`theta`).
+    """
+
+    def __init__(self, n_genes: int):
+        self.n_cells = 0
+        self.excess = np.zeros(n_genes)
+        self.mean_sq = np.zeros(n_genes)
+
+    def add(self, counts: np.ndarray, mean: np.ndarray) -> None:
+        counts, mean = counts.astype(np.float64, copy=False), mean.astype(np.float64, copy=False)
+        self.n_cells += counts.shape[0]
+        self.excess += (np.square(counts - mean) - mean).sum(axis=0)
+        self.mean_sq += np.square(mean).sum(axis=0)
+
+    def theta(self, shared_theta: np.ndarray) -> np.ndarray:
+        """(genes,) this batch's theta, shrunk toward `shared_theta`; the shared one itself below two cells."""
+        if self.n_cells < 2:
+            return np.asarray(shared_theta, dtype=np.float64).copy()
+        prior = DISPERSION_PRIOR_CELLS * self.mean_sq / self.n_cells  # the prior's weight on the mean_sq scale
+        dispersion = (np.maximum(self.excess, 0.0) + prior / shared_theta) / np.maximum(self.mean_sq + prior, 1e-300)
+        return np.clip(1.0 / np.maximum(dispersion, 1.0 / MAX_THETA), MIN_THETA, MAX_THETA)
+
+
+class UnseenCountSums:
+    """Per-gene sums over the cells of a batch the model never saw, against the average decoder's NB means m:
+    its own per-gene ratio r = sum y / sum m (the batch's mean is r m) and its dispersion around r m."""
+
+    def __init__(self, n_genes: int):
+        self.n_cells = 0
+        self.sums = {name: np.zeros(n_genes) for name in ("y", "y2", "ym", "m", "m2")}
+
+    def add(self, counts: np.ndarray, mean: np.ndarray) -> None:
+        counts, mean = counts.astype(np.float64, copy=False), mean.astype(np.float64, copy=False)
+        self.n_cells += counts.shape[0]
+        for name, values in (("y", counts), ("y2", counts * counts), ("ym", counts * mean), ("m", mean),
+                             ("m2", mean * mean)):
+            self.sums[name] += values.sum(axis=0)
+
+    def ratio(self) -> np.ndarray:
+        """(genes,) the batch's mean over the average decoder's; 1 where the decoder expects nothing."""
+        m = self.sums["m"]
+        return np.where(m > 0, self.sums["y"] / np.where(m > 0, m, 1.0), 1.0)
+
+    def dispersion(self) -> DispersionSums:
+        """The moments around r m: sum (y - r m)^2 - r m and sum (r m)^2, expanded from the sums."""
+        r, s = self.ratio(), self.sums
+        sums = DispersionSums(len(r))
+        sums.n_cells = self.n_cells
+        sums.excess = s["y2"] - 2 * r * s["ym"] + r * r * s["m2"] - r * s["m"]
+        sums.mean_sq = r * r * s["m2"]
+        return sums

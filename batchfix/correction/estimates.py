@@ -1,0 +1,141 @@
+"""What the counterfactual output estimates from the input's own cells before correcting them (`Corrector.prepare`).
+
+- Batches the model never saw: their location and spread (the log output), or their per-gene ratio to the
+  average decoder and their dispersion (the corrected counts), from one pass over their cells.
+- Every batch's mean shift, for correction.state_dependence < 1 and the regional shift: the mean of the decoder
+  term (log output) or of the log-mean shift (counts) over the batch's cells (keep) or over all cells (keep_all;
+  keep_input, whose whole change is on the log output's scale, splits the counts' shift as keep_all does).
+"""
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import numpy as np
+import torch
+
+from batchfix.correction import calibration, counterfactual, counts
+from batchfix.correction.regional import RegionalShift, genome_smoother
+
+log = logging.getLogger(__name__)
+
+
+def unseen_cells(corrector, rows, n_obs: int):
+    """(model input, codes) of the cells of unseen batches, chunk by chunk, in batches of the forward pass."""
+    n_training = corrector.batches.n_training
+    for start in range(0, n_obs, corrector.settings.chunk_size):
+        stop = min(start + corrector.settings.chunk_size, n_obs)
+        codes = corrector.batches.codes[start:stop]
+        picked = np.flatnonzero(codes >= n_training)
+        if len(picked):
+            x = corrector.model_input(rows.rows(start, stop)[picked], start)
+            for begin in range(0, len(picked), corrector.batch_size):
+                part = slice(begin, begin + corrector.batch_size)
+                yield x[part], codes[picked[part]]
+
+
+@torch.no_grad()
+def estimate_unseen(corrector, rows, n_obs: int) -> None:
+    """Set the corrector's `statistics` (log output) and, for the counts, its unseen batches' ratios and the
+    dispersion table of every batch code."""
+    n_training, n_genes = corrector.batches.n_training, len(corrector.trained.genes)
+    sums = [calibration.ResidualSums(n_genes) for _ in corrector.batches.unseen]
+    count_sums = [counts.UnseenCountSums(n_genes) for _ in corrector.batches.unseen]
+    net, present = corrector.net, corrector.present
+    for x, codes in unseen_cells(corrector, rows, n_obs) if sums else ():
+        mu, _ = net.encode(x)
+        r = (net.log_expression(x) - net.decoded(mu, None, present)).numpy()
+        mean = (net.mean_fractions(mu, None, present) * x[:, present].sum(-1, keepdim=True)).numpy()
+        for code in np.unique(codes):
+            sums[code - n_training].add(r[codes == code])
+            count_sums[code - n_training].add(x.numpy()[codes == code], mean[codes == code])
+    settings = corrector.settings
+    corrector.statistics = calibration.Statistics(corrector.trained.net, corrector.reference, sums, present.numpy(),
+                                                  settings.spread, settings.residual_weight)
+    if corrector.counts_output:
+        set_count_tables(corrector, count_sums)
+
+
+def set_count_tables(corrector, count_sums: list[counts.UnseenCountSums]) -> None:
+    """The corrector's unseen_ratio (unseen, G), theta (codes, G) and reference_theta (G,), float64."""
+    net = corrector.trained.net
+    shared = net.decoder.log_theta.detach().double().exp().numpy()
+    trained_theta = net.count_theta.double().numpy()
+    unseen_theta = [s.dispersion().theta(shared) for s in count_sums]
+    corrector.theta = np.vstack([trained_theta, *unseen_theta]) if unseen_theta else trained_theta
+    ratios = [s.ratio() for s in count_sums]
+    corrector.unseen_ratio = torch.as_tensor(np.stack(ratios) if ratios else np.ones((0, net.n_genes)),
+                                             dtype=torch.float32)
+    corrector.reference_theta = shared if corrector.reference is None else trained_theta[corrector.reference]
+
+
+def batch_terms(corrector, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, whole: bool):
+    """(the term whose batch means are estimated, the whole change or None) for one forward batch: the decoder
+    term and, with `whole`, the floored output's change (log output); the log-mean shift (counts)."""
+    code_tensor = torch.from_numpy(codes)
+    if corrector.counts_output:
+        shift, _ = counterfactual.log_mean_shift(corrector.net, mu, code_tensor, corrector.reference,
+                                                 corrector.present, corrector.unseen_ratio)
+        return shift.numpy(), None
+    values, decoder, observed, _ = counterfactual.output_terms(
+        corrector.net, x, mu, code_tensor, corrector.reference, corrector.statistics, corrector.present)
+    return decoder.numpy(), (values.clamp_min(0.0) - observed).numpy() if whole else None
+
+
+@torch.no_grad()
+def estimate_mean_shift(corrector, rows, n_obs: int, regional: bool) -> None:
+    """Each batch code's mean term over its cells (for state_dependence, counterfactual.StateShrink) and, with
+    `regional`, the mean that regional_shift splits against (RegionalShift). The cells' latents are kept
+    (`corrector.latents`), so the correction decodes them without encoding again."""
+    n_codes = corrector.batches.n_training + len(corrector.batches.unseen)
+    mode = corrector.settings.regional_shift if regional else "apply"
+    whole = mode == "keep_input" and not corrector.counts_output
+    term_sums = np.zeros((n_codes, len(corrector.trained.genes)))
+    change_sums = np.zeros_like(term_sums)  # keep_input only
+    n_cells = np.zeros(n_codes, dtype=np.int64)
+    corrector.latents = np.empty((n_obs, corrector.latent_dim), dtype=np.float32)
+    for start in range(0, n_obs, corrector.settings.chunk_size):
+        stop = min(start + corrector.settings.chunk_size, n_obs)
+        x = corrector.model_input(rows.rows(start, stop), start)
+        for begin in range(0, stop - start, corrector.batch_size):
+            codes = corrector.batches.codes[start + begin:start + min(begin + corrector.batch_size, stop - start)]
+            part = x[begin:begin + len(codes)]
+            mu, _ = corrector.net.encode(part)  # (B, latent)
+            corrector.latents[start + begin:start + begin + len(codes)] = mu.numpy()
+            term, change = batch_terms(corrector, part, mu, codes, whole)
+            for code in np.unique(codes[codes >= 0]):
+                term_sums[code] += term[codes == code].sum(axis=0)
+                if change is not None:
+                    change_sums[code] += change[codes == code].sum(axis=0)
+                n_cells[code] += int((codes == code).sum())
+    set_mean_shift(corrector, term_sums, change_sums if whole else term_sums, n_cells, mode, regional)
+
+
+def set_mean_shift(corrector, term_sums: np.ndarray, split_sums: np.ndarray, n_cells: np.ndarray, mode: str,
+                   regional: bool) -> None:
+    """The corrector's `state` and `regional` from the per-code sums (`estimate_mean_shift`)."""
+    settings, n_codes = corrector.settings, len(n_cells)
+    estimated = n_cells >= calibration.MIN_UNSEEN_CELLS
+    small = [corrector.batch_name(c) for c in np.flatnonzero(~estimated & (n_cells > 0))]
+    unmet = [what for what, needed in (
+        ("keep no regional part of their shift (regional_shift=keep)", mode == "keep"),
+        ("get all of its state dependence (state_dependence < 1)", settings.state_dependence < 1)) if needed]
+    if small and unmet:
+        log.warning("Batches with fewer than %d cells in the input have no mean shift of their own; their cells "
+                    "%s: %s", calibration.MIN_UNSEEN_CELLS, " and ".join(unmet), small)
+    batch_mean = term_sums / np.maximum(n_cells, 1)[:, None]  # (codes, G)
+    as_tensor = partial(torch.as_tensor, dtype=torch.float32)
+    if settings.state_dependence < 1:
+        corrector.state = counterfactual.StateShrink(float(settings.state_dependence), as_tensor(batch_mean),
+                                                     as_tensor(estimated))
+    if not regional:
+        return
+    if mode == "keep":
+        mean_shift = batch_mean
+    else:  # one mean over every cell, for every batch
+        mean_shift = np.repeat(split_sums.sum(axis=0, keepdims=True) / max(n_cells.sum(), 1), n_codes, axis=0)
+        estimated = np.full(n_codes, n_cells.sum() >= calibration.MIN_UNSEEN_CELLS)
+    smoother = genome_smoother(list(corrector.trained.module.hparams.chromosome), settings.regional_order,
+                               settings.regional_window, settings.regional_seed)
+    corrector.regional = RegionalShift(smoother, as_tensor(mean_shift), as_tensor(estimated),
+                                       whole=mode == "keep_input" and not corrector.counts_output)

@@ -1,0 +1,38 @@
+"""The output layers of one chunk of cells, as CSR rows of the input's full width.
+
+- counts: the corrected counts in the corrected genes' columns, every other gene's count as in the input.
+- log: for the counts, normalize_total over all genes (to LIBRARY_SIZE per cell) + log1p of those counts, so it
+  sits beside the user's own normalised X; for the denoised and the log-scale outputs, their values in the
+  modelled genes' columns (every modelled gene stored in every cell, other genes hold no entries).
+"""
+from __future__ import annotations
+
+import numpy as np
+import scipy.sparse as sp
+
+from batchfix.data.normalize import log_cp10k
+
+# What a layer holds, for uns[key]['layers'] (the keys are OutputKeys' names of the layers)
+LOG_TRANSFORM = "normalize_total(target_sum=1e4) over all genes, then log1p"
+
+
+def count_layers(chunk, corrected: np.ndarray, columns: np.ndarray, corrected_mask: np.ndarray) -> dict:
+    """{'counts', 'log'} CSR (cells, genes) float32: the chunk's counts with the `columns` (sorted) replaced by
+    `corrected` (cells, len(columns)), and their log layer."""
+    raw = sp.csr_matrix(chunk, dtype=np.float32)
+    kept = raw @ sp.diags((~corrected_mask).astype(np.float32))  # the other genes' counts as they are
+    n_cells = corrected.shape[0]
+    replaced = sp.csr_matrix((corrected.astype(np.float32).ravel(), np.tile(columns, n_cells),
+                              np.arange(n_cells + 1) * len(columns)), shape=raw.shape)
+    counts = sp.csr_matrix(kept + replaced, dtype=np.float32)
+    counts.eliminate_zeros()
+    counts.sort_indices()
+    log = sp.csr_matrix(log_cp10k(counts), dtype=np.float32)
+    return {"counts": counts, "log": log}
+
+
+def modelled_layer(values: np.ndarray, columns: np.ndarray, n_vars: int) -> sp.csr_matrix:
+    """(cells, n_vars) CSR holding `values` (cells, len(columns)) in the sorted `columns` of every row."""
+    n_cells = values.shape[0]
+    return sp.csr_matrix((values.ravel(), np.tile(columns, n_cells), np.arange(n_cells + 1) * len(columns)),
+                         shape=(n_cells, n_vars), copy=False)

@@ -1,0 +1,217 @@
+"""Writers: an AnnData in memory (`correct_adata`, the notebook API) or an .h5ad streamed to a new file
+(`correct_file`, the CLI and `train`'s corrected.h5ad), from one chunked core (`Corrector`, `corrected_chunks`),
+so they give the same numbers.
+
+What is added (key = key_added, default 'batchfix'; uns[key]['layers'] says what each layer holds):
+
+- The NB model's counterfactual output (the default): layers[f'{key}_counts'], corrected counts of the full
+  width (the modelled genes' counts moved to the reference's distribution, batchfix.correction.counts; every other
+  gene's count as in the input), and layers[key], normalize_total over all genes + log1p of those counts, both CSR.
+- The denoised output, and the counterfactual output of a log-scale model: layers[key] only, values in the
+  modelled genes' columns (every modelled gene in every cell; other genes hold no entries).
+- var[f'{key}_modelled'] (the genes the model reads) and var[f'{key}_corrected'] (the genes whose values the
+  correction changed), obsm[f'X_{key}'] (the latent, float32) and uns[key] (provenance: batchfix.correction.
+  provenance).
+
+The streamed writer reads the input a chunk of cells at a time (X or a layer, dense or CSR) and writes the new
+entries chunk by chunk into a copy of the input's other groups, so memory stays bounded by the chunk size. The
+input is opened read-only and never modified; the output appears (atomically) only once complete.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import anndata as ad
+import h5py
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+from batchfix.config import CorrectionSettings
+from batchfix.correction.corrector import Corrector, corrected_chunks
+from batchfix.correction.provenance import for_hdf5, provenance
+from batchfix.data import ondisk
+from batchfix.data.atomic import atomic_output, output_exists
+from batchfix.data.io import OutputKeys, check_h5ad_path, select_matrix
+from batchfix.errors import InputError
+from batchfix.training.module import BatchfixModel
+
+log = logging.getLogger(__name__)
+
+
+def layer_names(keys: OutputKeys) -> dict[str, str]:
+    """layers[...] key of each kind of layer the corrector makes."""
+    return {"log": keys.layer, "counts": keys.counts}
+
+
+def source_name(counts_layer: str | None) -> str:
+    return "X" if counts_layer is None else f"layers['{counts_layer}']"
+
+
+def data_keys(trained: BatchfixModel, batch_key: str | None, counts_layer: str | None) -> tuple[str, str | None]:
+    """(batch_key, counts_layer) to correct with: the caller's, else those the model was trained with
+    (counts_layer 'X' names the X matrix)."""
+    saved = trained.data_options
+    batch_key = saved["batch_key"] if batch_key is None else batch_key
+    counts_layer = saved["counts_layer"] if counts_layer is None else counts_layer
+    return batch_key, None if counts_layer == "X" else counts_layer
+
+
+def cell_batches(values: pd.Series | None, batch_key: str, columns: list[str], training_batches: list[str],
+                 all_batches_new: bool = False) -> np.ndarray:
+    """Each cell's batch (strings) for the counterfactual output, or an error naming the obs columns; an input
+    none of whose batches the model was trained on is refused (a wrong column?) unless all_batches_new."""
+    if values is None:
+        raise InputError(f"output_mode=counterfactual needs each cell's batch, but obs has no column '{batch_key}'. "
+                         f"Columns present: {columns or '(none)'}. Set batch_key=<column>, or use "
+                         "output_mode=denoised (which does not need it).")
+    if values.isna().any():
+        raise InputError(f"obs column '{batch_key}' has {int(values.isna().sum())} missing values; every cell needs "
+                         "its batch for output_mode=counterfactual.")
+    batch = values.astype(str).to_numpy()
+    found = pd.unique(batch)
+    if not all_batches_new and len(found) and not set(found) & set(training_batches):
+        raise InputError(f"None of the {len(found)} values of obs column '{batch_key}' (e.g. {sorted(found)[:3]}) is "
+                         f"a batch the model was trained on ({training_batches}). Is batch_key the column of the "
+                         f"batches? obs columns: {columns}. If every batch is new to the model, set "
+                         "all_batches_new=true.")
+    return batch
+
+
+def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
+                  counts_layer: str | None = None, batch_key: str | None = None, copy: bool = False,
+                  progress: bool = False, all_batches_new: bool = False) -> ad.AnnData | None:
+    """Add corrected expression to an in-memory AnnData, scanpy style (what is added: this module's docstring).
+
+    obs[batch_key] is read for output_mode=counterfactual; batch_key and counts_layer default to the model's
+    (`data_keys`). `adata` is left unchanged when an error is raised. Returns the corrected copy when copy=True,
+    else None.
+    """
+    batch_key, counts_layer = data_keys(trained, batch_key, counts_layer)
+    matrix = select_matrix(adata, counts_layer, option="counts_layer")
+    batch = None
+    if settings.output_mode == "counterfactual":
+        batch = cell_batches(adata.obs[batch_key] if batch_key in adata.obs else None, batch_key,
+                             list(map(str, adata.obs.columns)), trained.batch_categories, all_batches_new)
+    corrector = Corrector(trained, adata.var_names, settings, source_name(counts_layer), batch, batch_key)
+    rows = ondisk.InMemoryRows(matrix)
+    n_obs = adata.n_obs
+    corrector.prepare(rows, n_obs)
+    latent = np.empty((n_obs, corrector.latent_dim), dtype=np.float32)
+    pieces: dict[str, list] = {}
+    for start, stop, mu, chunk_layers in corrected_chunks(corrector, rows, n_obs, settings.chunk_size, progress):
+        latent[start:stop] = mu
+        for kind, matrix_rows in chunk_layers.items():
+            pieces.setdefault(kind, []).append(matrix_rows)
+    corrector.check_empty_cells(n_obs)
+    info = provenance(corrector)
+
+    keys = OutputKeys(settings.key_added)
+    adata = adata.copy() if copy else adata
+    for kind, parts in pieces.items():
+        adata.layers[layer_names(keys)[kind]] = sp.vstack(parts, format="csr")
+    adata.obsm[keys.latent] = latent
+    adata.var[keys.modelled] = corrector.modelled_mask
+    adata.var[keys.corrected] = corrector.modelled_mask
+    adata.uns[keys.uns] = info
+    return adata if copy else None
+
+
+def open_input(input_path: str | Path, output_path: str | Path, overwrite: bool) -> tuple[Path, Path]:
+    """(input, output) paths, checked: the input an .h5ad, the output neither the input, a folder nor (unless
+    overwrite) an existing file."""
+    source = check_h5ad_path(input_path)
+    target = Path(output_path).expanduser()
+    if target.exists() and target.samefile(source):
+        raise InputError(f"The output {target} is the input file; write the corrected file elsewhere.")
+    if target.is_dir():
+        raise InputError(f"The output {target} is a folder; name an .h5ad file.")
+    if target.exists() and not overwrite:
+        raise output_exists(target)
+    return source, target
+
+
+class CsrAppender:
+    """A CSR matrix in an open .h5ad (anndata's encoding), written a block of rows at a time; the number of
+    stored values need not be known in advance."""
+
+    def __init__(self, group: h5py.Group, name: str, shape: tuple[int, int]):
+        csr = group.create_group(name)
+        csr.attrs.update(ondisk.CSR_ENCODING)
+        csr.attrs["shape"] = np.array(shape, dtype=np.int64)
+        position = ondisk.index_dtype(shape[0] * shape[1], shape[1])
+        block = max(1, ondisk.CHUNK_BYTES // 4)
+        self.data = csr.create_dataset("data", shape=(0,), maxshape=(None,), dtype=np.float32, chunks=(block,))
+        self.indices = csr.create_dataset("indices", shape=(0,), maxshape=(None,), dtype=position, chunks=(block,),
+                                          **ondisk.INDEX_COMPRESSION)
+        self.indptr = csr.create_dataset("indptr", shape=(shape[0] + 1,), dtype=position)
+        self.indptr[0] = 0
+        self.n_rows = self.n_stored = 0
+
+    def append(self, rows: sp.csr_matrix) -> None:
+        stop = self.n_stored + rows.nnz
+        self.data.resize((stop,))
+        self.indices.resize((stop,))
+        self.data[self.n_stored:stop] = rows.data
+        self.indices[self.n_stored:stop] = rows.indices
+        self.indptr[self.n_rows + 1:self.n_rows + rows.shape[0] + 1] = self.n_stored + rows.indptr[1:]
+        self.n_rows, self.n_stored = self.n_rows + rows.shape[0], stop
+
+
+def correct_file(input_path: str | Path, output_path: str | Path, trained: BatchfixModel,
+                 settings: CorrectionSettings, counts_layer: str | None = None, batch_key: str | None = None,
+                 overwrite: bool = False, progress: bool = True, all_batches_new: bool = False) -> Path:
+    """Correct an .h5ad into a new .h5ad, streaming chunks of cells (memory bounded by chunk_size).
+
+    The output is the input's content (X, layers, obs, var, obsm, obsp, varm, varp, uns, raw: copied
+    with h5py, storage settings kept) plus what `correct_adata` adds, written into a temporary file
+    beside `output_path` and renamed into place when complete. An existing output is refused
+    unless overwrite=True. The input is opened read-only.
+    """
+    source, target = open_input(input_path, output_path, overwrite)
+    batch_key, counts_layer = data_keys(trained, batch_key, counts_layer)
+    with ondisk.open_anndata(source) as src:
+        var_names = ondisk.read_var_names(src)
+        n_obs = ondisk.n_obs_of(src)
+        rows = ondisk.open_rows(ondisk.matrix_element(src, counts_layer))
+        if rows.shape != (n_obs, len(var_names)):
+            raise InputError(f"{source}: the matrix is {rows.shape} but obs x var is {(n_obs, len(var_names))}.")
+        batch = None
+        if settings.output_mode == "counterfactual":
+            batch = cell_batches(ondisk.read_obs_column(src, batch_key), batch_key, ondisk.obs_columns(src),
+                                 trained.batch_categories, all_batches_new)
+        corrector = Corrector(trained, var_names, settings, source_name(counts_layer), batch, batch_key)
+        corrector.prepare(rows, n_obs)
+        with atomic_output(target, overwrite) as tmp, h5py.File(tmp, "w") as dst:
+            write_streamed(src, dst, corrector, rows, n_obs, progress)
+    log.info("Wrote %s (%d cells; layers %s (%s) with %d corrected genes, %d missing; reference: %s).", target,
+             n_obs, list(provenance_layers(corrector)), settings.output_mode, corrector.n_out,
+             len(corrector.missing_genes), corrector.reference_name)
+    return target
+
+
+def provenance_layers(corrector: Corrector) -> list[str]:
+    keys = OutputKeys(corrector.settings.key_added)
+    return [keys.counts, keys.layer] if corrector.counts_output else [keys.layer]
+
+
+def write_streamed(src: h5py.File, dst: h5py.File, corrector: Corrector, rows, n_obs: int, progress: bool) -> None:
+    """The input's content and the correction's new entries, chunk by chunk, into the open output."""
+    settings = corrector.settings
+    keys = OutputKeys(settings.key_added)
+    names = layer_names(keys)
+    ondisk.copy_file_except(src, dst, top_skip={"var"},
+                            skip={"layers": set(names.values()), "obsm": {keys.latent}, "uns": {keys.uns}})
+    ondisk.replace_var_columns(src, dst, {keys.modelled: corrector.modelled_mask,
+                                          keys.corrected: corrector.modelled_mask})
+    shape = (n_obs, corrector.n_vars)
+    kinds = ["counts", "log"] if corrector.counts_output else ["log"]
+    writers = {kind: CsrAppender(dst["layers"], names[kind], shape) for kind in kinds}
+    latent = ondisk.create_array(dst["obsm"], keys.latent, (n_obs, corrector.latent_dim))
+    for start, stop, mu, chunk_layers in corrected_chunks(corrector, rows, n_obs, settings.chunk_size, progress):
+        latent[start:stop] = mu
+        for kind, matrix_rows in chunk_layers.items():
+            writers[kind].append(matrix_rows)
+    corrector.check_empty_cells(n_obs)  # an input of empty cells leaves no output
+    ondisk.write_uns_entry(dst, keys.uns, for_hdf5(provenance(corrector)))

@@ -1,0 +1,149 @@
+"""Atomic whole-file writes: a temporary file in the destination folder, then a rename (or a hard link, which
+never replaces a file), so a crash never leaves a partial output; what killed writers left is cleaned up."""
+from __future__ import annotations
+
+import errno
+import glob
+import logging
+import os
+import re
+import socket
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from batchfix import signals
+from batchfix.errors import OutputError, OutputExistsError, UserError
+
+log = logging.getLogger(__name__)
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(target: Path) -> None:
+    """Delete the temporary files that killed writers of `target` left beside it.
+
+    A temporary file is named `.<target name>.batchfix-<host>-<pid>-<random>.tmp`: it is deleted only when
+    written on this host by a process that no longer runs. Others (a writer still running, another host,
+    an unknown owner) are left in place and named in a warning.
+    """
+    ours = re.compile(rf"\.{re.escape(target.name)}\.batchfix-(?P<host>\w*)-(?P<pid>\d+)-\w+\.tmp")
+    for path in sorted(target.parent.glob(f".{glob.escape(target.name)}.*.tmp")):
+        match = ours.fullmatch(path.name)
+        if match and match["host"] == _host() and not _alive(int(match["pid"])):
+            path.unlink(missing_ok=True)
+            log.warning("Removed %s, a temporary file left by a writer that was stopped (process %s).",
+                        path, match["pid"])
+        else:
+            owner = f"process {match['pid']} on {match['host']}" if match else "an unknown writer"
+            log.warning("Left %s in place: a temporary file of %s, which may still be writing it; delete it "
+                        "if it is not.", path, owner)
+
+
+def cannot_write(target: Path, err: OSError) -> OutputError:
+    return OutputError(f"Cannot write the output {target}: {err.strerror or err} "
+                       f"({type(err).__name__}); choose a writable folder with free space.")
+
+
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG,
+                errno.ENOTDIR, errno.EEXIST, errno.EISDIR}
+
+
+def _temporary(target: Path) -> Path:
+    """A new empty temporary file beside `target` (its folder made if needed), named after this host and process."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(target)
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.batchfix-{_host()}-{os.getpid()}-", suffix=".tmp",
+                                    dir=target.parent)
+    except OSError as err:
+        raise cannot_write(target, err) from None
+    os.close(fd)
+    return Path(name)
+
+
+@contextmanager
+def atomic_output(target: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a temporary path beside `target`; on success move it to `target`, on any failure delete it.
+
+    Without `overwrite` the final step is a hard link, which fails if `target` appeared meanwhile, so an
+    existing file is never replaced; with it, an atomic rename replaces the old file in one step. Temporary
+    files left by killed writers of the same target are removed first; a write that fails for lack of
+    space or permission raises OutputError.
+    """
+    made = missing_folders(target.parent)
+    tmp = None
+    try:
+        with signals.deferred():  # a signal while the file is made is raised once `tmp` names it
+            tmp = _temporary(target)
+        yield tmp
+        signals.raise_pending()  # a signal whose exception was lost on the way: never finish this output
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())  # the data is on disk before the name points at it
+        os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600 files; match a plain write
+        _move_into_place(tmp, target, overwrite)
+    except BaseException as err:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        remove_empty(made)
+        if not isinstance(err, OSError) or isinstance(err, UserError) or err.errno not in WRITE_ERRNOS:
+            raise
+        raise cannot_write(target, err) from err
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """`folder` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    folder = folder.expanduser().resolve()
+    for path in (folder, *folder.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    return missing
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove the folders (deepest first) while they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _move_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
+    if overwrite:
+        os.replace(tmp, target)
+        return
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise output_exists(target) from None
+    except OSError:  # a file system without hard links
+        if target.exists():
+            raise output_exists(target) from None
+        os.replace(tmp, target)
+    tmp.unlink(missing_ok=True)
+
+
+def output_exists(target: Path) -> OutputExistsError:
+    return OutputExistsError(f"Output {target} exists; pass overwrite=true to replace it.")

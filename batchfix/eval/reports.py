@@ -1,0 +1,44 @@
+"""Markdown reports of the scores: the scIB scores table, and the gene-level and CNV scores as one-row tables."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import pandas as pd
+
+from batchfix.eval import fidelity
+
+
+def cnv_markdown(scores: Mapping) -> str:
+    """CNV profile retention as a one-row markdown table, or its note."""
+    if scores.get("retention_r") is None:
+        return f"{scores.get('note', 'not computed')}\n"
+    return ("| CNV profile r | uncorrected r | relative r | amplitude ratio |\n|---|---|---|---|\n"
+            f"| {scores['retention_r']:.3f} | {scores['uncorrected_r']:.3f} | {scores['relative_r']:.3f} | "
+            f"{scores['amplitude_ratio']:.3f} |\n")
+
+
+def gene_markdown(scores: Mapping) -> str:
+    """The four gene-level scores as a one-row markdown table, with the note on what was not computed."""
+    header = "| " + " | ".join(fidelity.GENE_METRICS) + " |"
+    row = "| " + " | ".join("n/a" if scores.get(m) is None else f"{scores[m]:.3f}" for m in fidelity.GENE_METRICS)
+    lines = [header, "|" + "---|" * len(fidelity.GENE_METRICS), row + " |", ""]
+    if scores.get("note"):
+        lines += [f"{scores['note']}", ""]
+    return "\n".join(lines)
+
+
+def markdown_table(table: pd.DataFrame, digits: int = 3) -> str:
+    """A GitHub-markdown table of a scores table ('n/a' for NaN), index as first column."""
+    header = [table.index.name or ""] + [str(c) for c in table.columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, *values in table.itertuples(name=None):
+        cells = [_format_cell(v, digits) for v in values]
+        lines.append("| " + " | ".join([str(name)] + cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _format_cell(value, digits: int) -> str:
+    if isinstance(value, (float, np.floating)):
+        return "n/a" if np.isnan(value) else f"{value:.{digits}f}"
+    return str(value)

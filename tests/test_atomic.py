@@ -1,0 +1,109 @@
+"""Atomic whole-file writes (batchfix.data.atomic.atomic_output, as every whole-file output is written)."""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from batchfix.data.atomic import atomic_output
+from batchfix.data.io import HDF5_SIGNATURE, read_h5ad
+
+
+def file_digest(path) -> str:
+    """sha256 of a file's bytes (to check that inputs are left untouched)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def dense(matrix) -> np.ndarray:
+    return matrix.toarray() if sp.issparse(matrix) else np.asarray(matrix)
+
+
+def write_h5ad_atomic(adata: ad.AnnData, target: Path, overwrite: bool = False) -> Path:
+    with atomic_output(target, overwrite) as tmp:
+        adata.write_h5ad(tmp)
+    return target
+
+
+def test_write_atomic_roundtrip(small_adata, tmp_path):
+    target = tmp_path / "out" / "corrected.h5ad"
+    assert write_h5ad_atomic(small_adata, target) == target
+    back = ad.read_h5ad(target)
+    np.testing.assert_array_equal(dense(back.X), small_adata.X)
+    assert list(back.obs_names) == list(small_adata.obs_names)
+    assert sorted(p.name for p in target.parent.iterdir()) == ["corrected.h5ad"]
+
+
+def test_write_atomic_refuses_existing_output(small_adata, tmp_path):
+    target = tmp_path / "corrected.h5ad"
+    target.write_bytes(b"precious results")
+    with pytest.raises(FileExistsError) as err:
+        write_h5ad_atomic(small_adata, target)
+    assert str(target) in str(err.value) and "overwrite" in str(err.value)
+    assert target.read_bytes() == b"precious results"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrected.h5ad"]
+
+    write_h5ad_atomic(small_adata, target, overwrite=True)
+    assert ad.read_h5ad(target).shape == small_adata.shape
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrected.h5ad"]
+
+
+def _failing_write(exc):
+    """A stand-in for AnnData.write_h5ad that writes part of a file, then fails."""
+    calls = []
+
+    def write_h5ad(self, filename, *args, **kwargs):
+        calls.append(str(filename))
+        with open(filename, "wb") as fh:
+            fh.write(HDF5_SIGNATURE + b"\0" * 4096)  # partial output
+        raise exc
+
+    return write_h5ad, calls
+
+
+@pytest.mark.parametrize("exc", [OSError("No space left on device"), KeyboardInterrupt()])
+def test_write_atomic_failure_leaves_no_temp_file(small_adata, tmp_path, monkeypatch, exc):
+    fake, calls = _failing_write(exc)
+    monkeypatch.setattr(ad.AnnData, "write_h5ad", fake)
+    target = tmp_path / "corrected.h5ad"
+    with pytest.raises(type(exc)):
+        write_h5ad_atomic(small_adata, target)
+    assert len(calls) == 1 and calls[0] != str(target)  # it wrote to a temporary name
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_atomic_failure_keeps_previous_output(small_adata, tmp_path, monkeypatch):
+    target = tmp_path / "corrected.h5ad"
+    write_h5ad_atomic(small_adata, target)
+    before = file_digest(target)
+    fake, _ = _failing_write(OSError("disk full"))
+    monkeypatch.setattr(ad.AnnData, "write_h5ad", fake)
+    with pytest.raises(OSError, match="disk full"):
+        write_h5ad_atomic(small_adata, target, overwrite=True)
+    assert file_digest(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrected.h5ad"]
+
+
+def test_write_atomic_does_not_touch_input(small_h5ad, tmp_path):
+    before = file_digest(small_h5ad)
+    inp = read_h5ad(small_h5ad)
+    write_h5ad_atomic(inp, tmp_path / "copy.h5ad")
+    assert file_digest(small_h5ad) == before
+
+
+def test_write_atomic_output_permissions_follow_umask(small_adata, tmp_path):
+    """The output must be as readable as a plain write_h5ad (mkstemp makes 0600 files)."""
+    old = os.umask(0o022)
+    try:
+        plain = tmp_path / "plain.h5ad"
+        small_adata.write_h5ad(plain)
+        atomic = write_h5ad_atomic(small_adata, tmp_path / "atomic.h5ad")
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE(atomic.stat().st_mode)
+    assert mode == stat.S_IMODE(plain.stat().st_mode) == 0o644, oct(mode)
