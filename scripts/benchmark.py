@@ -65,9 +65,9 @@ during the fit (psutil, sampled every 20 ms): memory freed earlier but still hel
 can be reused unseen, and allocations shorter than a sample can be missed, so it is a lower
 bound of what the method needs.
 
-    python scripts/benchmark.py data/cellbench5.h5ad --methods unintegrated combat harmony
-    python scripts/benchmark.py stress_sd1.h5ad --truth-layer truth --methods unintegrated combat batchfix
-    python scripts/benchmark.py data/cellbench5.h5ad --balanced \\
+    python -m scripts.benchmark data/cellbench5.h5ad --methods unintegrated combat harmony
+    python -m scripts.benchmark stress_sd1.h5ad --truth-layer truth --methods unintegrated combat batchfix
+    python -m scripts.benchmark data/cellbench5.h5ad --balanced \\
         --batches sc_celseq2_5cl_p1 sc_celseq2_5cl_p2 sc_celseq2_5cl_p3
 """
 from __future__ import annotations
@@ -91,10 +91,8 @@ import scipy.sparse as sp
 from batchfix.config import OUTPUT_MODES, REGIONAL_SHIFTS, SPREADS, CorrectionOptions, CorrectionSettings
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import cnv, fidelity, metrics, reports
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import baselines  # noqa: E402
-from stress_set import contrast_truth_error, group_truth_error, relative_group_truth_error, truth_error  # noqa: E402
+from scripts import baselines
+from scripts.stress_set import contrast_truth_error, group_truth_error, relative_group_truth_error, truth_error
 
 BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi", "sysvi", "cellanova"]
 ALL_METHODS = ["batchfix", *BASELINES]

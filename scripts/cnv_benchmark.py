@@ -7,11 +7,11 @@ Every method is scored on the genes batchfix modelled (its 2,000 batch-aware HVG
 10k) of those genes for the uncorrected data and ComBat. batchfix is trained once per (data, seed); its
 regional variants are corrections of that one model. One JSON of records per command (--out).
 
-    python scripts/cnv_benchmark.py profile data/cellbench5.h5ad --seeds 0 1 2 --out docs/results/cnv_profile.json
-    python scripts/cnv_benchmark.py inject data/cellbench5.h5ad --design confounded --seeds 0 --out ...
-    python scripts/cnv_benchmark.py confounded data/cellbench5.h5ad --seeds 0 1 2 --out ...
-    python scripts/cnv_benchmark.py oligodendroglioma --seeds 0 1 2 --out ...
-    python scripts/cnv_benchmark.py report --reports docs/results/cnv_*.json   # the tables of docs/cnv.md
+    python -m scripts.cnv_benchmark profile data/cellbench5.h5ad --seeds 0 1 2 --out docs/results/cnv_profile.json
+    python -m scripts.cnv_benchmark inject data/cellbench5.h5ad --design confounded --seeds 0 --out ...
+    python -m scripts.cnv_benchmark confounded data/cellbench5.h5ad --seeds 0 1 2 --out ...
+    python -m scripts.cnv_benchmark oligodendroglioma --seeds 0 1 2 --out ...
+    python -m scripts.cnv_benchmark report --reports docs/results/cnv_*.json   # the tables of docs/cnv.md
 """
 from __future__ import annotations
 
@@ -29,10 +29,8 @@ import pandas as pd
 import batchfix
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import cnv, metrics
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import inject_clones  # noqa: E402
-from baselines import cellanova, combat, missing_module, scvi_fit  # noqa: E402
+from scripts import inject_clones
+from scripts.baselines import cellanova, combat, missing_module, scvi_fit
 
 SHUFFLE_SEEDS = (1, 2, 3)  # gene orders of correction.regional_order=shuffled
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False)
@@ -354,7 +352,7 @@ def main(argv=None) -> None:
         print(report(args.reports, args.csv_dir))
         return
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    OUTPUT.update(path=args.out, command=" ".join(["python", "scripts/cnv_benchmark.py", *sys.argv[1:]]))
+    OUTPUT.update(path=args.out, command=" ".join(["python", "-m", "scripts.cnv_benchmark", *sys.argv[1:]]))
     RUNS[args.experiment](args)
 
 

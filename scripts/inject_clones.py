@@ -18,7 +18,7 @@ or corrected values of the same genes; per segment, the injected chromosome's ge
 The injected shift is the mean over the clone's cells and the segment's genes of log1p(cp10k)
 after minus before injection. seg(group) = mean over the segment's genes and the group's cells.
 
-    python scripts/inject_clones.py data/cellbench5.h5ad --label H2228 --batch sc_celseq2 --out injected.h5ad
+    python -m scripts.inject_clones data/cellbench5.h5ad --label H2228 --batch sc_celseq2 --out injected.h5ad
 """
 from __future__ import annotations
 

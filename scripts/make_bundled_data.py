@@ -4,7 +4,7 @@ Every cell, gene, count and annotation is kept. X is stored dense (float32) with
 shuffle + gzip filters, which packs these integer counts into about half the space of the
 sparse original; anndata reads it back as a dense array holding the same values.
 
-    python scripts/make_bundled_data.py SOURCE.h5ad data/cellbench5.h5ad
+    python -m scripts.make_bundled_data SOURCE.h5ad data/cellbench5.h5ad
 """
 from __future__ import annotations
 

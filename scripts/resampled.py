@@ -2,7 +2,7 @@
 
 Cells are drawn with replacement from the bundled CellBench cells and their counts Poisson-resampled,
 so a file keeps real genes, real batch structure and real cell lines at any size without holding it
-in memory. Imported by scripts/bench_scale.py and scripts/bench_correct.py.
+in memory. Imported by scripts/bench/bench_scale.py and scripts/bench/bench_correct.py.
 """
 from __future__ import annotations
 

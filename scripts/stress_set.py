@@ -16,8 +16,8 @@ stress's counting noise; `group_truth_error` compares (batch, label) group means
 averages out, and `relative_group_truth_error` divides that by the spread of the groups' means, so that outputs
 on different scales compare.
 
-    python scripts/stress_set.py data/cellbench5.h5ad stress_sd1.h5ad --sd 1.0 --seed 0
-    python scripts/stress_set.py data/cellbench5.h5ad pair_sd05.h5ad --sd 0.5 --batches sc_celseq2 sc_dropseq
+    python -m scripts.stress_set data/cellbench5.h5ad stress_sd1.h5ad --sd 1.0 --seed 0
+    python -m scripts.stress_set data/cellbench5.h5ad pair_sd05.h5ad --sd 0.5 --batches sc_celseq2 sc_dropseq
 """
 from __future__ import annotations
 

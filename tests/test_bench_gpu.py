@@ -1,4 +1,4 @@
-"""scripts/bench_gpu.py: its guard check on float16 tensors, and its two halves end to end on the CPU (a dry run)."""
+"""scripts/bench/bench_gpu.py: its guard check on float16 tensors, and its two halves end to end on the CPU (a dry run)."""
 from __future__ import annotations
 
 import json
@@ -10,18 +10,13 @@ import pandas as pd
 import pytest
 import torch
 
+from scripts.bench import bench_gpu
+
+pytestmark = pytest.mark.bench
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def bench_gpu(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import bench_gpu
-
-    return bench_gpu
-
-
-def test_the_guard_inputs_overflow_fp16_only_without_the_guards(bench_gpu):
+def test_the_guard_inputs_overflow_fp16_only_without_the_guards():
     rows = {row["overflow"]: row for row in bench_gpu.guard_check("cpu")}
     assert set(rows) == {"exp", "product"}
     for row in rows.values():
@@ -36,7 +31,7 @@ def test_the_guard_inputs_overflow_fp16_only_without_the_guards(bench_gpu):
     assert torch.softmax(scores, -1).amax(-1).median() < 0.5  # far from one-hot: the weights are tested
 
 
-def test_options_are_read_as_python_literals(bench_gpu):
+def test_options_are_read_as_python_literals():
     assert bench_gpu.keyword_option("genes_per_token=1") == ("genes_per_token", 1)
     assert bench_gpu.keyword_option("attention=sdpa") == ("attention", "sdpa")
     assert bench_gpu.keyword_option("distance_bias=True") == ("distance_bias", True)
@@ -48,10 +43,10 @@ def test_options_are_read_as_python_literals(bench_gpu):
 def test_both_halves_run_on_the_cpu_and_score_every_saved_model(tmp_path):
     out = tmp_path / "run"
     train = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "train", str(out), "--accelerator", "cpu",
+        [sys.executable, "-m", "scripts.bench.bench_gpu", "train", str(out), "--accelerator", "cpu",
          "--seeds", "0", "1", "--precisions", "32-true", "--max-epochs", "1", "--cells", "0",
          "--name", "narrow", "--option", "genes_per_token=64"],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert train.returncode == 0, train.stderr[-3000:]
     report = json.loads((out / "gpu.json").read_text())
     assert report["fit_options"] == {"genes_per_token": 64, "max_epochs": 1}
@@ -63,8 +58,8 @@ def test_both_halves_run_on_the_cpu_and_score_every_saved_model(tmp_path):
 
     table, scores = tmp_path / "summary.csv", tmp_path / "scores.csv"
     score = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_gpu.py"), "score", str(out), "--table", str(table),
-         "--csv", str(scores)], capture_output=True, text=True, timeout=600)
+        [sys.executable, "-m", "scripts.bench.bench_gpu", "score", str(out), "--table", str(table),
+         "--csv", str(scores)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert score.returncode == 0, score.stderr[-3000:]
     rows = pd.read_csv(scores)
     assert list(rows["seed"]) == [0, 1]

@@ -17,11 +17,11 @@ def test_benchmark_script_on_a_subset(tmp_path):
     pytest.importorskip("harmonypy", reason="the Harmony baseline is in the bench extra: pip install -e '.[bench]'")
     out = tmp_path / "results.csv"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), str(ROOT / "data" / "cellbench5.h5ad"),
+        [sys.executable, "-m", "scripts.benchmark", str(ROOT / "data" / "cellbench5.h5ad"),
          "--subset", "200", "--n-top-genes", "500", "--seeds", "0", "1",
          "--methods", "unintegrated", "harmony", "--balanced",
          "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Harmony" in run.stdout and "Unintegrated PCA" in run.stdout
@@ -44,11 +44,11 @@ def test_benchmark_script_on_a_subset(tmp_path):
 def test_benchmark_runs_batchfix_in_both_output_modes(tmp_path):
     out = tmp_path / "results.csv"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), str(ROOT / "data" / "cellbench5.h5ad"),
+        [sys.executable, "-m", "scripts.benchmark", str(ROOT / "data" / "cellbench5.h5ad"),
          "--subset", "200", "--n-top-genes", "300", "--seeds", "0", "--methods", "unintegrated", "batchfix",
          "--batchfix-override", "trainer.max_epochs=3", "model.genes_per_token=16", "threads=1",
          "--out", str(out)],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True, text=True, timeout=900, cwd=ROOT,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = pd.read_csv(out).set_index("embedding")
@@ -68,18 +68,17 @@ def test_benchmark_runs_batchfix_in_both_output_modes(tmp_path):
 
 def test_benchmark_names_the_obs_columns_when_the_batch_key_is_wrong(tmp_path):
     run = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), str(ROOT / "data" / "cellbench5.h5ad"),
+        [sys.executable, "-m", "scripts.benchmark", str(ROOT / "data" / "cellbench5.h5ad"),
          "--batch-key", "sample", "--methods", "unintegrated", "--out", str(tmp_path / "r.csv")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert run.returncode != 0
     assert "'sample'" in run.stderr and "cell_type" in run.stderr
     assert not (tmp_path / "r.csv").exists()
 
 
-def test_batches_keep_a_sub_problem_and_unknown_ones_are_named(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import benchmark
+def test_batches_keep_a_sub_problem_and_unknown_ones_are_named():
+    from scripts import benchmark
 
     data = ROOT / "data" / "cellbench5.h5ad"
     pair = benchmark.load(data, "batch", "cell_type", None, ["sc_celseq2", "sc_dropseq"])
@@ -89,9 +88,8 @@ def test_batches_keep_a_sub_problem_and_unknown_ones_are_named(monkeypatch):
         benchmark.load(data, "batch", "cell_type", None, ["sc_celseq2", "nowhere"])
 
 
-def test_balanced_cells_give_every_batch_the_same_composition(bundled_adata, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import benchmark
+def test_balanced_cells_give_every_batch_the_same_composition(bundled_adata):
+    from scripts import benchmark
 
     obs = bundled_adata.obs
     rows = benchmark.balanced_cells(obs, "batch", "cell_type", seed=0)
@@ -108,16 +106,14 @@ def test_balanced_cells_give_every_batch_the_same_composition(bundled_adata, mon
         benchmark.balanced_cells(lonely, "batch", "cell_type", seed=0)
 
 
-def test_cellanova_returns_log_scale_values_of_the_input_shape(monkeypatch):
+def test_cellanova_returns_log_scale_values_of_the_input_shape():
     pytest.importorskip("cellanova", reason="the CellANOVA baseline is in the bench extra: pip install -e '.[bench]'")
     import anndata as ad
     import numpy as np
     import scanpy.external as sce
 
     from batchfix.data.normalize import log_cp10k
-
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import baselines
+    from scripts import baselines
 
     data = ad.read_h5ad(ROOT / "data" / "cellbench5.h5ad")
     data = data[data.obs["batch"].isin(["sc_celseq2", "sc_dropseq"]).to_numpy()]  # 450 cells, 2 platforms
@@ -139,15 +135,13 @@ def test_cellanova_returns_log_scale_values_of_the_input_shape(monkeypatch):
 
 
 @pytest.mark.slow
-def test_sysvi_decodes_each_cell_in_every_batch_and_averages(monkeypatch):
+def test_sysvi_decodes_each_cell_in_every_batch_and_averages():
     pytest.importorskip("scvi", reason="the SysVI baseline is in the bench extra: pip install -e '.[bench]'")
     import anndata as ad
     import numpy as np
 
     from batchfix.data.normalize import log_cp10k
-
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import baselines
+    from scripts import baselines
 
     if missing := baselines.sysvi_missing():
         pytest.skip(missing)
@@ -175,8 +169,7 @@ def test_sysvi_decodes_each_cell_in_every_batch_and_averages(monkeypatch):
 def test_a_method_whose_package_is_missing_names_the_bench_extra(monkeypatch, capsys):
     import importlib.util
 
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import benchmark
+    from scripts import benchmark
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "cellanova" else find_spec(name, *a))
@@ -192,13 +185,11 @@ def test_a_method_whose_package_is_missing_names_the_bench_extra(monkeypatch, ca
 
 
 @pytest.mark.slow
-def test_truth_errors_of_a_stress_set_fit_each_method_on_both_counts(subset, monkeypatch):
+def test_truth_errors_of_a_stress_set_fit_each_method_on_both_counts(subset):
 
     from batchfix.data.normalize import log_cp10k
-
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import benchmark
-    from stress_set import (
+    from scripts import benchmark
+    from scripts.stress_set import (
         Stress,
         contrast_truth_error,
         group_truth_error,
@@ -245,9 +236,8 @@ def test_truth_errors_of_a_stress_set_fit_each_method_on_both_counts(subset, mon
 
 
 @pytest.mark.slow
-def test_balanced_scores_score_the_rows_of_each_embedding(subset, monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import benchmark
+def test_balanced_scores_score_the_rows_of_each_embedding(subset):
+    from scripts import benchmark
 
     args = benchmark.parse_args(["data.h5ad", "--methods", "unintegrated", "combat", "--balanced"])
     data = benchmark.prepare(subset, "batch", 0)
@@ -263,13 +253,11 @@ def test_balanced_scores_score_the_rows_of_each_embedding(subset, monkeypatch):
     assert scores["ComBat"][batch] > scores["Unintegrated PCA"][batch]
 
 
-def test_companion_outputs_keep_the_variants_correction_options(monkeypatch):
+def test_companion_outputs_keep_the_variants_correction_options():
     from hydra import compose, initialize_config_module
 
     from batchfix.config import TrainConfig, validated
-
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import benchmark
+    from scripts import benchmark
 
     with initialize_config_module(config_module="batchfix.conf", version_base=None):
         cfg = validated(compose("train", overrides=["correction.spread=gene", "correction.state_dependence=0.5",

@@ -1,15 +1,14 @@
-"""The expected-log table of scripts/decoding_scale.py against the negative binomial's exact expectation."""
+"""The expected-log table of scripts/lab/decoding_scale.py against the negative binomial's exact expectation."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
+import pytest
 import torch
 from scipy.stats import nbinom
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from decoding_scale import ExpectedLog  # noqa: E402
+from scripts.lab.decoding_scale import ExpectedLog
+
+pytestmark = pytest.mark.lab
 
 
 def exact_expected_log(m: float, theta: float, a: float) -> float:

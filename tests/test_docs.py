@@ -94,29 +94,3 @@ def test_a_number_changed_in_a_results_file_changes_its_table_when_written_again
     assert "| 0.901 (0.003) |" in (tmp_path / "README.md").read_text()
     assert "| 0.901 (0.003) |" in (docs / "results.md").read_text()
     assert "0.901" not in README
-
-
-def test_a_seed_table_is_the_mean_and_sd_over_seeds_of_each_row(tmp_path):
-    """scripts/seed_table.py: per (data, output), "mean ± sd" over the seeds of each score, rows in their first
-    order, dropped rows left out, and a score one data set lacks left blank (as the decoding-scale table has)."""
-    runs = tmp_path / "runs.csv"
-    runs.write_text(",Total,Marker recall,seed\n"
-                    "uncorrected,0.5,1.0,0\ndefault,0.80,0.90,0\nComBat,0.70,0.95,0\n"
-                    "uncorrected,0.5,1.0,1\ndefault,0.84,0.96,1\nComBat,0.70,0.95,1\n")
-    stress = tmp_path / "stress.csv"
-    stress.write_text(",Total,Marker recall,\"Truth error (group contrasts, relative)\",seed\n"
-                      "default,0.6,0.8,0.25,0\ndefault,0.6,0.8,0.35,1\n")
-    one_seed = tmp_path / "one_seed.csv"  # one seed: the mean alone; a latent has no gene scores: blank
-    one_seed.write_text(",Total,Marker recall,seed\ndefault,0.9,0.97,0\nlatent,0.85,,0\n")
-    out = tmp_path / "table.csv"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "seed_table.py"), str(out), f"bundled={runs}",
-                    f"stress sd 1.0={stress}", f"stress sd 0.5={one_seed}", "--drop", "uncorrected"], check=True,
-                   capture_output=True)
-    assert out.read_text().splitlines() == [
-        "data,output,Total,markers,truth error (contrasts)",
-        "bundled,default,0.820 ± 0.028,0.930 ± 0.042,",
-        "bundled,ComBat,0.700 ± 0.000,0.950 ± 0.000,",
-        "stress sd 1.0,default,0.600 ± 0.000,0.800 ± 0.000,0.300 ± 0.071",
-        "stress sd 0.5,default,0.900,0.970,",
-        "stress sd 0.5,latent,0.850,,",
-    ]

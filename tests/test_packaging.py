@@ -5,7 +5,7 @@ extra happens to be installed and fails on a fresh one. This reads every import 
 (with `ast`) and checks that the distribution providing it is a declared requirement:
 
 - `batchfix/` (the installed package): the core dependencies;
-- `tests/` and the module-level imports of `scripts/` (the tests run scripts): core + `test`.
+- `tests/` and the module-level imports of `scripts/` and its subfolders (the tests run scripts): core + `test`.
 
 Function-level imports in `scripts/` are the optional comparison baselines (the `bench` extra),
 imported where used; imports inside `try: ... except ImportError` are optional by construction.
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCAL_MODULES = {"batchfix", "conftest"} | {p.stem for folder in ("tests", "scripts") for p in (ROOT / folder).glob("*.py")}
+LOCAL_MODULES = {"batchfix", "conftest", "scripts"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
 
 
 def normalized(name: str) -> str:
@@ -88,7 +88,7 @@ def test_the_package_imports_only_its_core_dependencies():
 
 @pytest.mark.parametrize("folder, module_level_only", [("tests", False), ("scripts", True)])
 def test_tests_and_scripts_import_only_core_and_test_dependencies(folder, module_level_only):
-    problems = undeclared(sorted((ROOT / folder).glob("*.py")), declared("test"), module_level_only)
+    problems = undeclared(sorted((ROOT / folder).rglob("*.py")), declared("test"), module_level_only)
     assert not problems, f"imported by {folder}/ but not in the dependencies or the 'test' extra: {problems}"
 
 

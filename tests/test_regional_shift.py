@@ -5,11 +5,7 @@ subset with an injected clone (scripts/inject_clones.py) in one cell line of one
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 
@@ -19,10 +15,7 @@ from batchfix.correction import calibration, counterfactual
 from batchfix.correction.regional import GenomeSmoother, genome_smoother
 from batchfix.data.normalize import log_cp10k
 from batchfix.errors import ConfigError
-from batchfix.eval import fidelity
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import inject_clones  # noqa: E402
+from scripts import inject_clones
 
 TINY = dict(n_top_genes=None, genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8,
             decoder_hidden=32, batch_size=64, max_epochs=30, threads=1, enable_progress_bar=False)
@@ -267,73 +260,3 @@ def test_keeping_the_regional_shift_keeps_a_confounded_clone(bundled_adata):
                                         "confounded", "cell_type", "batch")
     kept = {name: np.mean(list(by_segment.values())) for name, by_segment in scores.items()}
     assert kept["keep"] > 0.8 and kept["apply"] < 0.5
-
-
-def test_the_residual_weight_script_rebuilds_batchfix_correct_and_scores_against_a_truth(subset, tiny_model, tmp_path):
-    """scripts/residual_weight.py's rows for one saved model: its checked rows (weights 1 and 0.75, spread=gene with
-    state 0.5 at weights 1 and 0.9) are batchfix.correct's, or it stops; with a truth layer equal to X and the same
-    model as the truth's, every gene score against the truth equals the one against the data and every contrast truth
-    error is 0."""
-    import decoding_scale
-    import residual_weight
-
-    adata = subset.copy()
-    adata.layers["truth"] = adata.X.copy()
-    for part in ("model", "truth"):
-        tiny_model.save(tmp_path / f"{part}_0.ckpt")
-    args = decoding_scale.parse_args(["unused.h5ad", "--truth-layer", "truth", "--model-dir", str(tmp_path)])
-    table = decoding_scale.seed_scores(adata, args, 0, build=residual_weight.weight_rows)
-    weights = [f"residual weight {w:g}" for w in residual_weight.WEIGHTS]
-    assert list(table.index) == ["uncorrected", "ComBat", *weights, "spread gene", "spread gene, state 0.5",
-                                 "spread gene, state 0.5, weight 0.9"]
-    scored = [metric for metric in fidelity.GENE_METRICS if table[metric].notna().all()]
-    assert len(scored) >= 2  # the scores this small subset allows
-    for metric in fidelity.GENE_METRICS:
-        pd.testing.assert_series_equal(table[metric], table[f"{metric} (truth)"], check_names=False)
-    assert np.allclose(table[decoding_scale.CONTRAST], 0.0, atol=1e-6)
-    assert table.loc["residual weight 0", fidelity.HVG_CONSERVATION] < table.loc["residual weight 1",
-                                                                                 fidelity.HVG_CONSERVATION]
-
-
-def test_the_shift_forms_script_keeps_each_batchs_expected_counts_and_a_lower_log_mean_reference(subset, tiny_model,
-                                                                                                  tmp_path):
-    """scripts/shift_forms.py on one saved model: its default row is batchfix.correct's (or it stops); the factor
-    form keeps each batch's mean expected count of every gene (f is their ratio to the reference's); the log-mean
-    reference is the mean of the batches' log1p values, below the log1p of their mean (concavity) and not equal."""
-    import marker_loss
-    import shift_forms
-
-    tiny_model.save(tmp_path / "model_0.ckpt")
-    genes, counts, rows = shift_forms.shift_rows(subset, "batch", 0, tmp_path / "model_0.ckpt")
-    assert list(rows) == ["uncorrected", "ComBat", "default", "state 0.5", "default, recalibrated",
-                          "factor, state 0", "factor, state 0.25", "factor, state 0.5", "log-mean reference",
-                          "log-mean reference, state 0.5", "log-mean reference, level kept",
-                          "log-mean reference, level kept, state 0.5"]
-    assert genes == list(tiny_model.genes) and counts.shape == rows["default"].shape
-    outputs = [values for name, values in rows.items() if name not in ("uncorrected", "ComBat")]
-    assert all(np.isfinite(values).all() and (values >= 0).all() for values in outputs)  # ComBat has no floor
-    terms = marker_loss.counterfactual_terms(subset, tiny_model, "batch")
-    structured = shift_forms.factor_own(terms)
-    for code in np.unique(terms.codes):
-        cells = terms.codes == code
-        np.testing.assert_allclose(np.expm1(structured[cells]).mean(axis=0), np.expm1(terms.own[cells]).mean(axis=0),
-                                   rtol=1e-6, atol=1e-9)
-    log_mean = shift_forms.log_mean_reference(subset, tiny_model)
-    assert (log_mean <= terms.reference + 1e-5).all() and (terms.reference - log_mean).max() > 1e-3
-
-
-def test_the_residual_forms_script_rebuilds_batchfix_correct_and_names_its_rows(subset, tiny_model, tmp_path):
-    """scripts/residual_forms.py on one saved model: its default row is batchfix.correct's (or it stops), and every
-    form is a floored matrix of the default's shape that differs from it."""
-    import residual_forms
-
-    tiny_model.save(tmp_path / "model_0.ckpt")
-    genes, counts, rows = residual_forms.residual_rows(subset, "batch", 0, tmp_path / "model_0.ckpt")
-    forms = ["residual weight 0.75", "residual weight 0.5", "local mean kept, 0.75", "local mean kept, 0.5",
-             "cluster swap 5", "cluster swap 30", "linear swap", "quantile match 20", "quantile match 100", "state 0.5",
-             "state 0.5, cluster swap 5"]
-    assert list(rows) == ["uncorrected", "ComBat", "default", *forms]
-    for name in forms:
-        assert rows[name].shape == rows["default"].shape and (rows[name] >= 0).all(), name
-        # 30 clusters of 200 cells leave no cluster with two (batch, cluster) groups of 10 cells: nothing is swapped
-        assert (np.abs(rows[name] - rows["default"]).max() > 1e-3) == (name != "cluster swap 30"), name

@@ -1,17 +1,14 @@
-"""scripts/residual_forms.py's residual forms, on the real 200-cell subset's log values (per-batch centred)."""
+"""scripts/lab/residual_forms.py's residual forms, on the real 200-cell subset's log values (per-batch centred)."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy.stats import rankdata
 
 from batchfix.data.normalize import log_cp10k
+from scripts.lab import residual_forms
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import residual_forms  # noqa: E402
+pytestmark = pytest.mark.lab
 
 
 @pytest.fixture(scope="module")

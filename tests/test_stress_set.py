@@ -1,15 +1,11 @@
 """The stress set (scripts/stress_set.py): gene-wise batch effects of known size on real counts."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import scipy.sparse as sp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from stress_set import (  # noqa: E402
+from scripts.stress_set import (
     Stress,
     contrast_truth_error,
     gene_factors,

@@ -6,7 +6,7 @@ The counterfactual output (batchfix/correction/counterfactual.py) is, for cell c
 
 and r holds each cell's own deviation from what the decoder expects for its state: counting noise, biology the
 decoder misses, and batch-specific structure the decoder misses. Each row below replaces r by another form,
-built from one model's terms (`marker_loss.counterfactual_terms`; the default row is checked against
+built from one model's terms (`harness.counterfactual_terms`; the default row is checked against
 batchfix.correct, regional_shift=apply):
 
     residual weight A        A r (correction.residual_weight=A): every part of r shrunk alike
@@ -25,10 +25,10 @@ batchfix.correct, regional_shift=apply):
     swap N]                  and with the cluster swap applied to all it leaves beyond decoded_ref + location_ref
                              (the residual and the state shift it does not apply)
 
-Scored as scripts/decoding_scale.py scores its rows, with the same options (--truth-layer, --model-dir, --out).
+Scored as scripts/lab/decoding_scale.py scores its rows, with the same options (--truth-layer, --model-dir, --out).
 
-    nice python scripts/residual_forms.py data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
-    nice python scripts/residual_forms.py data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
+    nice python -m scripts.lab.residual_forms data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
+    nice python -m scripts.lab.residual_forms data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
 """
 from __future__ import annotations
 
@@ -44,10 +44,9 @@ from sklearn.neighbors import NearestNeighbors
 
 import batchfix
 from batchfix.nn.attention import fused_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decoding_scale import main, trained_model  # noqa: E402
-from marker_loss import BATCH_SIZE, check_shipped, counterfactual_terms, reference_rows  # noqa: E402
+from scripts.lab.decoding_scale import main, trained_model
+from scripts.lab.harness import BATCH_SIZE, counterfactual_terms
+from scripts.lab.marker_loss import check_shipped, reference_rows
 
 WEIGHTS = (0.75, 0.5)  # residual weights of the plain and the local-mean-kept rows
 LOCAL_NEIGHBOURS = 50
@@ -145,7 +144,7 @@ def residual_rows(adata: ad.AnnData, batch_key: str, seed: int,
     rows.update({f"cluster swap {n}": output(cluster_swap(residual, terms.codes, clusters[n])) for n in CLUSTERS})
     rows["linear swap"] = output(linear_swap(residual, terms.codes, latent))
     rows.update({f"quantile match {n}": output(quantile_match(residual, terms.codes, n), 1.0) for n in QUANTILES})
-    decoder = terms.reference - terms.scale * terms.own
+    decoder = terms.decoder
     state = terms.unclipped(decoder=terms.state_shrunk(decoder, STATE)) - base  # (cells, G): all beyond the base
     rows[f"state {STATE:g}"] = np.maximum(base + state, 0.0)
     swapped = cluster_swap(state, terms.codes, clusters[CLUSTERS[0]])

@@ -6,16 +6,16 @@ The counterfactual output (batchfix/correction/counterfactual.py) is, for cell c
 
 with a the residual weight: 1 (the default) keeps each cell's whole deviation from what the decoder expects for its
 state, 0 leaves the denoised output plus the reference's location. The rows are built from one model's terms
-(`marker_loss.counterfactual_terms`), with rows for correction.spread=gene beside them (k per gene and batch, a = 1),
+(`harness.counterfactual_terms`), with rows for correction.spread=gene beside them (k per gene and batch, a = 1),
 alone and with state_dependence=STATE, and that pair at a = SPREAD_GENE_WEIGHT; the a = 1, a = CHECKED and spread=gene,
 state STATE rows (at a = 1 and at SPREAD_GENE_WEIGHT) are checked against batchfix.correct with those options
-(regional_shift=apply). They are scored as scripts/decoding_scale.py scores its
+(regional_shift=apply). They are scored as scripts/lab/decoding_scale.py scores its
 rows (scIB Total of each matrix's PCA, the gene-level scores, and with --truth-layer the contrast truth error and
 the gene-level scores against the truth counts, a second model per seed being trained on the truth counts), with the
 same options.
 
-    nice python scripts/residual_weight.py data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
-    nice python scripts/residual_weight.py stress_sd1.h5ad --truth-layer truth --seeds 0 1 2 --model-dir models/sd1
+    nice python -m scripts.lab.residual_weight data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
+    nice python -m scripts.lab.residual_weight stress_sd1.h5ad --truth-layer truth --seeds 0 1 2 --model-dir models/sd1
 """
 from __future__ import annotations
 
@@ -25,11 +25,9 @@ from pathlib import Path
 import anndata as ad
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decoding_scale import main, trained_model  # noqa: E402
-from marker_loss import check_shipped, counterfactual_terms, reference_rows  # noqa: E402
-
-from batchfix.correction import calibration  # noqa: E402
+from scripts.lab.decoding_scale import main, trained_model
+from scripts.lab.harness import cell_scale, counterfactual_terms
+from scripts.lab.marker_loss import check_shipped, reference_rows
 
 WEIGHTS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)  # the rows' residual weights
 CHECKED = 0.75  # a weight below 1 whose row is compared with batchfix.correct's
@@ -44,13 +42,12 @@ def weight_rows(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path |
     terms = counterfactual_terms(adata, model, batch_key)
     rows = {f"residual weight {weight:g}": np.maximum(terms.unclipped(scale=weight * terms.scale), 0.0)
             for weight in WEIGHTS}
-    gene_scale = calibration.Statistics(model.net, None, [], spread_by="gene").scale.numpy()[terms.codes]
-    gene_scale = gene_scale.astype(np.float64)  # (cells, G)
+    gene_scale = cell_scale(model, terms.codes, spread_by="gene")  # (cells, G)
     rows[SPREAD_GENE] = np.maximum(terms.unclipped(scale=gene_scale), 0.0)
     for weight, suffix in ((1.0, ""), (SPREAD_GENE_WEIGHT, f", weight {SPREAD_GENE_WEIGHT:g}")):
         scale = weight * gene_scale
         rows[f"{SPREAD_GENE}, state {STATE:g}{suffix}"] = np.maximum(
-            terms.unclipped(decoder=terms.state_shrunk(terms.reference - scale * terms.own, STATE), scale=scale), 0.0)
+            terms.unclipped(decoder=terms.state_shrunk(terms.decoder_term(scale=scale), STATE), scale=scale), 0.0)
     checked = {f"residual weight {1.0:g}": {}, f"residual weight {CHECKED:g}": {"residual_weight": CHECKED},
                f"{SPREAD_GENE}, state {STATE:g}": {"spread": "gene", "state_dependence": STATE},
                f"{SPREAD_GENE}, state {STATE:g}, weight {SPREAD_GENE_WEIGHT:g}": {

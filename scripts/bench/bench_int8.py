@@ -6,8 +6,8 @@ over repeats; the correction loop only, torch threads as --threads), and how far
 values and latent are from the float32 ones: largest absolute difference, its 99.9th percentile
 and mean, on the log1p(counts per 10k) scale of layers['batchfix'].
 
-    python scripts/bench_int8.py RUN/model.ckpt                 # on the bundled data
-    python scripts/bench_int8.py RUN/model.ckpt other.h5ad --repeats 5
+    python -m scripts.bench.bench_int8 RUN/model.ckpt                 # on the bundled data
+    python -m scripts.bench.bench_int8 RUN/model.ckpt other.h5ad --repeats 5
 """
 from __future__ import annotations
 

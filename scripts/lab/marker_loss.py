@@ -5,10 +5,10 @@ For cell c of batch b the counterfactual output (batchfix/correction/counterfact
     corrected = max(0, D(c) + location_ref + k_b * (observed(c) - location_b)),
     D(c)      = decoded_ref(z_c) - k_b * decoded_b(z_c)     (the decoder term, `counterfactual.decoder_term`)
 
-batchfix is trained once per seed, and every variant below is built from that one model's terms, on the
-modelled genes:
+batchfix is trained once per seed, and every variant below is built from that one model's terms
+(scripts/lab/harness.py), on the modelled genes:
 
-    shipped          batchfix.correct's layer with regional_shift=apply (the re-implementation is checked against it)
+    shipped          batchfix.correct's layer with regional_shift=apply (the terms' own values, checked against it)
     no clip          the same values without the floor at 0
     k=1              k_b = 1 for every batch: decoded_ref - decoded_b + location_ref + observed - location_b
     gene-wise shift  D(c) replaced by its mean over the cell's batch: one shift per gene and batch, as ComBat's
@@ -28,35 +28,28 @@ Printed: a line per (seed, variant), then mean and sd over seeds per variant, th
 and DE-rank gap between the shipped output and ComBat (and between the shipped output and the uncorrected
 values) each single change closes.
 
-    nice python scripts/marker_loss.py data/cellbench5.h5ad --seeds 0 1 2 \\
+    nice python -m scripts.lab.marker_loss data/cellbench5.h5ad --seeds 0 1 2 \\
         --batches sc_celseq2_5cl_p1 sc_celseq2_5cl_p2 sc_celseq2_5cl_p3
-    nice python scripts/marker_loss.py data/cellbench5.h5ad --seeds 0 1 2 --batches sc_celseq2 sc_dropseq
+    nice python -m scripts.lab.marker_loss data/cellbench5.h5ad --seeds 0 1 2 --batches sc_celseq2 sc_dropseq
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
 import anndata as ad
 import numpy as np
 import pandas as pd
-import torch
 
 import batchfix
-from batchfix.correction import calibration, counterfactual
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import fidelity, metrics
-from batchfix.nn.attention import fused_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import combat  # noqa: E402
-from benchmark import load  # noqa: E402
+from scripts.baselines import combat
+from scripts.benchmark import load
+from scripts.lab.harness import Terms, counterfactual_terms
 
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False)
 SHRINKS = (0.25, 0.5)
-BATCH_SIZE = 128  # cells per forward pass, as batchfix.correct's default
 SHIPPED, NO_CLIP, UNIT_K, GENEWISE = "shipped", "no clip", "k=1", "gene-wise shift"
 SINGLE_CHANGES = (NO_CLIP, UNIT_K, GENEWISE)  # the decomposition's rows
 MARKER_SHIFT = "marker diff RMS"
@@ -64,65 +57,9 @@ SCORES = [metrics.TOTAL_SCORE, metrics.BATCH_SCORE, metrics.BIO_SCORE, *fidelity
           "below 0 %"]
 
 
-@dataclass
-class Terms:
-    """The counterfactual formula's parts for every cell (rows) and modelled gene (columns, the model's order)."""
-
-    reference: np.ndarray  # decoded_ref(z_c)
-    own: np.ndarray  # decoded_b(z_c)
-    observed: np.ndarray  # log1p(counts per 10k) of the cell
-    location: np.ndarray  # location_b of the cell's batch
-    scale: np.ndarray  # k_b of the cell's batch, (cells, 1)
-    ref_location: np.ndarray  # location_ref, (genes,)
-    codes: np.ndarray  # the cell's batch code
-
-    def unclipped(self, decoder: np.ndarray | None = None, scale: np.ndarray | None = None) -> np.ndarray:
-        """decoder + location_ref + k (observed - location_b), D(c) and k_b unless given."""
-        scale = self.scale if scale is None else scale
-        decoder = self.reference - scale * self.own if decoder is None else decoder
-        return decoder + self.ref_location + scale * (self.observed - self.location)
-
-    def batch_mean(self, values: np.ndarray) -> np.ndarray:
-        """Each cell's row replaced by the mean of its batch's rows."""
-        means = np.empty_like(values)
-        for code in np.unique(self.codes):
-            rows = self.codes == code
-            means[rows] = values[rows].mean(axis=0)
-        return means
-
-    def state_shrunk(self, decoder: np.ndarray, weight: float) -> np.ndarray:
-        """A decoder term shrunk toward its batch mean, as correction.state_dependence=weight: mean + w (D - mean)."""
-        mean = self.batch_mean(decoder)
-        return mean + weight * (decoder - mean)
-
-
-@torch.no_grad()
-def counterfactual_terms(adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str) -> Terms:
-    """The model's terms for every cell, as batchfix.correct computes them (average reference, spread per batch)."""
-    net = model.net
-    counts = np.asarray(adata[:, model.genes].X, dtype=np.float32)  # the model's gene order
-    codes = counterfactual.batch_codes(adata.obs[batch_key].astype(str).to_numpy(), model.batch_categories).codes
-    stats = calibration.Statistics(net, None, [])
-    present = torch.ones(len(model.genes), dtype=torch.bool)
-    parts = {"reference": [], "own": [], "observed": []}
-    with fused_attention(net):
-        for start in range(0, len(counts), BATCH_SIZE):
-            x = torch.from_numpy(counts[start:start + BATCH_SIZE])
-            mu, _ = net.encode(x)
-            reference, own = counterfactual.decoded_pair(net, mu, torch.from_numpy(codes[start:start + len(x)]),
-                                                         None, present)
-            for name, values in zip(parts, (reference, own, net.log_expression(x))):
-                parts[name].append(values.numpy())
-    return Terms(**{name: np.concatenate(blocks).astype(np.float64) for name, blocks in parts.items()},
-                 location=stats.location.numpy()[codes].astype(np.float64),
-                 scale=stats.scale.numpy()[codes].astype(np.float64),
-                 ref_location=stats.ref_location.numpy().astype(np.float64), codes=codes)
-
-
 def variant_matrices(terms: Terms) -> dict[str, np.ndarray]:
     """Unclipped values of every variant (the name says whether the floor at 0 applies)."""
-    decoder = counterfactual.decoder_term(torch.from_numpy(terms.reference), torch.from_numpy(terms.own),
-                                          torch.from_numpy(terms.scale)).numpy()
+    decoder = terms.decoder
     mean = terms.batch_mean(decoder)
     unclipped = {SHIPPED: terms.unclipped(), UNIT_K: terms.unclipped(scale=np.ones_like(terms.scale)),
                  GENEWISE: terms.unclipped(decoder=mean)}

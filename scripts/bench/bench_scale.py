@@ -27,13 +27,13 @@ Per file:
 - `--variant NAME KEY=VALUE ...` (repeatable) also trains a named variant of batchfix (its Hydra
   overrides) on every file, each compared with the same scVI measurement.
 
-Everything runs on this machine's CPU with --threads threads (the GPU's figures: scripts/bench_gpu.py).
+Everything runs on this machine's CPU with --threads threads (the GPU's figures: scripts/bench/bench_gpu.py).
 
-    python scripts/bench_scale.py                       # 10,000 and 100,000 cells
-    python scripts/bench_scale.py --sizes 10000 --bundled --threads 1
-    python scripts/bench_scale.py --million --fit-epochs 1
-    python scripts/bench_scale.py --bundled --sizes --threads 2 --variant tokens48 model.genes_per_token=48
-    python scripts/bench_scale.py --sizes 1000000 --genes 2000 --stop-after 900 --skip-scvi   # memory only
+    python -m scripts.bench.bench_scale                       # 10,000 and 100,000 cells
+    python -m scripts.bench.bench_scale --sizes 10000 --bundled --threads 1
+    python -m scripts.bench.bench_scale --million --fit-epochs 1
+    python -m scripts.bench.bench_scale --bundled --sizes --threads 2 --variant tokens48 model.genes_per_token=48
+    python -m scripts.bench.bench_scale --sizes 1000000 --genes 2000 --stop-after 900 --skip-scvi   # memory only
 """
 from __future__ import annotations
 
@@ -48,9 +48,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-from resampled import generate  # scripts/resampled.py, beside this script
 
-REPO = Path(__file__).resolve().parents[1]
+from scripts.resampled import generate
 
 
 def run_sampled(command: list[str], threads: int, cwd: Path, stop_after: float = 0) -> tuple[int, float, int, str]:

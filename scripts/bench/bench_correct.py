@@ -16,9 +16,9 @@ With --max-seconds, a run still going after that many seconds of correction is i
 the measured rate; the peak RSS is then the peak over the part that ran (after the copy of the
 input's other groups, memory is flat: every chunk needs the same).
 
-    python scripts/bench_correct.py --cells 100000 1000000 --max-seconds 300 --threads 1
-    python scripts/bench_correct.py --cells 100000 --checkpoint RUN/model.ckpt --workdir bench_work
-    python scripts/bench_correct.py --cells 20000 --regional-shift apply keep   # the regional option's cost
+    python -m scripts.bench.bench_correct --cells 100000 1000000 --max-seconds 300 --threads 1
+    python -m scripts.bench.bench_correct --cells 100000 --checkpoint RUN/model.ckpt --workdir bench_work
+    python -m scripts.bench.bench_correct --cells 20000 --regional-shift apply keep   # the regional option's cost
 """
 from __future__ import annotations
 
@@ -35,9 +35,8 @@ import threading
 import time
 from pathlib import Path
 
-from resampled import generate  # scripts/resampled.py, beside this script
-
 from batchfix.config import REGIONAL_SHIFTS, CorrectionSettings
+from scripts.resampled import generate
 
 
 def train_checkpoint(workdir: Path, threads: int) -> Path:
@@ -88,7 +87,7 @@ def measure(input_path: Path, output_path: Path, checkpoint: Path, args) -> dict
     """Correct in a child process; sample its RSS; interrupt it after --max-seconds of correction."""
     import psutil
 
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", str(input_path), str(output_path),
+    command = [sys.executable, "-m", "scripts.bench.bench_correct", "--child", str(input_path), str(output_path),
                str(checkpoint), "--threads", str(args.threads), "--chunk-size", str(args.chunk_size),
                "--batch-size", str(args.batch_size), "--regional-shift", args.regional_shift[0],
                "--launched", repr(time.time())]

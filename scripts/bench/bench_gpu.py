@@ -3,9 +3,9 @@ training speed against scVI on the same GPU.
 
 Two halves, so that a GPU is held only while it trains:
 
-    python scripts/bench_gpu.py train OUT [--seeds 0 1 2] [--cells 100000] [--budget 420]   # needs CUDA
-    python scripts/bench_gpu.py train OUT --name per-gene --option genes_per_token=1 --cells 0   # another model
-    python scripts/bench_gpu.py score OUT [OUT ...] [--csv scores.csv] [--table summary.csv]  # any CPU
+    python -m scripts.bench.bench_gpu train OUT [--seeds 0 1 2] [--cells 100000] [--budget 420]   # needs CUDA
+    python -m scripts.bench.bench_gpu train OUT --name per-gene --option genes_per_token=1 --cells 0   # another model
+    python -m scripts.bench.bench_gpu score OUT [OUT ...] [--csv scores.csv] [--table summary.csv]  # any CPU
 
 train:
 - guards: attention on CUDA float16 tensors whose scores overflow fp16 without the guards (exp of an unshifted
@@ -44,8 +44,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import load, select_genes  # noqa: E402
+from scripts.benchmark import load, select_genes
 
 BUNDLED_PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 SCALE_PRECISIONS = ("16-mixed", "32-true")
@@ -248,7 +247,7 @@ def train(args: argparse.Namespace) -> None:
             print(json.dumps(figures), flush=True)
     if not args.cells:
         return
-    from resampled import generate  # scripts/resampled.py, beside this script
+    from scripts.resampled import generate
 
     if not in_budget(f"scale {args.cells} cells"):
         return

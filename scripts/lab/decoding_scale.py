@@ -31,10 +31,11 @@ stressed ones (columns "... (truth)": which true markers, DE ranks, neighbours a
 counts recovers; the stressed counts themselves no longer score 1). --model-dir keeps the trained models and reuses
 them.
 
-    nice python scripts/decoding_scale.py data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
-    nice python scripts/decoding_scale.py data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --model-dir models/pair
-    python scripts/stress_set.py data/cellbench5.h5ad stress_sd1.h5ad --sd 1.0
-    nice python scripts/decoding_scale.py stress_sd1.h5ad --truth-layer truth --seeds 0 1 2 --model-dir models/sd1
+    nice python -m scripts.lab.decoding_scale data/cellbench5.h5ad --seeds 0 1 2 --model-dir models/bundled
+    nice python -m scripts.lab.decoding_scale data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq \\
+        --model-dir models/pair
+    python -m scripts.stress_set data/cellbench5.h5ad stress_sd1.h5ad --sd 1.0
+    nice python -m scripts.lab.decoding_scale stress_sd1.h5ad --truth-layer truth --seeds 0 1 2 --model-dir models/sd1
 """
 from __future__ import annotations
 
@@ -52,19 +53,10 @@ import batchfix
 from batchfix.data.normalize import LIBRARY_SIZE
 from batchfix.eval import fidelity, metrics
 from batchfix.nn.attention import fused_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import dense_float32, load, select_genes  # noqa: E402
-from marker_loss import (  # noqa: E402
-    BATCH_SIZE,
-    Terms,
-    check_shipped,
-    counterfactual_terms,
-    matrix_scores,
-    reference_rows,
-    summary,
-)
-from stress_set import contrast_truth_error  # noqa: E402
+from scripts.benchmark import dense_float32, load, select_genes
+from scripts.lab.harness import BATCH_SIZE, Terms, counterfactual_terms, recalibration
+from scripts.lab.marker_loss import check_shipped, matrix_scores, reference_rows, summary
+from scripts.stress_set import contrast_truth_error
 
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False, label_key=None, n_top_genes=None)
 CONTRAST = "Truth error (group contrasts, relative)"
@@ -149,16 +141,6 @@ def expected_logs(counts: np.ndarray, model: batchfix.BatchfixModel, codes: np.n
     return np.concatenate(own), np.concatenate(reference)
 
 
-def recalibration(terms: Terms, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(location (batches, G), each cell's k (cells, 1)) estimated again from the residuals observed - own (all
-    cells), one spread per batch."""
-    n_batches = int(terms.codes.max()) + 1
-    residual = terms.observed - own
-    location = batch_means(residual, terms.codes, n_batches)
-    spread = np.sqrt(np.array([residual[terms.codes == b].var(axis=0).mean() for b in range(n_batches)]))
-    return location, (np.sqrt(np.mean(spread ** 2)) / spread)[terms.codes][:, None]
-
-
 def recalibrated(terms: Terms, own: np.ndarray, reference: np.ndarray) -> dict[str, np.ndarray]:
     """Unclipped values with decoded_b = `own` and decoded_ref = `reference`, the location and the spread estimated
     again from the residuals observed - own (all cells); at full state dependence and at each of STATE_WEIGHTS."""
@@ -185,7 +167,7 @@ def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path
     terms = counterfactual_terms(adata, model, batch_key)
     default = np.maximum(terms.unclipped(), 0.0)
     check_shipped(default, adata, model, batch_key, "default")
-    decoder = terms.reference - terms.scale * terms.own
+    decoder = terms.decoder
     mean = terms.batch_mean(decoder)
     counts, uncorrected = reference_rows(adata, model.genes, batch_key)
     rows = {**uncorrected, "default": default,

@@ -8,7 +8,7 @@ several separated by "|", the first one the CSV holds (the default output's row 
 (PCA)" whatever the default was when the CSV was made; the other regional shifts are named by their mode).
 CSVs of one dataset's runs with other seeds are pooled by joining their paths with "+".
 
-    python scripts/variant_table.py docs/results/runs/bundled-3seeds.csv=bundled \\
+    python -m scripts.lab.variant_table docs/results/runs/bundled-3seeds.csv=bundled \\
         docs/results/runs/plate-trio-3seeds.csv=plate-trio docs/results/runs/platform-pair-3seeds.csv=platform-pair \\
         --rows "batchfix counterfactual_regional_keep (PCA)|batchfix counterfactual (PCA)=keep" \\
                "batchfix counterfactual_regional_apply (PCA)|batchfix counterfactual (PCA)=apply" \\

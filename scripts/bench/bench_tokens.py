@@ -12,8 +12,8 @@ Speed is given per CPU-second of the process (CPU time, all its threads): on a m
 share, wall-clock cells/s says more about them than about the model; with --threads 1 it is the
 speed of one dedicated core. Wall-clock cells/s is printed beside it. Configurations: CONFIGS below.
 
-    python scripts/bench_tokens.py --threads 1
-    python scripts/bench_tokens.py --only default gene2k_blocks_ckpt
+    python -m scripts.bench.bench_tokens --threads 1
+    python -m scripts.bench.bench_tokens --only default gene2k_blocks_ckpt
 """
 from __future__ import annotations
 
@@ -111,8 +111,8 @@ def child(name: str, phase: str, args: argparse.Namespace) -> dict:
 
 
 def measure(name: str, phase: str, args: argparse.Namespace) -> dict:
-    command = [sys.executable, __file__, "--child", name, phase, "--threads", str(args.threads),
-               "--steps", str(args.steps), "--infer-cells", str(args.infer_cells)]
+    command = [sys.executable, "-m", "scripts.bench.bench_tokens", "--child", name, phase,
+               "--threads", str(args.threads), "--steps", str(args.steps), "--infer-cells", str(args.infer_cells)]
     run = subprocess.run(command, capture_output=True, text=True)
     if run.returncode:
         return {"error": (run.stderr.strip().splitlines() or ["?"])[-1][:120]}

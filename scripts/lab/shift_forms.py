@@ -26,11 +26,11 @@ dependence but constrain it, each built from one model's terms (`marker_loss.cou
     level kept [, 0.5]  state dependence is taken out, the gene's level stays the arithmetic reference's.
 
 Beside them: the default (checked against batchfix.correct, regional_shift=apply) and correction.state_dependence
-0.5 (the decoder term shrunk toward its batch mean). Scored as scripts/decoding_scale.py scores its rows, with the
+0.5 (the decoder term shrunk toward its batch mean). Scored as scripts/lab/decoding_scale.py scores its rows, with the
 same options (--truth-layer, --model-dir, --out, --seeds).
 
-    nice python scripts/shift_forms.py data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
-    nice python scripts/shift_forms.py stress_sd1.h5ad --truth-layer truth --seeds 0 1 2 --model-dir models/sd1
+    nice python -m scripts.lab.shift_forms data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
+    nice python -m scripts.lab.shift_forms stress_sd1.h5ad --truth-layer truth --seeds 0 1 2 --model-dir models/sd1
 """
 from __future__ import annotations
 
@@ -43,10 +43,9 @@ import torch
 
 import batchfix
 from batchfix.nn.attention import fused_attention
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decoding_scale import batch_means, main, recalibration, trained_model  # noqa: E402
-from marker_loss import BATCH_SIZE, Terms, check_shipped, counterfactual_terms, reference_rows  # noqa: E402
+from scripts.lab.decoding_scale import batch_means, main, trained_model
+from scripts.lab.harness import BATCH_SIZE, Terms, counterfactual_terms, recalibration
+from scripts.lab.marker_loss import check_shipped, reference_rows
 
 FACTOR_STATES = (0.0, 0.25, 0.5)  # W: the share of the decoder's own-batch term's departure from the factor form kept
 STATE = 0.5  # correction.state_dependence of the rows shrunk toward the batch mean
@@ -63,7 +62,7 @@ def factor_own(terms: Terms) -> np.ndarray:
 
 def with_own(terms: Terms, own: np.ndarray) -> np.ndarray:
     """Floored values with decoded_b = `own`, the location and one spread per batch estimated again from
-    observed - own (`decoding_scale.recalibration`)."""
+    observed - own (`harness.recalibration`)."""
     location, scale = recalibration(terms, own)
     return np.maximum(terms.reference + location.mean(axis=0) + scale * (terms.observed - own - location[terms.codes]),
                       0.0)
@@ -94,7 +93,7 @@ def shift_rows(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path | 
     terms = counterfactual_terms(adata, model, batch_key)
     default = np.maximum(terms.unclipped(), 0.0)
     check_shipped(default, adata, model, batch_key, "default")
-    decoder = terms.reference - terms.scale * terms.own
+    decoder = terms.decoder
     rows = {"default": default, f"state {STATE:g}": shrunk(terms, decoder, STATE),
             "default, recalibrated": with_own(terms, terms.own)}
     structured = factor_own(terms)
@@ -103,7 +102,7 @@ def shift_rows(adata: ad.AnnData, batch_key: str, seed: int, model_path: Path | 
     log_mean = log_mean_reference(adata, model)
     level_kept = log_mean + (terms.reference - log_mean).mean(axis=0)  # (cells, G) + (G,)
     for name, reference in (("log-mean reference", log_mean), ("log-mean reference, level kept", level_kept)):
-        decoder = reference - terms.scale * terms.own
+        decoder = terms.decoder_term(reference=reference)
         rows[name] = np.maximum(terms.unclipped(decoder=decoder), 0.0)
         rows[f"{name}, state {STATE:g}"] = shrunk(terms, decoder, STATE)
     counts, uncorrected = reference_rows(adata, model.genes, batch_key)

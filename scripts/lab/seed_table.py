@@ -1,9 +1,10 @@
 """One docs table (docs/results/NAME.csv) from per-seed score files: mean ± sd over seeds per (data, row).
 
-The inputs are the --out CSVs of scripts/decoding_scale.py, scripts/residual_weight.py or scripts/marker_loss.py
-(one row per (output, seed), the output's name first, a "seed" column), each named by the data it scored:
+The inputs are the --out CSVs of scripts/lab/decoding_scale.py, scripts/lab/residual_weight.py or
+scripts/lab/marker_loss.py (one row per (output, seed), the output's name first, a "seed" column), each named by
+the data it scored:
 
-    python scripts/seed_table.py docs/results/residual-weight.csv \\
+    python -m scripts.lab.seed_table docs/results/residual-weight.csv \\
         bundled=docs/results/runs/residual-weight-bundled.csv "stress sd 1.0"=docs/results/runs/residual-weight-sd1.csv
 
 Columns are the scores of COLUMNS that the inputs hold, under their short names, rounded to 3 decimals; rows keep

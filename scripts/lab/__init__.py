@@ -1,0 +1,1 @@
+"""Research questions about the correction, measured from the shipped package."""

@@ -1,0 +1,111 @@
+"""The lab scripts' rows on a tiny model of the real 200-cell subset, and the seed table of their CSVs."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import batchfix
+from batchfix.eval import fidelity
+from scripts.lab import decoding_scale, marker_loss, residual_forms, residual_weight, shift_forms
+
+pytestmark = pytest.mark.lab
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(n_top_genes=None, genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8,
+            decoder_hidden=32, batch_size=64, max_epochs=30, threads=1, enable_progress_bar=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(subset):
+    return batchfix.train(subset, batch_key="batch", seed=0, **TINY)
+
+
+def test_the_residual_weight_script_rebuilds_batchfix_correct_and_scores_against_a_truth(subset, tiny_model, tmp_path):
+    """scripts/lab/residual_weight.py's rows for one saved model: its checked rows (weights 1 and 0.75, spread=gene with
+    state 0.5 at weights 1 and 0.9) are batchfix.correct's, or it stops; with a truth layer equal to X and the same
+    model as the truth's, every gene score against the truth equals the one against the data and every contrast truth
+    error is 0."""
+    adata = subset.copy()
+    adata.layers["truth"] = adata.X.copy()
+    for part in ("model", "truth"):
+        tiny_model.save(tmp_path / f"{part}_0.ckpt")
+    args = decoding_scale.parse_args(["unused.h5ad", "--truth-layer", "truth", "--model-dir", str(tmp_path)])
+    table = decoding_scale.seed_scores(adata, args, 0, build=residual_weight.weight_rows)
+    weights = [f"residual weight {w:g}" for w in residual_weight.WEIGHTS]
+    assert list(table.index) == ["uncorrected", "ComBat", *weights, "spread gene", "spread gene, state 0.5",
+                                 "spread gene, state 0.5, weight 0.9"]
+    scored = [metric for metric in fidelity.GENE_METRICS if table[metric].notna().all()]
+    assert len(scored) >= 2  # the scores this small subset allows
+    for metric in fidelity.GENE_METRICS:
+        pd.testing.assert_series_equal(table[metric], table[f"{metric} (truth)"], check_names=False)
+    assert np.allclose(table[decoding_scale.CONTRAST], 0.0, atol=1e-6)
+    assert table.loc["residual weight 0", fidelity.HVG_CONSERVATION] < table.loc["residual weight 1",
+                                                                                 fidelity.HVG_CONSERVATION]
+
+
+def test_the_shift_forms_script_keeps_each_batchs_expected_counts_and_a_lower_log_mean_reference(subset, tiny_model,
+                                                                                                  tmp_path):
+    """scripts/lab/shift_forms.py on one saved model: its default row is batchfix.correct's (or it stops); the factor
+    form keeps each batch's mean expected count of every gene (f is their ratio to the reference's); the log-mean
+    reference is the mean of the batches' log1p values, below the log1p of their mean (concavity) and not equal."""
+    tiny_model.save(tmp_path / "model_0.ckpt")
+    genes, counts, rows = shift_forms.shift_rows(subset, "batch", 0, tmp_path / "model_0.ckpt")
+    assert list(rows) == ["uncorrected", "ComBat", "default", "state 0.5", "default, recalibrated",
+                          "factor, state 0", "factor, state 0.25", "factor, state 0.5", "log-mean reference",
+                          "log-mean reference, state 0.5", "log-mean reference, level kept",
+                          "log-mean reference, level kept, state 0.5"]
+    assert genes == list(tiny_model.genes) and counts.shape == rows["default"].shape
+    outputs = [values for name, values in rows.items() if name not in ("uncorrected", "ComBat")]
+    assert all(np.isfinite(values).all() and (values >= 0).all() for values in outputs)  # ComBat has no floor
+    terms = marker_loss.counterfactual_terms(subset, tiny_model, "batch")
+    structured = shift_forms.factor_own(terms)
+    for code in np.unique(terms.codes):
+        cells = terms.codes == code
+        np.testing.assert_allclose(np.expm1(structured[cells]).mean(axis=0), np.expm1(terms.own[cells]).mean(axis=0),
+                                   rtol=1e-6, atol=1e-9)
+    log_mean = shift_forms.log_mean_reference(subset, tiny_model)
+    assert (log_mean <= terms.reference + 1e-5).all() and (terms.reference - log_mean).max() > 1e-3
+
+
+def test_the_residual_forms_script_rebuilds_batchfix_correct_and_names_its_rows(subset, tiny_model, tmp_path):
+    """scripts/lab/residual_forms.py on one saved model: its default row is batchfix.correct's (or it stops), and every
+    form is a floored matrix of the default's shape that differs from it."""
+    tiny_model.save(tmp_path / "model_0.ckpt")
+    genes, counts, rows = residual_forms.residual_rows(subset, "batch", 0, tmp_path / "model_0.ckpt")
+    forms = ["residual weight 0.75", "residual weight 0.5", "local mean kept, 0.75", "local mean kept, 0.5",
+             "cluster swap 5", "cluster swap 30", "linear swap", "quantile match 20", "quantile match 100", "state 0.5",
+             "state 0.5, cluster swap 5"]
+    assert list(rows) == ["uncorrected", "ComBat", "default", *forms]
+    for name in forms:
+        assert rows[name].shape == rows["default"].shape and (rows[name] >= 0).all(), name
+        # 30 clusters of 200 cells leave no cluster with two (batch, cluster) groups of 10 cells: nothing is swapped
+        assert (np.abs(rows[name] - rows["default"]).max() > 1e-3) == (name != "cluster swap 30"), name
+
+
+def test_a_seed_table_is_the_mean_and_sd_over_seeds_of_each_row(tmp_path):
+    """scripts/lab/seed_table.py: per (data, output), "mean ± sd" over the seeds of each score, rows in their first
+    order, dropped rows left out, and a score one data set lacks left blank (as the decoding-scale table has)."""
+    runs = tmp_path / "runs.csv"
+    runs.write_text(",Total,Marker recall,seed\n"
+                    "uncorrected,0.5,1.0,0\ndefault,0.80,0.90,0\nComBat,0.70,0.95,0\n"
+                    "uncorrected,0.5,1.0,1\ndefault,0.84,0.96,1\nComBat,0.70,0.95,1\n")
+    stress = tmp_path / "stress.csv"
+    stress.write_text(",Total,Marker recall,\"Truth error (group contrasts, relative)\",seed\n"
+                      "default,0.6,0.8,0.25,0\ndefault,0.6,0.8,0.35,1\n")
+    one_seed = tmp_path / "one_seed.csv"  # one seed: the mean alone; a latent has no gene scores: blank
+    one_seed.write_text(",Total,Marker recall,seed\ndefault,0.9,0.97,0\nlatent,0.85,,0\n")
+    out = tmp_path / "table.csv"
+    subprocess.run([sys.executable, "-m", "scripts.lab.seed_table", str(out), f"bundled={runs}", f"stress sd 1.0={stress}",
+                    f"stress sd 0.5={one_seed}", "--drop", "uncorrected"], cwd=ROOT, check=True, capture_output=True)
+    assert out.read_text().splitlines() == [
+        "data,output,Total,markers,truth error (contrasts)",
+        "bundled,default,0.820 ± 0.028,0.930 ± 0.042,",
+        "bundled,ComBat,0.700 ± 0.000,0.950 ± 0.000,",
+        "stress sd 1.0,default,0.600 ± 0.000,0.800 ± 0.000,0.300 ± 0.071",
+        "stress sd 0.5,default,0.900,0.970,",
+        "stress sd 0.5,latent,0.850,,",
+    ]
