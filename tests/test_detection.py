@@ -58,7 +58,7 @@ def test_groups_below_the_cell_minimum_are_left_out_and_spread_is_over_batches(s
     one = shares[(shares["gene"] == 0)].iloc[0]
     cells = (labels == one["label"]) & (batches == one["batch"])
     assert one["share"] == pytest.approx((counts[cells, 0] > 0).mean())
-    # the same shares in every batch: no spread; a batch that detects everything: spread
+    # the same shares in every batch: no spread; the real shares differ between batches
     same = shares.assign(share=shares.groupby(["gene", "label"])["share"].transform("mean"))
     assert batch_spread(same) == pytest.approx(0.0, abs=1e-12)
     assert batch_spread(shares) > 0
