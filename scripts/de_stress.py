@@ -14,7 +14,8 @@ counts stay integers and an NB count stays NB with its mean scaled:
   genes, var['null_gene']), log f = sd * e; each batch's cells keep a fraction f / max_b f of their molecules.
   `--design multiplicative`: e = e(b, g), standard normal, the same in every cell type (the model of ComBat-seq
   and of a covariate GLM). `--design state`: e = sqrt(1 - s) e(b, g) + sqrt(s) e(b, g, t), with its own draw per
-  cell type t (s = `--state-share`): a batch effect that depends on the cell's state.
+  cell type t (s = `--state-share`): a batch effect that depends on the cell's state (its type; within one type
+  it is again one factor per gene and batch).
 
 X holds the stressed counts; `uns['de_stress']` the parameters, seed, batches, cell types and the log factors.
 
