@@ -170,9 +170,9 @@ def main() -> None:
     out = de_stress_set(adata, stress, args.label_key)
     with atomic_output(Path(args.output), overwrite=False) as tmp:
         out.write_h5ad(tmp)
-    var = out.var
-    print(f"Wrote {args.output}: {out.n_obs} cells x {out.n_vars} genes from batch {out.uns['de_stress']['source_batch']}"
-          f", {int(var['de'].sum())} DE genes, {int(var['null_gene'].sum())} null genes, {stress}")
+    var, source = out.var, out.uns["de_stress"]["source_batch"]
+    print(f"Wrote {args.output}: {out.n_obs} cells x {out.n_vars} genes from batch {source}, "
+          f"{int(var['de'].sum())} DE genes, {int(var['null_gene'].sum())} null genes, {stress}")
 
 
 if __name__ == "__main__":
