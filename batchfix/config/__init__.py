@@ -9,8 +9,9 @@ torch or scanpy unchecked, and every error names the option and what it accepts.
 
 The modules: `choices` (accepted values and the checks), `groups` (train's data, model, fit and trainer
 groups), `verbs` (each verb's schema and the options they share), `parsing` (a composed config made into
-them), `presets` (the `correction` group's named entries, and which correction a command applies) and `help_text` (the options' descriptions and the did-you-mean of an unknown one). Everything is
-imported from here: `from batchfix.config import TrainConfig`.
+them), `presets` (the `correction` group's named entries, and which correction a command applies) and
+`help_text` (the options' descriptions and the did-you-mean of an unknown one). Everything is imported from
+here: `from batchfix.config import TrainConfig`.
 """
 from batchfix.config.choices import (
     ATTENTION_BACKENDS,
