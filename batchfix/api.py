@@ -13,22 +13,27 @@ from __future__ import annotations
 import difflib
 import inspect
 import tempfile
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import anndata as ad
 
 from batchfix.config import (
+    CorrectConfig,
+    CorrectionChoice,
     CorrectionOptions,
     CorrectionSettings,
     DataConfig,
     EvaluationOptions,
     FitConfig,
+    InferenceOptions,
     ModelConfig,
     TrainConfig,
     TrainerConfig,
     flat_option_names,
     option_descriptions,
+    preset_names,
+    remembered_correction,
     validated,
 )
 from batchfix.correction.calibration import calibrated_model
@@ -47,7 +52,9 @@ NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a 
                                    "with the command line (data.stream)"),
                    **dict.fromkeys(("max_cells", "neighbors"),
                                    "the Python API does not evaluate: score with batchfix.eval.metrics")}
-_CORRECTION = CorrectionSettings()
+# The correction options: keywords of batchfix.train (remembered by the model) and of batchfix.correct.
+CORRECTION_OPTIONS = tuple(option.name for option in fields(CorrectionOptions))
+INFERENCE_OPTIONS = tuple(option.name for option in fields(InferenceOptions))
 
 
 def train_config(**options) -> TrainConfig:
@@ -67,10 +74,6 @@ def train_config(**options) -> TrainConfig:
             node = node.setdefault(group, {})
         node[last] = value
     return validated(nested, TrainConfig)
-
-
-# Options of `train` that belong to correction: the Python API trains, and batchfix.correct takes them.
-CORRECTION_ONLY = tuple(option.name for option in fields(CorrectionOptions))
 
 
 def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: str | None = DataConfig.label_key,
@@ -104,130 +107,95 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
           enable_progress_bar: bool = TrainerConfig.enable_progress_bar,
           enable_model_summary: bool = TrainerConfig.enable_model_summary,
           deterministic: bool = TrainerConfig.deterministic, seed: int = TrainConfig.seed,
-          threads: int | None = TrainConfig.threads,
-          **unknown) -> BatchfixModel:
+          threads: int | None = TrainConfig.threads, correction: str | None = None,
+          **correction_options) -> BatchfixModel:
     """Train batchfix on an in-memory AnnData (raw counts in X, or in `counts_layer`); returns the model.
 
     Every keyword is the `python -m batchfix train` option of that last name, with its default and
     validation (`python -m batchfix train --help`, batchfix.config); their descriptions follow below.
     The data options (batch_key, counts_layer, label_key, genome, scale) are saved with the model and
-    are `batchfix.correct`'s defaults. `adata` is not changed. An option that is no train option, or has
-    no effect here (output_mode, resume, ...), is refused (ConfigError) naming the option meant.
+    are `batchfix.correct`'s defaults, and so is the correction: the preset `correction` names (an entry of
+    conf/correction/; None = default) with the correction options given as keywords on top. `adata` is not
+    changed. An option that is no train option, or has no effect here (resume, ...), is refused (ConfigError)
+    naming the option meant.
     """
-    options = {name: value for name, value in locals().items() if name not in ("adata", "unknown")}
-    for name in unknown:
-        if name in CORRECTION_ONLY:
-            raise ConfigError(f"'{name}' is not an option of batchfix.train: pass it to batchfix.correct.")
-    cfg = train_config(**options, **unknown)
+    options = {name: value for name, value in locals().items()
+               if name not in ("adata", "correction", "correction_options")}
+    cfg = train_config(**options, **correction_options)
+    preset, chosen = CorrectionChoice(correction, correction_options).resolve()
     fitting.seed_and_threads(cfg.seed, cfg.threads)
     prepared = fitting.load_training_data(cfg.data, adata)
     with tempfile.TemporaryDirectory(prefix="batchfix-train-") as scratch:
         result = fitting.fit(cfg, prepared, Path(scratch))
         model = calibrated_model(result.best_checkpoint, prepared)
         add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
+    model.remember_correction(remembered_correction(preset, chosen))
     model.path = None  # the checkpoint it came from is gone: model.save(path) keeps it
     return model
 
 
-def options_doc(names: list[str]) -> str:
+def options_doc(names: list[str], schema: type = TrainConfig) -> str:
     """A numpydoc Parameters section of options, from their descriptions in batchfix.config."""
-    described = {dotted.rpartition(".")[2]: text for dotted, text in option_descriptions(TrainConfig).items()}
+    described = {dotted.rpartition(".")[2]: text for dotted, text in option_descriptions(schema).items()}
+    described |= {name: text for name, text in API_ONLY.items() if name not in described}
     return "\n    Parameters\n    ----------\n" + "".join(
         f"    {name}\n        {described[name]}\n" for name in names)
 
 
-train.__doc__ += options_doc([name for name in inspect.signature(train).parameters if name not in ("adata", "unknown")])
+# What the API's keywords that are no command-line option, or mean more here, are.
+API_ONLY = {
+    "adata": "Cells x genes; var_names are matched to the model's genes by name.",
+    "model": "A BatchfixModel (batchfix.train, BatchfixModel.load) or the path of a checkpoint such as "
+             "<run folder>/model.ckpt (loaded without executing code from the file).",
+    "correction": f"A named correction, an entry of conf/correction/ ({', '.join(preset_names())}); the "
+                  "correction options given as keywords override it. batchfix.correct: None = the correction the "
+                  "model was trained with.",
+    "copy": "Return a corrected copy instead of adding to `adata` (which is then left unchanged).",
+}
+TRAIN_KEYWORDS = [name for name in inspect.signature(train).parameters if name not in ("adata", "correction_options")]
+train.__doc__ += options_doc(TRAIN_KEYWORDS + [name for name in CORRECTION_OPTIONS if name not in TRAIN_KEYWORDS])
 
 
-def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, output_mode: str = _CORRECTION.output_mode,
+def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, correction: str | None = None,
             batch_key: str | None = None, counts_layer: str | None = None, all_batches_new: bool = False,
-            copy: bool = False,
-            progress: bool = False, reference: str | None = _CORRECTION.reference,
-            key_added: str = _CORRECTION.key_added, chunk_size: int = _CORRECTION.chunk_size,
-            batch_size: int = _CORRECTION.batch_size,
-            max_missing_fraction: float = _CORRECTION.max_missing_fraction,
-            int8: bool = _CORRECTION.int8, regional_shift: str = _CORRECTION.regional_shift,
-            regional_window: int = _CORRECTION.regional_window, regional_order: str = _CORRECTION.regional_order,
-            regional_seed: int = _CORRECTION.regional_seed,
-            spread: str = _CORRECTION.spread,
-            state_dependence: float = _CORRECTION.state_dependence,
-            residual_weight: float = _CORRECTION.residual_weight) -> ad.AnnData | None:
+            copy: bool = False, progress: bool = False, **options) -> ad.AnnData | None:
     """Batch-correct an in-memory AnnData with a trained model (or a checkpoint path), scanpy style.
 
-    Parameters
-    ----------
-    adata
-        Cells x genes; var_names are matched to the model's genes by name. Raw counts in X, or in
-        `counts_layer` (log-normalized values for a model trained with data.scale=log). None: the layer
-        the model was trained on; "X": the X matrix.
-    model
-        A `BatchfixModel` (from `batchfix.train` or `BatchfixModel.load`), or the path of a
-        checkpoint such as `<run folder>/model.ckpt` (loaded without executing code from the file).
-    output_mode
-        "counterfactual": each cell's own expression with only what its batch explains removed
-        (for differential expression and marker plots; reads obs[batch_key]); "denoised": every
-        cell decoded from its latent (smooth, for clustering and pictures). See batchfix.correction.counterfactual.
-    batch_key
-        The obs column of each cell's batch (counterfactual only); None: the column the model was
-        trained with. Batches the model never saw have their effect estimated from their own cells (at
-        least 10; fewer get the denoised output).
-    all_batches_new
-        Accept an input none of whose batches the model was trained on (refused otherwise: it is most
-        often the wrong batch_key).
-    reference
-        A training batch to express every cell as, or None / "average" for the average over the
-        training batches.
-    key_added
-        Names what is added: layers[key_added], var[f"{key_added}_modelled"], obsm[f"X_{key_added}"],
-        uns[key_added].
-    copy
-        Return a corrected copy instead of adding to `adata` (which is then left unchanged).
-    max_missing_fraction
-        Refuse (InputError) when more than this share of the model's genes is missing from var_names;
-        fewer missing genes enter the model as zeros and are listed in uns[key_added]["missing_genes"].
-    chunk_size, batch_size
-        Cells processed at a time, and cells per forward pass of the network.
-    int8
-        Run the network's linear layers dynamically quantized to int8 (CPU). The corrected values move
-        slightly and it was not faster on the default model (docs/benchmarks.md, INT8 inference, measures both).
-    regional_shift, regional_window, regional_order, regional_seed
-        Counterfactual output: "keep" leaves in each cell the part of its state-dependent batch shift that
-        deviates from its batch's mean shift and is smooth along the genome over `regional_window` genes
-        (copy-number-like biology); "keep_all" measures the deviation from the mean over all cells (a
-        batch-wide regional shift is kept too); "keep_input" splits the output's whole change to the cell
-        (decoder term, location, spread and the floor at 0) against the mean change over all cells, so each
-        cell keeps its input's regional profile; "apply" removes it with the rest. regional_order="shuffled"
-        is the ablation (smoothing over a random gene order, `regional_seed`). See batchfix.correction.counterfactual
-        and docs/cnv.md.
-    state_dependence
-        Counterfactual output: the share (0-1) of the cell-state dependence of its batch shift that is applied;
-        the rest is replaced by the shift's mean over the batch's cells (1, the default: all of it; 0: one shift
-        per gene and batch, as ComBat's). Lower keeps DE ranks and markers closer to the input's.
-    residual_weight
-        Counterfactual output: the share (0-1) of each cell's residual (its deviation from what the decoder
-        expects for its state in its batch) that is kept (1, the default: all of it; 0: the denoised output plus
-        the reference's location). Lower mixes and clusters better and keeps fewer within-type neighbours.
-    spread
-        The counterfactual output's residual scale: "batch" (one per batch) or "gene" (per gene and batch,
-        shrunk toward the batch's level; batchfix.correction.calibration.shrunk_variances).
-
-    Adds layers[key_added] (float32 CSR on the log1p(expression per 10k counts) scale, values stored
-    for the modelled genes only: other genes read as 0 and are False in var[f"{key_added}_modelled"]),
-    obsm[f"X_{key_added}"] (the latent) and uns[key_added] (version, checkpoint sha256, output mode,
-    reference batch, unseen batches, modelled and missing genes, parameters). Returns the copy when
-    copy=True, else None. For .h5ad files of any size use `python -m batchfix correct`, which streams
-    cells from disk.
+    Every keyword is the `python -m batchfix correct` option of that last name (`spread` is
+    `correction.spread`, `chunk_size` is `inference.chunk_size`), with its default and validation. The
+    correction is the one the model was trained with unless `correction` names a preset; correction options
+    given as keywords override either. Adds layers[key_added] (and, for the NB model's counterfactual
+    output, layers[key_added + '_counts']), var[key_added + '_modelled'], obsm['X_' + key_added] (the latent)
+    and uns[key_added] (what produced it: checkpoint, preset, options applied). Returns the copy when
+    copy=True, else None. For .h5ad files of any size use `python -m batchfix correct`, which streams cells
+    from disk.
     """
-    settings = validated(dict(output_mode=output_mode, reference=reference, key_added=key_added,
-                              chunk_size=chunk_size, batch_size=batch_size,
-                              max_missing_fraction=max_missing_fraction, int8=int8,
-                              regional_shift=regional_shift, regional_window=regional_window,
-                              regional_order=regional_order, regional_seed=regional_seed, spread=spread,
-                              state_dependence=state_dependence, residual_weight=residual_weight),
-                         CorrectionSettings)
+    told, inference = correct_keywords(options)
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
+    preset, chosen = CorrectionChoice(correction, told).resolve(trained.correction)
+    settings = CorrectionSettings(**asdict(chosen), **asdict(inference), preset=preset)
     return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,
                          progress=progress, all_batches_new=all_batches_new)
+
+
+def correct_keywords(options: dict) -> tuple[dict, InferenceOptions]:
+    """batchfix.correct's option keywords: (the correction options given, the inference options checked); an
+    unknown keyword is refused naming the option meant."""
+    known = [*CORRECTION_OPTIONS, *INFERENCE_OPTIONS, *inspect.signature(correct).parameters]
+    for name in options:
+        if name not in CORRECTION_OPTIONS and name not in INFERENCE_OPTIONS:
+            close = difflib.get_close_matches(name, known, n=3)
+            raise ConfigError(f"Unknown option '{name}' of batchfix.correct" +
+                              (f"; did you mean {close}?" if close else "."))
+    told = {name: value for name, value in options.items() if name in CORRECTION_OPTIONS}
+    validated(told, CorrectionOptions)  # a bad value is refused before the model is read
+    inference = validated({name: value for name, value in options.items() if name in INFERENCE_OPTIONS},
+                          InferenceOptions)
+    return told, inference
+
+
+correct.__doc__ += options_doc([*(name for name in inspect.signature(correct).parameters if name != "options"),
+                                *CORRECTION_OPTIONS, *INFERENCE_OPTIONS], CorrectConfig)
 
 
 def evaluate(adata: ad.AnnData, *, batch_key: str = DataConfig.batch_key, label_key: str | None = "cell_type",
@@ -245,7 +213,8 @@ def evaluate(adata: ad.AnnData, *, batch_key: str = DataConfig.batch_key, label_
     from batchfix.eval.evaluate import evaluate_file
 
     validated(dict(data=dict(batch_key=batch_key, label_key=label_key, counts_layer=counts_layer),
-                   key_added=key_added, evaluation=dict(max_cells=max_cells, neighbors=neighbors)), EvaluateConfig)
+                   correction=dict(key_added=key_added), evaluation=dict(max_cells=max_cells, neighbors=neighbors)),
+              EvaluateConfig)
     with tempfile.TemporaryDirectory(prefix="batchfix-evaluate-") as scratch:
         path = Path(scratch) / "corrected.h5ad"
         adata.write_h5ad(path)

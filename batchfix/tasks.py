@@ -12,7 +12,15 @@ import anndata as ad
 import torch
 
 from batchfix import runfolder, signals
-from batchfix.config import AttentionConfig, CorrectConfig, CorrectionSettings, TrainConfig
+from batchfix.config import (
+    DEFAULT_PRESET,
+    AttentionConfig,
+    CorrectConfig,
+    CorrectionChoice,
+    CorrectionSettings,
+    TrainConfig,
+    remembered_correction,
+)
 from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.corrector import reference_index
 from batchfix.correction.writers import correct_adata, correct_file
@@ -27,9 +35,9 @@ from batchfix.training.module import ENTROPY_PREFIX, BatchfixModel, load_trained
 log = logging.getLogger(__name__)
 
 
-def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
-    """Fit on cfg.data.path; write model.ckpt (the best checkpoint, calibrated), corrected.h5ad and
-    metrics.json into run_dir (rank 0 only).
+def train(cfg: TrainConfig, run_dir: str | Path, preset: str = DEFAULT_PRESET) -> dict:
+    """Fit on cfg.data.path; write model.ckpt (the best checkpoint, calibrated, remembering the correction: the
+    preset cfg.correction came from and its options), corrected.h5ad and metrics.json into run_dir (rank 0 only).
 
     A run folder that holds a run is refused (batchfix.runfolder); everything the data and options decide
     is checked before training starts.
@@ -47,11 +55,11 @@ def train(cfg: TrainConfig, run_dir: str | Path) -> dict:
     reference_index(prepared.batch_categories, cfg.correction.reference)  # refused now, not after training
     run_dir.mkdir(parents=True, exist_ok=True)
     with runfolder.held(run_dir):  # no other command writes into it meanwhile
-        return train_into(cfg, prepared, adata, run_dir, started)
+        return train_into(cfg, prepared, adata, run_dir, started, preset)
 
 
 def train_into(cfg: TrainConfig, prepared: PreparedData, adata: ad.AnnData | None, run_dir: Path,
-               started: float) -> dict:
+               started: float, preset: str = DEFAULT_PRESET) -> dict:
     """Fit into the held run_dir (its previous run deleted with cfg.overwrite) and write the outputs (rank 0
     only: the other ranks return {}). `adata` is the input read whole, or None when it is streamed."""
     runfolder.claim(run_dir, cfg.overwrite, cfg.resume)
@@ -59,7 +67,7 @@ def train_into(cfg: TrainConfig, prepared: PreparedData, adata: ad.AnnData | Non
     if result.trainer.global_rank != 0:
         return {}
     try:
-        metrics = write_outputs(cfg, result, prepared, adata, run_dir)
+        metrics = write_outputs(cfg, result, prepared, adata, run_dir, preset)
     except Interrupted as err:
         raise Interrupted(err.signum, f" after training, before its outputs were written; resume={run_dir} "
                                       "writes them") from None
@@ -71,11 +79,12 @@ def train_into(cfg: TrainConfig, prepared: PreparedData, adata: ad.AnnData | Non
 
 
 def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: PreparedData, adata: ad.AnnData | None,
-                  run_dir: Path) -> dict:
-    """model.ckpt (the best checkpoint, calibrated), corrected.h5ad and the evaluation of a finished fit;
-    returns the metrics so far."""
+                  run_dir: Path, preset: str = DEFAULT_PRESET) -> dict:
+    """model.ckpt (the best checkpoint, calibrated, with the correction it remembers), corrected.h5ad and the
+    evaluation of a finished fit; returns the metrics so far."""
     model = calibrated_model(result.best_checkpoint, prepared)
     add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
+    model.remember_correction(remembered_correction(preset, cfg.correction))
     model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
     metrics = fit_metrics(result, prepared)
     correct_started = time.perf_counter()
@@ -93,8 +102,9 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
 
 
 def write_corrected(cfg: TrainConfig, model: BatchfixModel, adata: ad.AnnData | None, target: Path) -> Path:
-    """The training input with corrected expression added: from the AnnData in memory, or streamed from the file."""
-    settings = CorrectionSettings(**asdict(cfg.correction))
+    """The training input with corrected expression added (the correction the model remembers): from the AnnData
+    in memory, or streamed from the file."""
+    settings = CorrectionSettings(**model.correction["options"], preset=model.correction["preset"])
     keys = dict(counts_layer=cfg.data.counts_layer, batch_key=cfg.data.batch_key)
     if adata is None:
         return correct_file(input_path(cfg.data.path), target, model, settings, overwrite=True, **keys)
@@ -123,16 +133,20 @@ def fit_metrics(result: fitting.FitResult, prepared: PreparedData) -> dict:
     }
 
 
-def correct(cfg: CorrectConfig) -> Path:
-    """Correct cfg.input with cfg.checkpoint into cfg.output (streamed, chunk_size cells at a time)."""
+def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
+    """Correct cfg.input with cfg.checkpoint into cfg.output (streamed, inference.chunk_size cells at a time),
+    with the correction `told` names, else the one the checkpoint remembers (CorrectionChoice.resolve)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     source = input_path(cfg.input)
     output = Path(cfg.output or Path.cwd() / (Path(source).stem + ".corrected.h5ad"))
     earlier = file_identity(output)
+    trained = load_trained(cfg.checkpoint)
+    preset, options = (told or CorrectionChoice()).resolve(trained.correction)
+    settings = CorrectionSettings(**asdict(options), **asdict(cfg.inference), preset=preset)
     try:
-        written = correct_file(source, output, load_trained(cfg.checkpoint), cfg, counts_layer=cfg.counts_layer,
-                               batch_key=cfg.batch_key, overwrite=cfg.overwrite, progress=cfg.progress,
+        written = correct_file(source, output, trained, settings, counts_layer=cfg.data.counts_layer,
+                               batch_key=cfg.data.batch_key, overwrite=cfg.overwrite, progress=cfg.progress,
                                all_batches_new=cfg.all_batches_new)
     except (Interrupted, OSError) as err:
         # A signal that lands inside h5py's C code can surface as an OSError of the interrupted read or write.
@@ -164,9 +178,10 @@ def attention(cfg: AttentionConfig) -> list[Path]:
         torch.set_num_threads(cfg.threads)
     source = input_path(cfg.input)
     output = Path(cfg.output).expanduser() if cfg.output else Path.cwd() / (Path(source).stem + ".attention")
-    settings = CorrectionSettings(batch_size=cfg.batch_size, max_missing_fraction=cfg.max_missing_fraction)
+    settings = CorrectionSettings(**asdict(cfg.inference))
     trained = load_trained(cfg.checkpoint)
-    maps = attention_maps(trained, source, cfg.group_by, settings, cfg.counts_layer, cfg.max_cells, cfg.resolution)
+    maps = attention_maps(trained, source, cfg.group_by, settings, cfg.data.counts_layer, cfg.max_cells,
+                          cfg.resolution)
     written = write_attention(maps, output, overwrite=cfg.overwrite, title=f"{Path(source).name}: ")
     log.info("Wrote %s", ", ".join(map(str, written)))
     return written

@@ -119,14 +119,14 @@ def test_bad_train_options_are_refused_naming_the_option(override, message):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("chunk_size=0", "chunk_size must be >= 1"),
-    ("batch_size=-5", "batch_size must be >= 1"),
-    ("max_missing_fraction=1.5", "max_missing_fraction must be in [0.0, 1.0]"),
-    ("key_added=null", "field 'key_added' is not Optional"),
-    ("key_added=''", "key_added must be a non-empty name"),
-    ("key_added=a/b", "key_added must not contain '/'"),
+    ("inference.chunk_size=0", "inference.chunk_size must be >= 1"),
+    ("inference.batch_size=-5", "inference.batch_size must be >= 1"),
+    ("inference.max_missing_fraction=1.5", "inference.max_missing_fraction must be in [0.0, 1.0]"),
+    ("correction.key_added=null", "field 'correction.key_added' is not Optional"),
+    ("correction.key_added=''", "correction.key_added must be a non-empty name"),
+    ("correction.key_added=a/b", "correction.key_added must not contain '/'"),
     ("threads=0", "threads must be >= 1"),
-    ("int8=sometimes", "Value 'sometimes' is not a valid bool"),
+    ("inference.int8=sometimes", "Value 'sometimes' is not a valid bool"),
 ])
 def test_bad_correct_options_are_refused_naming_the_option(override, message):
     with pytest.raises(Exception) as err:
@@ -149,8 +149,8 @@ def test_correct_needs_a_checkpoint():
     ("resolution=1", "resolution must be >= 2"),
     ("max_cells=0", "max_cells must be >= 1"),
     ("group_by=''", "group_by must name something"),
-    ("batch_size=0", "batch_size must be >= 1"),
-    ("max_missing_fraction=2", "max_missing_fraction must be in [0.0, 1.0]"),
+    ("inference.batch_size=0", "inference.batch_size must be >= 1"),
+    ("inference.max_missing_fraction=2", "inference.max_missing_fraction must be in [0.0, 1.0]"),
 ])
 def test_bad_attention_options_are_refused_naming_the_option(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

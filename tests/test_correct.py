@@ -442,7 +442,7 @@ def test_cli_writes_the_output_and_reports_errors(trained_run, rich_input, tmp_p
     _, source = rich_input
     target = tmp_path / "cli.h5ad"
     args = ["correct", f"input={source}", f"output={target}", f"checkpoint={trained_run['checkpoint']}",
-            f"reference={trained_run['seen'][1]}", "chunk_size=64", "threads=1", "progress=false"]
+            f"correction.reference={trained_run['seen'][1]}", "inference.chunk_size=64", "threads=1", "progress=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "batchfix", *args], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env=env)

@@ -192,7 +192,7 @@ def test_the_batch_column_is_needed_only_by_the_counterfactual_output(shifted, m
         correct_file(path, tmp_path / "no.h5ad", model, CorrectionSettings(), progress=False)
     assert not (tmp_path / "no.h5ad").exists()
     run = subprocess.run([sys.executable, "-m", "batchfix", "correct", f"input={path}", f"checkpoint={checkpoint}",
-                          f"output={tmp_path / 'cli.h5ad'}", "batch_key=sample", "threads=1", "progress=false"],
+                          f"output={tmp_path / 'cli.h5ad'}", "data.batch_key=sample", "threads=1", "progress=false"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -276,7 +276,7 @@ def test_an_uncalibrated_checkpoint_is_refused_for_the_counterfactual_output(shi
 
 def test_output_mode_is_validated_where_it_is_defined():
     for make in (lambda: CorrectionSettings(output_mode="smooth"),
-                 lambda: validated({"checkpoint": "m.ckpt", "output_mode": "smooth"}, CorrectConfig),
+                 lambda: validated({"checkpoint": "m.ckpt", "correction": {"output_mode": "smooth"}}, CorrectConfig),
                  lambda: validated({"correction": {"output_mode": "smooth"}}, TrainConfig)):
         with pytest.raises(ConfigError, match=r"output_mode must be one of \['counterfactual', 'denoised'\]"):
             make()
@@ -285,5 +285,6 @@ def test_output_mode_is_validated_where_it_is_defined():
     with pytest.raises(ConfigError, match="output_mode"):
         batchfix.correct(ad.AnnData(np.ones((2, 2), dtype=np.float32)), "unused.ckpt", output_mode="smooth")
     with pytest.raises(ConfigError, match="batch_key"):
-        validated({"checkpoint": "m.ckpt", "batch_key": " "}, CorrectConfig)
-    assert CorrectConfig(checkpoint="m.ckpt").output_mode == TrainConfig().correction.output_mode == "counterfactual"
+        validated({"checkpoint": "m.ckpt", "data": {"batch_key": " "}}, CorrectConfig)
+    assert CorrectConfig(checkpoint="m.ckpt").correction.output_mode == TrainConfig().correction.output_mode \
+        == "counterfactual"

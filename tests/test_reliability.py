@@ -149,8 +149,9 @@ CASES = [
     Case("train-n-top-genes-zero", ["train", "data.n_top_genes=0"], message=r"data\.n_top_genes must be >= 1"),
     Case("train-unknown-option", ["train", "fit.bach_size=3"], message=r"fit\.bach_size"),
     Case("train-unknown-preset", ["train", "model=huge"], message=r"model/huge.*Available options"),
-    Case("correct-key-added-null", ["correct", "key_added=null", "checkpoint=x"], message=r"key_added"),
-    Case("correct-batch-size-text", ["correct", "batch_size=abc", "checkpoint=x"], message=r"batch_size.*'abc'"),
+    Case("correct-key-added-null", ["correct", "correction.key_added=null", "checkpoint=x"], message=r"key_added"),
+    Case("correct-batch-size-text", ["correct", "inference.batch_size=abc", "checkpoint=x"],
+         message=r"batch_size.*'abc'"),
     Case("correct-no-checkpoint", ["correct", "input={small}"], message=r"correct needs checkpoint="),
     # Inputs, checkpoints (variants: in-process below; the default run folder must not be left behind)
     Case("train-input-missing", ["train", "data.path={data}/missing.h5ad"], message=r"Input file not found"),
@@ -249,7 +250,7 @@ def signalled(files, slow_input, tmp_path_factory) -> dict:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
         started["correct", signum] = (lambda name=signum.name: any(work.glob(f".{name}.h5ad.*.tmp")), cli(
             ["correct", f"input={slow_input}", f"output={signum.name}.h5ad", f"checkpoint={files['ckpt']}",
-             "chunk_size=1", "batch_size=1", "progress=false", "threads=1"], work))
+             "inference.chunk_size=1", "inference.batch_size=1", "progress=false", "threads=1"], work))
     signal_when_ready(started)
     results = {"work": work, "inputs": inputs}
     for key, (_, process) in started.items():

@@ -89,7 +89,7 @@ def test_an_added_unknown_key_is_refused_with_the_option_meant(override, meant):
     (["train", "model.n_head=4"], "Unknown option `model.n_head`; did you mean `model.n_heads`?"),
     (["train", "+model.n_head=4"], "Unknown option `model.n_head`; did you mean `model.n_heads`?"),
     (["train", "+fit.learning_rat=0.5"], "did you mean `fit.learning_rate`?"),
-    (["correct", "checkpoint=x", "bach_key=b"], "Unknown option `bach_key`; did you mean `batch_key`?"),
+    (["correct", "checkpoint=x", "bach_key=b"], "Unknown option `bach_key`; did you mean `data.batch_key`?"),
     (["correct", "checkpoint=x", "model.n_heads=4"], "Unknown option `model.n_heads`"),
 ])
 def test_the_command_line_refuses_unknown_keys_in_one_line(args, message, tmp_path):
@@ -103,7 +103,7 @@ def test_the_command_line_refuses_unknown_keys_in_one_line(args, message, tmp_pa
 def test_the_api_refuses_unknown_and_ineffective_options(sample_adata):
     with pytest.raises(ConfigError, match=r"Unknown option 'n_head'; did you mean \['n_heads'"):
         batchfix.train(sample_adata, batch_key="sample", n_head=4)
-    for option in ("output_mode", "reference", "key_added"):
+    for option in ("resume", "overwrite"):
         with pytest.raises(ConfigError, match=rf"'{option}' is not an option of batchfix\.train"):
             batchfix.train(sample_adata, batch_key="sample", **{option: "x"})
 
@@ -145,7 +145,7 @@ def test_a_batch_column_without_one_training_batch_is_refused(sample_adata, chec
     source = tmp_path / "in.h5ad"
     sample_adata.write_h5ad(source)
     result = cli(["correct", f"input={source}", f"output={tmp_path / 'out.h5ad'}", f"checkpoint={checkpoint}",
-                  "batch_key=cell_type", "progress=false", "threads=1"], tmp_path)
+                  "data.batch_key=cell_type", "progress=false", "threads=1"], tmp_path)
     assert result.returncode == 1 and result.stderr.count("error:") == 1, result.stderr[-2000:]
     assert "None of the" in result.stderr and "obs column 'cell_type'" in result.stderr
     assert "'sample'" in result.stderr and "all_batches_new=true" in result.stderr  # the columns, the way out
@@ -265,18 +265,19 @@ def test_help_shows_the_presets_defaults_and_prints_without_hydras_dump(tmp_path
     assert "  model.n_heads=2" in result.stdout and "attention heads; must divide d_model" in result.stdout
     assert "== Config ==" not in result.stdout and "Powered by Hydra" not in result.stdout
     correct = cli(["correct", "--help"], tmp_path).stdout
-    assert "  all_batches_new=false" in correct and "  model." not in correct and "  data." not in correct
+    assert "  all_batches_new=false" in correct and "  model." not in correct and "  data.batch_key=null" in correct
 
 
 def test_the_api_train_signature_is_every_train_option_that_has_an_effect():
     import inspect
 
-    from batchfix.api import CORRECTION_ONLY, NOT_API_OPTIONS
+    from batchfix.api import CORRECTION_OPTIONS, NOT_API_OPTIONS
 
     parameters = inspect.signature(batchfix.train).parameters
-    explicit = [name for name, p in parameters.items() if p.kind is not p.VAR_KEYWORD and name != "adata"]
+    explicit = [name for name, p in parameters.items()
+                if p.kind is not p.VAR_KEYWORD and name not in ("adata", "correction")]
     names = config.flat_option_names(TrainConfig)
-    assert set(explicit) == set(names) - set(NOT_API_OPTIONS) - set(CORRECTION_ONLY)
+    assert set(explicit) == set(names) - set(NOT_API_OPTIONS) - set(CORRECTION_OPTIONS) | {"seed"}
     defaults = TrainConfig()
     for name in explicit:  # the schema's defaults, and each documented from config.py
         group, _, last = names[name].rpartition(".")

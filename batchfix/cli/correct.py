@@ -2,10 +2,21 @@
 from __future__ import annotations
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from batchfix.cli.common import require_inputs, run, user_errors_reported
-from batchfix.config import CorrectConfig, validated
+from batchfix.config import CorrectConfig, CorrectionChoice, validated
+
+
+def correction_told(cfg: DictConfig) -> CorrectionChoice:
+    """The preset (`correction=NAME`) and options (`correction.KEY=VALUE`) given on the command line: the rest of
+    the correction is the checkpoint's."""
+    keys = [str(arg).lstrip("+~").split("=", 1)[0] for arg in HydraConfig.get().overrides.task]
+    preset = HydraConfig.get().runtime.choices.get("correction") if "correction" in keys else None
+    options = {key.split(".", 1)[1]: cfg.correction[key.split(".", 1)[1]] for key in keys
+               if key.startswith("correction.")}
+    return CorrectionChoice(preset, options)
 
 
 @hydra.main(version_base=None, config_path="pkg://batchfix.conf", config_name="correct")
@@ -16,7 +27,7 @@ def main(cfg: DictConfig) -> None:
         require_inputs(("input", options.input), ("checkpoint", options.checkpoint))
         from batchfix import tasks
 
-        tasks.correct(options)
+        tasks.correct(options, correction_told(cfg))
 
 
 if __name__ == "__main__":

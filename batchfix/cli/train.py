@@ -22,7 +22,7 @@ def main(cfg: DictConfig) -> float | None:
         from batchfix import tasks
         from batchfix.eval.metrics import headline
 
-        metrics = tasks.train(options, run_dir)
+        metrics = tasks.train(options, run_dir, HydraConfig.get().runtime.choices.get("correction"))
         if metrics:  # rank 0
             print(run_summary("train", metrics, run_dir, [*RUN_OUTPUTS, "attention.png"]))
         return headline(metrics)

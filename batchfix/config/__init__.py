@@ -9,8 +9,9 @@ torch or scanpy unchecked, and every error names the option and what it accepts.
 
 The modules: `choices` (accepted values and the checks), `groups` (train's data, model, fit and trainer
 groups), `verbs` (each verb's schema and the options they share), `parsing` (a composed config made into
-them) and `help_text` (the options' descriptions and the did-you-mean of an unknown one). Everything is
-imported from here: `from batchfix.config import TrainConfig`.
+them), `presets` (the `correction` group's named entries, and which correction a command applies) and
+`help_text` (the options' descriptions and the did-you-mean of an unknown one). Everything is imported from
+here: `from batchfix.config import TrainConfig`.
 """
 from batchfix.config.choices import (
     ATTENTION_BACKENDS,
@@ -41,15 +42,26 @@ from batchfix.config.help_text import (
     unknown_option_error,
 )
 from batchfix.config.parsing import readable, unknown_options, validated
+from batchfix.config.presets import (
+    DEFAULT_PRESET,
+    CorrectionChoice,
+    preset_names,
+    preset_options,
+    remembered_correction,
+)
 from batchfix.config.verbs import (
     GROUP_SCHEMAS,
     SCHEMAS,
     AttentionConfig,
     CorrectConfig,
+    CorrectDataKeys,
+    CorrectionKey,
     CorrectionOptions,
     CorrectionSettings,
+    CountsKey,
     EvaluateConfig,
     EvaluationOptions,
+    ForwardOptions,
     InferenceOptions,
     TrainConfig,
     register_schemas,
@@ -62,6 +74,8 @@ __all__ = [
     "DataConfig", "DataKeys", "FitConfig", "ModelConfig", "TrainerConfig",
     "dotted_options", "field_comments", "flat_option_names", "option_descriptions", "unknown_option_error",
     "readable", "unknown_options", "validated",
-    "GROUP_SCHEMAS", "SCHEMAS", "AttentionConfig", "CorrectConfig", "CorrectionOptions", "CorrectionSettings",
-    "EvaluateConfig", "EvaluationOptions", "InferenceOptions", "TrainConfig", "register_schemas",
+    "DEFAULT_PRESET", "CorrectionChoice", "preset_names", "preset_options", "remembered_correction",
+    "GROUP_SCHEMAS", "SCHEMAS", "AttentionConfig", "CorrectConfig", "CorrectDataKeys", "CorrectionKey",
+    "CorrectionOptions", "CorrectionSettings", "CountsKey", "EvaluateConfig", "EvaluationOptions", "ForwardOptions",
+    "InferenceOptions", "TrainConfig", "register_schemas",
 ]

@@ -21,9 +21,14 @@ def dotted_options(schema: type, prefix: str = "") -> list[str]:
 def unknown_option_error(key: str, schema: type) -> ConfigError:
     """'Unknown option X; did you mean Y?', the suggestions drawn from the schema's own option names."""
     known = dotted_options(schema)
-    by_last = {name.rpartition(".")[2]: name for name in known}
-    close = difflib.get_close_matches(key, known, n=3, cutoff=0.7)
-    close += [by_last[n] for n in difflib.get_close_matches(key.rpartition(".")[2], by_last, n=3, cutoff=0.7)]
+    last = key.rpartition(".")[2]
+    close = [name for name in known if name.rpartition(".")[2] == last]  # the same option, spelled otherwise
+    if not close:
+        by_last: dict[str, list[str]] = {}
+        for name in known:
+            by_last.setdefault(name.rpartition(".")[2], []).append(name)
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.7)
+        close += [n for near in difflib.get_close_matches(last, by_last, n=3, cutoff=0.7) for n in by_last[near]]
     close = list(dict.fromkeys(close))[:3]
     hint = f"; did you mean {' or '.join(f'`{name}`' for name in close)}?" if close else "."
     verb = next((v for v, s in SCHEMAS.items() if s is schema), None)
@@ -72,13 +77,14 @@ def option_descriptions(schema: type, prefix: str = "") -> dict[str, str]:
 
 
 def flat_option_names(schema: type = TrainConfig) -> dict[str, str]:
-    """{option name: dotted key} of a schema's options, e.g. {'n_heads': 'model.n_heads', 'seed': 'seed'}."""
-    names: dict[str, str] = {}
+    """{option name: dotted key} of a schema's options, e.g. {'n_heads': 'model.n_heads', 'seed': 'seed'}: the
+    API's keywords. A top-level option keeps its name over a group's option of that name (train's `seed`, not
+    `correction.seed`, which batchfix.correct takes); two groups' options of one name are a mistake."""
+    names: dict[str, str] = {f.name: f.name for f in fields(schema) if not is_dataclass(f.default_factory)}
     for top in fields(schema):
         group = top.default_factory if is_dataclass(top.default_factory) else None
-        pairs = [(f.name, f"{top.name}.{f.name}") for f in fields(group)] if group else [(top.name, top.name)]
-        for name, dotted in pairs:
-            if name in names:
+        for name, dotted in [(f.name, f"{top.name}.{f.name}") for f in fields(group)] if group else []:
+            if "." in names.get(name, ""):
                 raise AssertionError(f"option name '{name}' is ambiguous: {names[name]} and {dotted}")
-            names[name] = dotted
+            names.setdefault(name, dotted)
     return names

@@ -93,29 +93,41 @@ class CorrectionOptions:
 
 
 @dataclass
-class InferenceOptions:
-    """How many cells correction handles at a time."""
+class ForwardOptions:
+    """How many cells go through the network at a time (`inference.*` of attention)."""
 
-    chunk_size: int = 4096  # cells read, corrected and written at a time (memory grows with it)
+    PREFIX: ClassVar[str] = "inference."  # how the options are named in messages
     # Cells per forward pass: on CPU the attention over ~60 locus tokens runs 2-4x faster per cell in
     # batches of 64-128 than of thousands (its (cells, heads, tokens, tokens) scores stay in cache).
     batch_size: int = 128
     max_missing_fraction: float = 0.2  # refuse when more of the model's genes than this are missing
+
+    def __post_init__(self):
+        at_least(f"{self.PREFIX}batch_size", self.batch_size, 1)
+        within(f"{self.PREFIX}max_missing_fraction", self.max_missing_fraction, 0.0, 1.0)
+
+
+@dataclass
+class InferenceOptions(ForwardOptions):
+    """How many cells correction handles at a time (`inference.*` of correct)."""
+
+    chunk_size: int = 4096  # cells read, corrected and written at a time (memory grows with it)
     # Dynamically quantized int8 linear layers (CPU): corrected values move slightly, and it was not faster on the
     # default model (docs/benchmarks.md, INT8).
     int8: bool = False
 
     def __post_init__(self):
-        at_least("chunk_size", self.chunk_size, 1)
-        at_least("batch_size", self.batch_size, 1)
-        within("max_missing_fraction", self.max_missing_fraction, 0.0, 1.0)
+        super().__post_init__()
+        at_least(f"{self.PREFIX}chunk_size", self.chunk_size, 1)
 
 
 @dataclass
 class CorrectionSettings(CorrectionOptions, InferenceOptions):
-    """Everything the correction core needs besides the data and the model."""
+    """Everything the correction core needs besides the data and the model: the options and the name of the
+    correction preset they came from (recorded in uns[key_added])."""
 
     PREFIX: ClassVar[str] = ""
+    preset: Optional[str] = None  # the conf/correction/ entry the correction options came from
 
     def __post_init__(self):
         CorrectionOptions.__post_init__(self)
@@ -148,22 +160,36 @@ class TrainConfig:
 
 
 @dataclass
-class CorrectConfig(CorrectionSettings):
+class CorrectDataKeys:
+    """Where the file to correct keeps its counts and batches (`data.*` of correct)."""
+
+    counts_layer: Optional[str] = None  # the layer holding raw counts; X = the X matrix; null = as in training
+    batch_key: Optional[str] = None  # obs column of each cell's batch (counterfactual); null = as in training
+
+    def __post_init__(self):
+        for name in ("counts_layer", "batch_key"):
+            non_empty(f"data.{name}", getattr(self, name))
+
+
+@dataclass
+class CorrectConfig:
     """`python -m batchfix correct`: add corrected expression to an .h5ad with a trained checkpoint."""
 
     input: Optional[str] = None  # .h5ad to correct; null = the bundled dataset
     output: Optional[str] = None  # null = <input name>.corrected.h5ad in the working folder
     checkpoint: Optional[str] = None  # a run folder's model.ckpt
-    counts_layer: Optional[str] = None  # the layer holding raw counts; X = the X matrix; null = as in training
-    batch_key: Optional[str] = None  # obs column of each cell's batch (counterfactual); null = as in training
+    data: CorrectDataKeys = field(default_factory=CorrectDataKeys)
+    # Unless correction=NAME or correction.KEY=VALUE is given, the checkpoint's: the preset and options it was
+    # trained with (batchfix.config.presets)
+    correction: CorrectionOptions = field(default_factory=CorrectionOptions)
+    inference: InferenceOptions = field(default_factory=InferenceOptions)
     all_batches_new: bool = False  # accept an input none of whose batches the model was trained on
     overwrite: bool = False  # replace an existing output
     progress: bool = True  # progress bar (cells/s) on stderr
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
 
     def __post_init__(self):
-        super().__post_init__()
-        for name in ("input", "output", "counts_layer", "batch_key"):
+        for name in ("input", "output"):
             non_empty(name, getattr(self, name))
         if not self.checkpoint or not str(self.checkpoint).strip():
             raise ConfigError("correct needs checkpoint=<run folder>/model.ckpt.")
@@ -172,19 +198,38 @@ class CorrectConfig(CorrectionSettings):
 
 
 @dataclass
+class CorrectionKey:
+    """The key a file's correction was written under (`correction.key_added` of evaluate)."""
+
+    key_added: str = CorrectionOptions.key_added  # the key the correction was written under
+
+    def __post_init__(self):
+        if not self.key_added or not str(self.key_added).strip():
+            raise ConfigError(f"correction.key_added must be a non-empty name, got {self.key_added!r}.")
+
+
+@dataclass
 class EvaluateConfig:
     """`python -m batchfix evaluate`: score a corrected file's batch mixing and biology conservation."""
 
     input: Optional[str] = None  # a corrected .h5ad; null = the bundled dataset
     data: DataKeys = field(default_factory=DataKeys)  # counts_layer: the uncorrected counts to compare with
-    key_added: str = CorrectionOptions.key_added  # the key the correction was written under
+    correction: CorrectionKey = field(default_factory=CorrectionKey)
     evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
     overwrite: bool = False  # replace the metrics of a run folder (or an earlier evaluation's) evaluated into
 
     def __post_init__(self):
         non_empty("input", self.input)
-        if not self.key_added or not str(self.key_added).strip():
-            raise ConfigError(f"key_added must be a non-empty name, got {self.key_added!r}.")
+
+
+@dataclass
+class CountsKey:
+    """Where the file keeps its counts (`data.*` of attention)."""
+
+    counts_layer: Optional[str] = None  # null = X; else the layer holding raw counts
+
+    def __post_init__(self):
+        non_empty("data.counts_layer", self.counts_layer)
 
 
 @dataclass
@@ -195,24 +240,21 @@ class AttentionConfig:
     checkpoint: Optional[str] = None  # a run folder's model.ckpt
     output: Optional[str] = None  # folder for attention.png and attention.npz; null = <input name>.attention
     group_by: Optional[str] = DataKeys.batch_key  # obs column: one map per value; null = all cells together
-    counts_layer: Optional[str] = None  # null = X; else the layer holding raw counts
+    data: CountsKey = field(default_factory=CountsKey)
     max_cells: Optional[int] = 2000  # cells drawn at random (seed 0) to average over; null = every cell
     resolution: int = 256  # loci per axis at most: beyond it neighbouring tokens are averaged into bins
-    batch_size: int = InferenceOptions.batch_size  # cells per forward pass
-    max_missing_fraction: float = InferenceOptions.max_missing_fraction  # refuse when more model genes are missing
+    inference: ForwardOptions = field(default_factory=ForwardOptions)
     overwrite: bool = False  # replace existing attention.png / attention.npz
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
 
     def __post_init__(self):
-        for name in ("input", "output", "group_by", "counts_layer"):
+        for name in ("input", "output", "group_by"):
             non_empty(name, getattr(self, name))
         if not self.checkpoint or not str(self.checkpoint).strip():
             raise ConfigError("attention needs checkpoint=<run folder>/model.ckpt.")
         if self.max_cells is not None:
             at_least("max_cells", self.max_cells, 1, " (or null: every cell)")
         at_least("resolution", self.resolution, 2)
-        at_least("batch_size", self.batch_size, 1)
-        within("max_missing_fraction", self.max_missing_fraction, 0.0, 1.0)
         if self.threads is not None:
             at_least("threads", self.threads, 1, " (or null: all cores)")
 

@@ -70,6 +70,7 @@ def provenance(corrector) -> dict:
         "checkpoint": str(trained.path.resolve()) if trained.path else "(in memory, not saved)",
         "checkpoint_sha256": file_sha256(trained.path) if trained.path else "",
         "output_mode": settings.output_mode,
+        "correction_preset": settings.preset or "(none named)",  # the conf/correction/ entry params started from
         "reference_batch": corrector.reference_name,
         "training_batches": trained.batch_categories,
         "modelled_genes": trained.genes,

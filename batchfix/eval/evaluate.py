@@ -38,7 +38,7 @@ def evaluate(cfg: EvaluateConfig, out_dir: str | Path) -> dict:
     with runfolder.held(out_dir):  # no other command writes into it meanwhile
         runfolder.check_evaluation_folder(out_dir, cfg.overwrite)
         return evaluate_file(source, cfg.data.batch_key, cfg.data.label_key, out_dir,
-                             counts_layer=cfg.data.counts_layer, key_added=cfg.key_added,
+                             counts_layer=cfg.data.counts_layer, key_added=cfg.correction.key_added,
                              max_cells=cfg.evaluation.max_cells, neighbors=cfg.evaluation.neighbors)
 
 

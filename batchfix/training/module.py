@@ -41,7 +41,8 @@ class BatchfixModule(pl.LightningModule):
     def __init__(self, model: dict, genes: list[str], chromosome: list[str | None], start: list[int],
                  end: list[int], batch_categories: list[str], scale: str = "counts",
                  learning_rate: float = 2e-3, weight_decay: float = 1e-4, kl_warmup_fraction: float = 0.3,
-                 planned_steps: int = 1000, data: dict | None = None, extra_genes: list[str] | None = None):
+                 planned_steps: int = 1000, data: dict | None = None, correction: dict | None = None,
+                 extra_genes: list[str] | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.model_config = ModelConfig(**model)
@@ -184,6 +185,16 @@ class BatchfixModel:
         a checkpoint written before they were saved gives the defaults of that time."""
         saved = self.module.hparams.get("data") or {}
         return {**LEGACY_DATA_OPTIONS, **saved, "scale": self.scale}
+
+    @property
+    def correction(self) -> dict | None:
+        """The correction it was trained with ({'preset': name, 'options': every correction option}), which
+        `correct` applies unless told otherwise; None for a checkpoint that does not record it."""
+        return self.module.hparams.get("correction")
+
+    def remember_correction(self, record: dict) -> None:
+        """Keep `record` (batchfix.config.remembered_correction) as the correction `correct` applies by default."""
+        self.module.hparams["correction"] = record
 
 
 def load_trained(path: str | Path) -> BatchfixModel:

@@ -1,0 +1,139 @@
+"""The `correction` config group: named entries in train, correct and the API, and a checkpoint that remembers
+the correction it was trained with."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import anndata as ad
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+import batchfix
+from batchfix.cli.common import check_overrides
+from batchfix.config import (
+    CorrectConfig,
+    CorrectionChoice,
+    CorrectionOptions,
+    TrainConfig,
+    preset_names,
+    preset_options,
+    validated,
+)
+from batchfix.errors import ConfigError
+from batchfix.training.module import load_trained
+
+TINY_CLI = ["data.n_top_genes=200", "model.genes_per_token=16", "model.d_model=16", "model.n_layers=1",
+            "model.latent_dim=8", "model.decoder_hidden=32", "fit.batch_size=64", "threads=1",
+            "trainer.max_epochs=1", "trainer.enable_progress_bar=false", "evaluate=false"]
+TRAINED_WITH = "protocols"
+
+
+def cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "batchfix", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=600)
+
+
+def expected(name: str) -> dict:
+    return asdict(CorrectionOptions(**preset_options(name)))
+
+
+@pytest.fixture(scope="module")
+def run(subset_h5ad, tmp_path_factory) -> Path:
+    """A run folder trained on the command line with correction=protocols."""
+    folder = tmp_path_factory.mktemp("preset-run")
+    result = cli(["train", f"data.path={subset_h5ad}", f"correction={TRAINED_WITH}", f"hydra.run.dir={folder / 'run'}",
+                  *TINY_CLI], folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder / "run"
+
+
+def test_the_group_holds_the_default_and_the_readmes_three_recipes():
+    assert set(preset_names()) == {"default", "protocols", "clusters", "patient_cnv"}
+    assert preset_options("default") == {}
+    assert expected("protocols")["spread"] == "gene" and expected("protocols")["state_dependence"] == 0.5
+    assert expected("clusters")["residual_weight"] == 0.75
+    assert expected("patient_cnv")["regional_shift"] == "keep_input"
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_entry_composes_in_train_and_correct_and_options_override_it(name):
+    with initialize_config_module(config_module="batchfix.conf", version_base=None):
+        train = validated(compose("train", [f"correction={name}"]), TrainConfig)
+        correct = validated(compose("correct", [f"correction={name}", "checkpoint=x", "correction.seed=7"]),
+                            CorrectConfig)
+    assert asdict(train.correction) == expected(name)
+    assert asdict(correct.correction) == {**expected(name), "seed": 7}
+
+
+def test_an_unknown_preset_and_an_old_spelling_are_refused_with_the_name_meant():
+    with pytest.raises(ConfigError, match=r"Unknown correction preset `protocol`; did you mean `protocols`\? "
+                                          r"The entries of conf/correction/: \["):
+        CorrectionChoice("protocol").resolve()
+    for old, meant in (("batch_key", "data.batch_key"), ("regional_shift", "correction.regional_shift"),
+                       ("chunk_size", "inference.chunk_size")):
+        with pytest.raises(ConfigError, match=rf"Unknown option `{old}`; did you mean `{meant}`\?"):
+            check_overrides([f"{old}=x"], "correct")
+    with pytest.raises(ConfigError, match=r"Unknown option `counts_layer`; did you mean `data.counts_layer`\?"):
+        check_overrides(["counts_layer=x"], "attention")
+
+
+def test_train_with_a_preset_then_correct_applies_it(run, subset_h5ad, tmp_path):
+    remembered = load_trained(run / "model.ckpt").correction
+    assert remembered == {"preset": TRAINED_WITH, "options": expected(TRAINED_WITH)}
+    assert ad.read_h5ad(run / "corrected.h5ad").uns["batchfix"]["correction_preset"] == TRAINED_WITH
+    result = cli(["correct", f"input={subset_h5ad}", f"output={tmp_path / 'out.h5ad'}",
+                  f"checkpoint={run / 'model.ckpt'}", "progress=false", "threads=1"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = ad.read_h5ad(tmp_path / "out.h5ad").uns["batchfix"]
+    assert info["correction_preset"] == TRAINED_WITH
+    assert info["params"]["state_dependence"] == 0.5 and info["params"]["regional_shift"] == "keep"
+    assert info["options_not_applied"]["spread"]  # the counts output keeps each batch's dispersion
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_correct_on_the_command_line_applies_every_entry(run, subset_h5ad, tmp_path, name):
+    result = cli(["correct", f"input={subset_h5ad}", f"output={tmp_path / 'out.h5ad'}", f"correction={name}",
+                  f"checkpoint={run / 'model.ckpt'}", "progress=false", "threads=1"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = ad.read_h5ad(tmp_path / "out.h5ad").uns["batchfix"]
+    applied = {key: value for key, value in expected(name).items()
+               if key not in info["options_not_applied"] and value is not None}
+    assert info["correction_preset"] == name
+    assert {key: info["params"][key] for key in applied} == applied
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_the_api_applies_every_entry_and_its_keywords_override_it(run, subset, name):
+    torch.set_num_threads(1)
+    adata = subset[:200].copy()
+    batchfix.correct(adata, run / "model.ckpt", correction=name, regional_window=50)
+    info = adata.uns["batchfix"]
+    assert info["correction_preset"] == name and info["params"]["regional_window"] == 50
+    assert info["params"]["regional_shift"] == expected(name)["regional_shift"]
+
+
+def test_the_api_keeps_the_models_correction_unless_told(run, subset):
+    torch.set_num_threads(1)
+    adata = subset[:200].copy()
+    batchfix.correct(adata, run / "model.ckpt", residual_weight=0.5)
+    info = adata.uns["batchfix"]
+    assert info["correction_preset"] == TRAINED_WITH and info["params"]["state_dependence"] == 0.5
+    with pytest.raises(ConfigError, match=r"Unknown option 'chunksize' of batchfix.correct; did you mean "
+                                          r"\['chunk_size'"):
+        batchfix.correct(adata, run / "model.ckpt", chunksize=10)
+    with pytest.raises(ConfigError, match="Unknown correction preset `nope`"):
+        batchfix.train(adata, correction="nope")
+
+
+def test_the_api_trains_a_model_that_remembers_its_correction(subset):
+    torch.set_num_threads(1)
+    model = batchfix.train(subset, correction="clusters", residual_weight=0.6, n_top_genes=200, genes_per_token=16,
+                           d_model=16, n_layers=1, latent_dim=8, decoder_hidden=32, batch_size=64, threads=1,
+                           enable_progress_bar=False, max_epochs=1)
+    assert model.correction == {"preset": "clusters", "options": {**expected("clusters"), "residual_weight": 0.6}}
