@@ -65,10 +65,10 @@ def test_the_group_holds_the_default_and_the_readmes_three_recipes():
 def test_every_entry_composes_in_train_and_correct_and_options_override_it(name):
     with initialize_config_module(config_module="batchfix.conf", version_base=None):
         train = validated(compose("train", [f"correction={name}"]), TrainConfig)
-        correct = validated(compose("correct", [f"correction={name}", "checkpoint=x", "correction.seed=7"]),
+        correct = validated(compose("correct", [f"correction={name}", "checkpoint=x", "correction.quantile_seed=7"]),
                             CorrectConfig)
     assert asdict(train.correction) == expected(name)
-    assert asdict(correct.correction) == {**expected(name), "seed": 7}
+    assert asdict(correct.correction) == {**expected(name), "quantile_seed": 7}
 
 
 def test_an_unknown_preset_and_an_old_spelling_are_refused_with_the_name_meant():

@@ -14,7 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # Different options that share a last name: {last name: their spellings}.
 DISTINCT = {
     "batch_size": {"fit.batch_size", "inference.batch_size"},  # cells per training step / per forward pass
-    "seed": {"seed", "correction.seed"},  # the training run's seed / the corrected counts' draws
     "max_cells": {"max_cells", "evaluation.max_cells"},  # attention's cells averaged / evaluation's subsample
 }
 COMMAND = re.compile(r"python -m batchfix (train|correct|evaluate|attention)\b([^\n`]*)")

@@ -78,8 +78,8 @@ def option_descriptions(schema: type, prefix: str = "") -> dict[str, str]:
 
 def flat_option_names(schema: type = TrainConfig) -> dict[str, str]:
     """{option name: dotted key} of a schema's options, e.g. {'n_heads': 'model.n_heads', 'seed': 'seed'}: the
-    API's keywords. A top-level option keeps its name over a group's option of that name (train's `seed`, not
-    `correction.seed`, which batchfix.correct takes); two groups' options of one name are a mistake."""
+    API's keywords. A top-level option keeps its name over a group's option of that name; two groups' options of
+    one name are a mistake."""
     names: dict[str, str] = {f.name: f.name for f in fields(schema) if not is_dataclass(f.default_factory)}
     for top in fields(schema):
         group = top.default_factory if is_dataclass(top.default_factory) else None
