@@ -83,10 +83,10 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
     """model.ckpt (the best checkpoint, calibrated, with the correction it remembers), corrected.h5ad and the
     evaluation of a finished fit; returns the metrics so far."""
     model = calibrated_model(result.best_checkpoint, prepared)
-    add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
+    corrected_genes = add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
     model.remember_correction(remembered_correction(preset, cfg.correction))
     model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
-    metrics = fit_metrics(result, prepared)
+    metrics = {**fit_metrics(result, prepared), "corrected_genes": corrected_genes}
     correct_started = time.perf_counter()
     corrected_path = write_corrected(cfg, model, adata, run_dir / runfolder.CORRECTED_H5AD)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)

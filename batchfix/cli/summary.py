@@ -34,6 +34,11 @@ def run_summary(verb: str, result: dict, folder: str | Path, written: list[str])
     if "steps" in result:
         lines.append(f"  {result['n_cells']} cells, {result['n_genes']} genes, {result['epochs']} epochs "
                      f"({result['steps']} steps) in {result['fit_seconds']:.0f} s; precision {result['precision']}")
+    genes = result.get("corrected_genes")
+    if genes:
+        lines.append(f"  corrected counts: {genes['modelled'] + genes['extra']} genes ({genes['modelled']} modelled, "
+                     f"{genes['extra']} through the second decoder); {genes['uncorrected']} genes detected in fewer "
+                     "than 3 cells keep their counts (var['batchfix_corrected'] is False)")
     evaluation = result.get("evaluation", result if verb == "evaluate" else None)
     if evaluation:
         lines += evaluation_summary(evaluation)

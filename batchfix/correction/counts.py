@@ -27,13 +27,14 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-from scipy import stats
+from scipy import special, stats
 
 SPLITMIX_GAMMA = np.uint64(0x9E3779B97F4A7C15)
 # Prior weight of the model's shared dispersion in a batch's calibrated one, in cells (the counts analogue of
 # the inverse-gamma shrinkage of correction.spread=gene: a batch of few cells keeps about theta_g).
 DISPERSION_PRIOR_CELLS = 20.0
 MIN_THETA, MAX_THETA = 1e-3, 1e4  # theta above MAX_THETA is Poisson for any count a cell holds
+SEARCH_STEPS = 8  # steps from the guess before the quantile search hands over to scipy's inverse
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -59,9 +60,45 @@ def counter_uniform(seed: int, cells: np.ndarray, genes: np.ndarray) -> np.ndarr
     return ((mixed >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
 
 
-def _nb(mean: np.ndarray, theta: np.ndarray):
-    """scipy's negative binomial with mean `mean` and inverse dispersion `theta`."""
-    return stats.nbinom(theta, theta / (theta + mean))
+def lower_tail(k: np.ndarray, theta: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """F(k) = P(X <= k) of NB(theta, p) (p = theta / (theta + mean)); 0 below k = 0."""
+    return np.where(k >= 0, special.betainc(theta, np.maximum(k, 0) + 1.0, p), 0.0)
+
+
+def upper_tail(k: np.ndarray, theta: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """S(k) = P(X > k) of NB(theta, p) = I_{1-p}(k + 1, theta), exact in the far upper tail where 1 - F(k)
+    rounds; 1 below k = 0. `p` here is the complement q = mean / (theta + mean), passed exactly."""
+    return np.where(k >= 0, special.betainc(np.maximum(k, 0) + 1.0, theta, p), 1.0)
+
+
+def quantile_search(guess: np.ndarray, target: np.ndarray, theta: np.ndarray, p: np.ndarray, q: np.ndarray,
+                    survival: bool) -> np.ndarray:
+    """The smallest k >= 0 with F(k) >= target (or, with `survival`, S(k) <= target) under NB(theta, p) (q = 1 - p),
+    stepping from `guess` (a count near the answer: a few steps each); entries still moving after SEARCH_STEPS
+    steps take scipy's inverse."""
+    def reached(k: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        if survival:
+            return upper_tail(k, theta[rows], q[rows]) <= target[rows]
+        return lower_tail(k, theta[rows], p[rows]) >= target[rows]
+
+    k = np.maximum(guess, 0.0)
+    everyone = np.arange(len(k))
+    rows = everyone[~reached(k, everyone)]  # too low: step up
+    for _ in range(SEARCH_STEPS):
+        k[rows] += 1.0
+        rows = rows[~reached(k[rows], rows)]
+    unresolved = [rows]
+    rows = everyone[k > 0]
+    rows = rows[reached(k[rows] - 1.0, rows)]  # one lower still reaches: step down
+    for _ in range(SEARCH_STEPS):
+        k[rows] -= 1.0
+        rows = rows[k[rows] > 0]
+        rows = rows[reached(k[rows] - 1.0, rows)]
+    rows = np.concatenate([*unresolved, rows])
+    if len(rows):  # far from the guess: the distribution's own inverse
+        nb = stats.nbinom(theta[rows], p[rows])
+        k[rows] = nb.isf(target[rows]) if survival else nb.ppf(target[rows])
+    return k
 
 
 def quantile_map(y: np.ndarray, own_mean: np.ndarray, ref_mean: np.ndarray, own_theta: np.ndarray,
@@ -69,27 +106,29 @@ def quantile_map(y: np.ndarray, own_mean: np.ndarray, ref_mean: np.ndarray, own_
     """Counts y (flat float64) moved from NB(own_mean, own_theta) to the same randomised quantile of
     NB(ref_mean, ref_theta); u: the uniforms (flat). Entries that stay 0 are settled without the NB's inverse."""
     out = np.zeros_like(y)
-    zero = y == 0
-    own_zero = np.power(own_theta / (own_theta + own_mean), own_theta)  # F_b(0)
-    ref_zero = np.power(ref_theta / (ref_theta + ref_mean), ref_theta)  # F_ref(0)
+    own_p, ref_p = own_theta / (own_theta + own_mean), ref_theta / (ref_theta + ref_mean)
     # A zero's PIT is u * F_b(0); it stays 0 where that is within F_ref(0).
-    moved = ~zero | (u * own_zero > ref_zero)
-    if not moved.any():
+    moved = np.flatnonzero((y > 0) | (u * np.power(own_p, own_theta) > np.power(ref_p, ref_theta)))
+    if not len(moved):
         return out
-    yy, um = y[moved], u[moved]
-    own = _nb(own_mean[moved], own_theta[moved])
-    lower = np.where(yy > 0, own.cdf(yy - 1), 0.0)
-    upper_tail = lower > 0.5
+    yy, um, theta, p = y[moved], u[moved], own_theta[moved], own_p[moved]
+    low = lower_tail(yy - 1.0, theta, p)  # F_b(y - 1)
+    survival = low > 0.5  # the upper tail: work with S = 1 - F, which keeps its digits there
+    target = np.empty_like(yy)
+    lower_rows, upper_rows = np.flatnonzero(~survival), np.flatnonzero(survival)
+    high = lower_tail(yy[lower_rows], theta[lower_rows], p[lower_rows])
+    target[lower_rows] = low[lower_rows] + um[lower_rows] * (high - low[lower_rows])
+    own_q = own_mean[moved][upper_rows] / (theta[upper_rows] + own_mean[moved][upper_rows])  # 1 - p, exactly
+    s_high = upper_tail(yy[upper_rows] - 1.0, theta[upper_rows], own_q)  # S_b(y - 1)
+    s_low = upper_tail(yy[upper_rows], theta[upper_rows], own_q)  # S_b(y)
+    target[upper_rows] = s_high - um[upper_rows] * (s_high - s_low)  # 1 - the lower tail's target
+    guess = np.round(yy * ref_mean[moved] / np.maximum(own_mean[moved], 1e-300))
     result = np.empty_like(yy)
-    if (~upper_tail).any():
-        low = lower[~upper_tail]
-        prob = low + um[~upper_tail] * (own.cdf(yy)[~upper_tail] - low)
-        result[~upper_tail] = _nb(ref_mean[moved][~upper_tail], ref_theta[moved][~upper_tail]).ppf(prob)
-    if upper_tail.any():
-        survive_low = own.sf(yy)[upper_tail]  # 1 - F_b(y)
-        survive = survive_low + um[upper_tail] * (own.sf(yy - 1)[upper_tail] - survive_low)
-        result[upper_tail] = _nb(ref_mean[moved][upper_tail], ref_theta[moved][upper_tail]).isf(survive)
-    out[moved] = np.where(np.isfinite(result), result, yy)  # a probability rounded to 0 or 1: the count kept
+    ref_q = ref_mean[moved] / (ref_theta[moved] + ref_mean[moved])
+    for rows, tail in ((lower_rows, False), (upper_rows, True)):
+        result[rows] = quantile_search(guess[rows], target[rows], ref_theta[moved][rows], ref_p[moved][rows],
+                                       ref_q[rows], tail)
+    out[moved] = result
     return out
 
 

@@ -115,6 +115,8 @@ def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: Correctio
     adata.obsm[keys.latent] = latent
     adata.var[keys.modelled] = corrector.modelled_mask
     adata.var[keys.corrected] = corrector.corrected_mask
+    if "highly_variable" not in adata.var.columns:  # scanpy's HVG column, where the user has none: the modelled
+        adata.var["highly_variable"] = corrector.modelled_mask
     adata.uns[keys.uns] = info
     return adata if copy else None
 
@@ -206,7 +208,8 @@ def write_streamed(src: h5py.File, dst: h5py.File, corrector: Corrector, rows, n
     ondisk.copy_file_except(src, dst, top_skip={"var"},
                             skip={"layers": set(names.values()), "obsm": {keys.latent}, "uns": {keys.uns}})
     ondisk.replace_var_columns(src, dst, {keys.modelled: corrector.modelled_mask,
-                                          keys.corrected: corrector.corrected_mask})
+                                          keys.corrected: corrector.corrected_mask},
+                               defaults={"highly_variable": corrector.modelled_mask})
     shape = (n_obs, corrector.n_vars)
     kinds = list(names) if corrector.counts_output else ["log"]
     writers = {kind: CsrAppender(dst["layers"], names[kind], shape) for kind in kinds}

@@ -273,11 +273,16 @@ def create_csr(group: h5py.Group, name: str, shape: tuple[int, int], nnz: int,
     return data, indices, indptr
 
 
-def replace_var_columns(src: h5py.File, dst: h5py.File, columns: dict[str, np.ndarray]) -> None:
-    """Write the input's var into `dst` with `columns` added (or replaced)."""
+def replace_var_columns(src: h5py.File, dst: h5py.File, columns: dict[str, np.ndarray],
+                        defaults: dict[str, np.ndarray] | None = None) -> None:
+    """Write the input's var into `dst` with `columns` added (or replaced), and `defaults` added where var has no
+    column of that name."""
     var = read_elem(src["var"])
     for column, values in columns.items():
         var[column] = values
+    for column, values in (defaults or {}).items():
+        if column not in var.columns:
+            var[column] = values
     write_elem(dst, "var", var)
 
 

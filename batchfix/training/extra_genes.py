@@ -72,7 +72,7 @@ def fit_decoder(net, latents: torch.Tensor, codes: torch.Tensor, extra_counts: t
             loss.backward()
             optimizer.step()
     decoder.eval()
-    return float(loss)
+    return float(loss.detach())
 
 
 @torch.no_grad()
@@ -90,12 +90,13 @@ def calibrate_dispersion(net, latents: torch.Tensor, codes: torch.Tensor, extra_
     net.extra_count_theta.copy_(torch.as_tensor(np.stack([s.theta(shared) for s in sums]), dtype=torch.float32))
 
 
-def add_extra_genes(model: BatchfixModel, prepared: PreparedData, rows, var_names, seed: int = 0) -> list[str]:
+def add_extra_genes(model: BatchfixModel, prepared: PreparedData, rows, var_names, seed: int = 0) -> dict:
     """Fit the extra genes' decoder into `model` (NB models only) from the training file's counts (`rows`, a row
-    reader of the whole file with columns `var_names`); returns the extra genes (also in the checkpoint's
-    hyperparameters)."""
+    reader of the whole file with columns `var_names`; the extra genes go into the checkpoint's hyperparameters);
+    returns the run summary's counts: {'modelled', 'extra', 'uncorrected'} genes."""
+    summary = {"modelled": len(model.genes), "extra": 0, "uncorrected": len(var_names) - len(model.genes)}
     if model.config.likelihood != "nb":
-        return []
+        return summary
     var_names = np.asarray(var_names).astype(str)
     detected = detected_cells(rows, rows.shape[0])
     modelled = np.isin(var_names, model.genes)
@@ -103,26 +104,26 @@ def add_extra_genes(model: BatchfixModel, prepared: PreparedData, rows, var_name
     unique = np.zeros(len(var_names), dtype=bool)
     unique[first] = True
     columns = np.flatnonzero((detected >= MIN_CELLS) & ~modelled & unique)
-    n_rare = int(((detected < MIN_CELLS) & ~modelled).sum())
+    summary["uncorrected"] = int(((detected < MIN_CELLS) & ~modelled).sum())
     if len(columns) == 0:
-        return []
+        return summary
     cells = calibration_cells(prepared.batch_index, len(prepared.batch_categories), CALIBRATION_CELLS_PER_BATCH)
     taken = rows.take(prepared.file_rows[cells])[:, columns]
     extra_counts = torch.as_tensor(taken.toarray() if sp.issparse(taken) else np.asarray(taken), dtype=torch.float32)
     latents, codes = latents_and_codes(model, prepared, cells)
     torch.manual_seed(seed)
     model.net.add_extra_genes(len(columns))
-    loss = fit_decoder(model.net, latents, codes, extra_counts, seed)
+    loss = fit_decoder(model.net, latents, codes, extra_counts.detach(), seed)
     calibrate_dispersion(model.net, latents, codes, extra_counts)
     genes = var_names[columns].tolist()
     model.module.hparams["extra_genes"] = genes
     log.info("Corrected beyond the %d modelled genes: %d more genes detected in >= %d cells, through a second "
              "decoder fitted on %d cells (final NB loss %.1f per cell); %d genes detected in fewer cells keep their "
-             "counts.", len(model.genes), len(genes), MIN_CELLS, len(cells), loss, n_rare)
-    return genes
+             "counts.", len(model.genes), len(genes), MIN_CELLS, len(cells), loss, summary["uncorrected"])
+    return {**summary, "extra": len(genes)}
 
 
-def add_extra_genes_from(model: BatchfixModel, prepared: PreparedData, data, adata=None, seed: int = 0) -> list[str]:
+def add_extra_genes_from(model: BatchfixModel, prepared: PreparedData, data, adata=None, seed: int = 0) -> dict:
     """`add_extra_genes` from the training data: `adata` in memory, else the file data.path (read by chunks)."""
     if adata is not None:
         rows = ondisk.InMemoryRows(select_matrix(adata, data.counts_layer))
