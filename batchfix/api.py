@@ -37,10 +37,10 @@ from batchfix.config import (
     validated,
 )
 from batchfix.correction.calibration import calibrated_model
+from batchfix.correction.extra_genes import add_extra_genes_from
 from batchfix.correction.writers import correct_adata
 from batchfix.errors import ConfigError
 from batchfix.training import fitting
-from batchfix.training.extra_genes import add_extra_genes_from
 from batchfix.training.module import BatchfixModel, load_trained
 
 # Options of the command line that have no meaning for an in-memory AnnData.

@@ -23,13 +23,13 @@ from batchfix.config import (
 )
 from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.corrector import reference_index
+from batchfix.correction.extra_genes import add_extra_genes_from
 from batchfix.correction.writers import correct_adata, correct_file
 from batchfix.data.atomic import atomic_output
 from batchfix.data.io import input_path
 from batchfix.data.prepare import PreparedData
 from batchfix.errors import Interrupted
 from batchfix.training import fitting
-from batchfix.training.extra_genes import add_extra_genes_from
 from batchfix.training.module import ENTROPY_PREFIX, BatchfixModel, load_trained
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """The corrected counts of one set of genes: the modelled genes (the main decoder) or the extra genes (the second
-decoder, batchfix.training.extra_genes), matched to an input's columns.
+decoder, batchfix.correction.extra_genes), matched to an input's columns.
 
 Each set's counts are mapped by batchfix.correction.counts with the set's decoder: the own batch's mean at the
 cell's library of that set's genes, the reference's mean after the shift (the options of the counterfactual

@@ -157,7 +157,7 @@ class BatchfixNet(nn.Module):
 
     def add_extra_genes(self, n_extra: int) -> None:
         """A second NB decoder for `n_extra` genes the encoder does not read (fitted after the main fit with the
-        encoder frozen: batchfix.training.extra_genes), with its per-batch dispersions (extra_count_theta)."""
+        encoder frozen: batchfix.correction.extra_genes), with its per-batch dispersions (extra_count_theta)."""
         self.extra_decoder = ExpressionDecoder(self.cfg, n_extra, self.n_batches)
         self.register_buffer("extra_count_theta", torch.zeros(self.n_batches, n_extra))
 

@@ -168,7 +168,7 @@ class BatchfixModel:
 
     @property
     def extra_genes(self) -> list[str]:
-        """The genes corrected through the second decoder (batchfix.training.extra_genes), in its order."""
+        """The genes corrected through the second decoder (batchfix.correction.extra_genes), in its order."""
         return list(self.module.hparams.get("extra_genes") or [])
 
     @property
