@@ -98,7 +98,7 @@ def calibrate(net: BatchfixNet, prepared: PreparedData) -> None:
     """
     n_batches = len(prepared.batch_categories)
     sums = [ResidualSums(net.n_genes) for _ in range(n_batches)]
-    dispersions = [counts.DispersionSums(net.n_genes) for _ in range(n_batches)]
+    dispersions = [counts.CountSums(net.n_genes) for _ in range(n_batches)]
     cells = calibration_cells(prepared.batch_index, n_batches, CALIBRATION_CELLS_PER_BATCH)
     was_training = net.training
     net.eval()
@@ -114,7 +114,7 @@ def calibrate(net: BatchfixNet, prepared: PreparedData) -> None:
     net.train(was_training)
     if net.cfg.likelihood == "nb":
         shared = net.decoder.log_theta.detach().double().exp().numpy()
-        net.count_theta.copy_(torch.as_tensor(np.stack([d.theta(shared) for d in dispersions]), dtype=torch.float32))
+        store_count_tables(net.count_theta, net.count_ratio, dispersions, shared)
     spreads = np.array([s.spread() for s in sums])
     fallback = np.sqrt(np.mean(np.square(spreads[spreads > 0]))) if (spreads > 0).any() else 1.0
     spreads[spreads <= 0] = fallback  # a batch of one training cell: its residuals keep their scale
@@ -127,6 +127,12 @@ def calibrate(net: BatchfixNet, prepared: PreparedData) -> None:
     log.info("Calibrated the counterfactual output on %d of %d cells (at most %d per batch): residual spread per "
              "batch %s.", len(cells), prepared.n_cells, CALIBRATION_CELLS_PER_BATCH,
              dict(zip(prepared.batch_categories, np.round(spreads, 3).tolist())))
+
+
+def store_count_tables(theta: torch.Tensor, ratio: torch.Tensor, sums: list, shared_theta: np.ndarray) -> None:
+    """Each training batch's dispersion (shrunk toward `shared_theta`) and ratio into the buffers (batches, G)."""
+    theta.copy_(torch.as_tensor(np.stack([s.dispersion().theta(shared_theta) for s in sums]), dtype=torch.float32))
+    ratio.copy_(torch.as_tensor(np.stack([s.ratio() for s in sums]), dtype=torch.float32))
 
 
 def training_statistics(net: BatchfixNet) -> tuple[np.ndarray, np.ndarray]:

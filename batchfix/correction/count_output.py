@@ -22,8 +22,8 @@ from batchfix.correction import counterfactual, counts
 class GeneSet:
     """Output genes of one decoder: `model_index` (k,) their index among the decoder's genes and `columns` (k,)
     their input columns (ascending); `present` (decoder genes,) bool: held by the input; `keys` (k,) their names'
-    keys for the draws. `estimates` fills theta (codes, decoder genes), reference_theta (decoder genes,) and
-    unseen_ratio (unseen batches, decoder genes)."""
+    keys for the draws. `estimates` fills theta and ratio (codes, decoder genes: the training batches', then the
+    unseen batches' estimated from their cells) and reference_theta and reference_ratio (decoder genes,)."""
 
     extra: bool
     model_index: np.ndarray
@@ -32,7 +32,8 @@ class GeneSet:
     keys: np.ndarray
     theta: np.ndarray | None = None
     reference_theta: np.ndarray | None = None
-    unseen_ratio: torch.Tensor | None = None
+    ratio: np.ndarray | None = None
+    reference_ratio: np.ndarray | None = None
 
     def observed(self, rows) -> torch.Tensor:
         """(cells, decoder genes) float32 counts of the input rows in the decoder's gene order (missing: 0)."""
@@ -60,16 +61,17 @@ def mapped_counts(net, genes: GeneSet, x: torch.Tensor, mu: torch.Tensor, codes:
                   reference: int | None, seed: int, state=None, regional=None) -> tuple[np.ndarray, np.ndarray]:
     """(observed, corrected) counts (B, k) of the set's output genes for cells with input `x` (B, decoder genes),
     latents `mu` and batch `codes`."""
-    shift, own = counterfactual.log_mean_shift(net, mu, codes, reference, genes.present, genes.unseen_ratio,
-                                               extra=genes.extra)
+    shift, own = counterfactual.log_mean_shift(net, mu, codes, reference, genes.present, extra=genes.extra)
     if not genes.extra:
         shift = counterfactual.applied_shift(shift, codes, state, regional)
-    shift = shift[:, genes.model_index]
+    index, known, missing = genes.model_index, codes.clamp_min(0).numpy(), (codes < 0).numpy()[:, None]
+    ratio = np.where(missing, 1.0, genes.ratio[known][:, index])  # (B, k): the batch's observed / decoded mean
     library = x[:, genes.present].sum(-1, keepdim=True)  # (B, 1): this set's counts in the cell
-    own_mean = (own[:, genes.model_index] * library).double().numpy()
-    ref_mean = own_mean * np.exp(shift.double().numpy())
-    own_theta = genes.theta[codes.clamp_min(0).numpy()][:, genes.model_index]
-    ref_theta = np.where((codes < 0).numpy()[:, None], own_theta, genes.reference_theta[genes.model_index])
+    own_mean = (own[:, index] * library).double().numpy() * ratio
+    ratio_shift = np.where(missing, 0.0, np.log(genes.reference_ratio[index] / ratio))
+    ref_mean = own_mean * np.exp(shift[:, index].double().numpy() + ratio_shift)
+    own_theta = genes.theta[known][:, index]
+    ref_theta = np.where(missing, own_theta, genes.reference_theta[index])
     observed = x[:, genes.model_index].double().numpy()
     uniform = counts.counter_uniform(seed, cell_keys, genes.keys)
     mapped = counts.quantile_map(observed.ravel(), own_mean.ravel(), ref_mean.ravel(), own_theta.ravel(),

@@ -155,22 +155,18 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
 
 @torch.no_grad()
 def log_mean_shift(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, reference: int | None,
-                   present: torch.Tensor | None, unseen_ratio: torch.Tensor,
-                   extra: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log(mean_ref / mean_b), the own batch's mean fractions), each (B, G), for latents `mu`: the shift of the
-    NB mean that the corrected counts apply, before the options. A batch the model never saw (code >= n_batches)
-    has the average decoder times its own per-gene ratio (`unseen_ratio`, (unseen, G)) as its mean; cells of
-    code -1 have no shift. `extra`: of the extra genes' decoder."""
+                   present: torch.Tensor | None, extra: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log(mean_ref / mean_b), the own batch's mean fractions), each (B, G), for latents `mu`: the decoder's shift
+    of the NB mean that the corrected counts apply, before the options and the batches' ratios
+    (batchfix.correction.counts). A batch the model never saw (code >= n_batches) has the average decoder as its
+    own; cells of code -1 have no shift. `extra`: of the extra genes' decoder."""
     tiny = torch.finfo(torch.float32).tiny
     reference_fractions = net.mean_fractions(mu, reference, present, extra)
     own = reference_fractions if reference is None else net.mean_fractions(mu, None, present, extra)
-    own = own.clone()
     seen = (codes >= 0) & (codes < net.n_batches)
     if seen.any():
+        own = own.clone()
         own[seen] = net.mean_fractions(mu[seen], codes[seen].long(), present, extra)
-    unseen = codes >= net.n_batches
-    if unseen.any():
-        own[unseen] = own[unseen] * unseen_ratio[codes[unseen].long() - net.n_batches]
     shift = reference_fractions.clamp_min(tiny).log() - own.clamp_min(tiny).log()
     return torch.where((codes < 0)[:, None], torch.zeros_like(shift), shift), own
 

@@ -19,8 +19,12 @@ distribution (ComBat-seq's mapping, here with the model's means):
   cell's batch does, and with the probability the two distributions give: P(y' > 0 | y = 0) =
   max(0, 1 - F_ref(0) / F_b(0)).
 
-The dispersions: theta_b per batch and gene is calibrated after the fit (`DispersionSums`, shrunk toward the
-model's shared theta_g); the reference's is theta_g for the average reference and the batch's own for a named one.
+Each training batch's per-gene ratio r_b (observed over the decoder's mean) and dispersion theta_b are calibrated
+after the fit (`CountSums`; the dispersion shrunk toward the model's shared theta_g): the own batch's mean is
+r_b m_b, the reference's r_ref m_ref (r_ref the geometric mean of the training batches' ratios for the average
+reference, its own for a named one), so the decoder's shift is completed by log(r_ref / r_b), the counts' analogue
+of the log output's location. The reference's dispersion is theta_g for the average reference and the batch's own
+for a named one. A batch the model never saw gets its ratio and dispersion from its own cells.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ SPLITMIX_GAMMA = np.uint64(0x9E3779B97F4A7C15)
 # the inverse-gamma shrinkage of correction.spread=gene: a batch of few cells keeps about theta_g).
 DISPERSION_PRIOR_CELLS = 20.0
 MIN_THETA, MAX_THETA = 1e-3, 1e4  # theta above MAX_THETA is Poisson for any count a cell holds
+RATIO_PRIOR_COUNTS = 0.5  # pseudo-counts of a batch's observed / decoded mean ratio (CountSums.ratio)
 SEARCH_STEPS = 8  # steps from the guess before the quantile search hands over to scipy's inverse
 
 
@@ -159,9 +164,10 @@ class DispersionSums:
         return np.clip(1.0 / np.maximum(dispersion, 1.0 / MAX_THETA), MIN_THETA, MAX_THETA)
 
 
-class UnseenCountSums:
-    """Per-gene sums over the cells of a batch the model never saw, against the average decoder's NB means m:
-    its own per-gene ratio r = sum y / sum m (the batch's mean is r m) and its dispersion around r m."""
+class CountSums:
+    """Per-gene sums over one batch's cells against the decoder's NB means m: the batch's per-gene ratio
+    r = sum y / sum m (its mean is r m: what the decoder's batch term leaves of the batch's effect, the counts'
+    analogue of the log output's location) and its dispersion around r m (`dispersion`)."""
 
     def __init__(self, n_genes: int):
         self.n_cells = 0
@@ -175,9 +181,9 @@ class UnseenCountSums:
             self.sums[name] += values.sum(axis=0)
 
     def ratio(self) -> np.ndarray:
-        """(genes,) the batch's mean over the average decoder's; 1 where the decoder expects nothing."""
-        m = self.sums["m"]
-        return np.where(m > 0, self.sums["y"] / np.where(m > 0, m, 1.0), 1.0)
+        """(genes,) the batch's observed counts over the decoder's expected ones, with RATIO_PRIOR_COUNTS added to
+        both (a gene the batch never shows gets a small ratio, not 0; a well-measured one its own)."""
+        return (self.sums["y"] + RATIO_PRIOR_COUNTS) / (self.sums["m"] + RATIO_PRIOR_COUNTS)
 
     def dispersion(self) -> DispersionSums:
         """The moments around r m: sum (y - r m)^2 - r m and sum (r m)^2, expanded from the sums."""

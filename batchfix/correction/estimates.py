@@ -43,7 +43,7 @@ def estimate_unseen(corrector, rows, n_obs: int) -> None:
     and the dispersion table of every batch code."""
     n_training, n_genes = corrector.batches.n_training, len(corrector.trained.genes)
     sums = [calibration.ResidualSums(n_genes) for _ in corrector.batches.unseen]
-    count_sums = [[counts.UnseenCountSums(len(genes.present)) for _ in corrector.batches.unseen]
+    count_sums = [[counts.CountSums(len(genes.present)) for _ in corrector.batches.unseen]
                   for genes in corrector.gene_sets]
     net, present = corrector.net, corrector.present
     for x, inputs, codes in unseen_cells(corrector, rows, n_obs) if sums else ():
@@ -63,17 +63,21 @@ def estimate_unseen(corrector, rows, n_obs: int) -> None:
         set_count_tables(corrector.trained.net, genes, set_sums, corrector.reference)
 
 
-def set_count_tables(net, genes, count_sums: list[counts.UnseenCountSums], reference: int | None) -> None:
-    """The gene set's unseen_ratio (unseen, G), theta (codes, G) and reference_theta (G,), float64."""
+def set_count_tables(net, genes, count_sums: list[counts.CountSums], reference: int | None) -> None:
+    """The gene set's theta and ratio (codes, G: the training batches', then the unseen batches' from `count_sums`)
+    and the reference's (G,), float64."""
     decoder = net.extra_decoder if genes.extra else net.decoder
     shared = decoder.log_theta.detach().double().exp().numpy()
     trained_theta = (net.extra_count_theta if genes.extra else net.count_theta).double().numpy()
-    unseen_theta = [s.dispersion().theta(shared) for s in count_sums]
-    genes.theta = np.vstack([trained_theta, *unseen_theta]) if unseen_theta else trained_theta
-    ratios = [s.ratio() for s in count_sums]
-    genes.unseen_ratio = torch.as_tensor(np.stack(ratios) if ratios else np.ones((0, len(shared))),
-                                         dtype=torch.float32)
-    genes.reference_theta = shared if reference is None else trained_theta[reference]
+    trained_ratio = (net.extra_count_ratio if genes.extra else net.count_ratio).double().numpy()
+    genes.theta = np.vstack([trained_theta, *[s.dispersion().theta(shared) for s in count_sums]])
+    genes.ratio = np.vstack([trained_ratio, *[s.ratio() for s in count_sums]])
+    tiny = np.finfo(np.float64).tiny
+    if reference is None:  # the average reference: theta_g, and the geometric mean of the batches' ratios
+        genes.reference_theta = shared
+        genes.reference_ratio = np.exp(np.log(np.maximum(trained_ratio, tiny)).mean(axis=0))
+    else:
+        genes.reference_theta, genes.reference_ratio = trained_theta[reference], trained_ratio[reference]
 
 
 def batch_terms(corrector, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, whole: bool):
@@ -82,7 +86,7 @@ def batch_terms(corrector, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray,
     code_tensor = torch.from_numpy(codes)
     if corrector.counts_output:
         shift, _ = counterfactual.log_mean_shift(corrector.net, mu, code_tensor, corrector.reference,
-                                                 corrector.present, corrector.gene_sets[0].unseen_ratio)
+                                                 corrector.present)
         return shift.numpy(), None
     values, decoder, observed, _ = counterfactual.output_terms(
         corrector.net, x, mu, code_tensor, corrector.reference, corrector.statistics, corrector.present)

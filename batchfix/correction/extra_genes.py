@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from batchfix.correction import counts
-from batchfix.correction.calibration import CALIBRATION_CELLS_PER_BATCH, calibration_cells
+from batchfix.correction.calibration import CALIBRATION_CELLS_PER_BATCH, calibration_cells, store_count_tables
 from batchfix.data import ondisk
 from batchfix.data.io import input_path, select_matrix
 from batchfix.data.prepare import PreparedData, in_order
@@ -77,9 +77,9 @@ def fit_decoder(net, latents: torch.Tensor, codes: torch.Tensor, extra_counts: t
 
 @torch.no_grad()
 def calibrate_dispersion(net, latents: torch.Tensor, codes: torch.Tensor, extra_counts: torch.Tensor) -> None:
-    """net.extra_count_theta: each training batch's dispersion of the extra genes around the fitted means."""
+    """Each training batch's dispersion and ratio of the extra genes around the fitted means (net.extra_count_*)."""
     shared = net.extra_decoder.log_theta.double().exp().numpy()
-    sums = [counts.DispersionSums(extra_counts.shape[1]) for _ in range(net.n_batches)]
+    sums = [counts.CountSums(extra_counts.shape[1]) for _ in range(net.n_batches)]
     library = extra_counts.sum(-1, keepdim=True)
     for start in range(0, len(latents), 1024):
         part = slice(start, start + 1024)
@@ -87,7 +87,7 @@ def calibrate_dispersion(net, latents: torch.Tensor, codes: torch.Tensor, extra_
         for b in np.unique(codes[part].numpy()):
             chosen = (codes[part] == b).numpy()
             sums[b].add(extra_counts[part].numpy()[chosen], mean[chosen])
-    net.extra_count_theta.copy_(torch.as_tensor(np.stack([s.theta(shared) for s in sums]), dtype=torch.float32))
+    store_count_tables(net.extra_count_theta, net.extra_count_ratio, sums, shared)
 
 
 def add_extra_genes(model: BatchfixModel, prepared: PreparedData, rows, var_names, seed: int = 0) -> dict:

@@ -150,16 +150,19 @@ class BatchfixNet(nn.Module):
         # Per gene: the residual's within-batch sd and the cells it was estimated on (correction.spread=gene).
         self.register_buffer("residual_gene_spread", torch.zeros(n_batches, n_genes))
         self.register_buffer("residual_cells", torch.zeros(n_batches))
-        # Each training batch's NB inverse dispersion per gene (batchfix.correction.counts, calibrated after the
-        # fit; 0 = not calibrated): the corrected counts map a count from its batch's NB to the reference's.
+        # Each training batch's NB inverse dispersion and observed-over-decoded mean ratio per gene
+        # (batchfix.correction.counts, calibrated after the fit; theta 0 = not calibrated): the corrected counts map
+        # a count from its batch's NB to the reference's.
         self.register_buffer("count_theta", torch.zeros(n_batches, n_genes))
+        self.register_buffer("count_ratio", torch.ones(n_batches, n_genes))  # observed / decoded mean, per gene
         self.extra_decoder: ExpressionDecoder | None = None  # the genes the encoder does not read (`add_extra_genes`)
 
     def add_extra_genes(self, n_extra: int) -> None:
         """A second NB decoder for `n_extra` genes the encoder does not read (fitted after the main fit with the
-        encoder frozen: batchfix.correction.extra_genes), with its per-batch dispersions (extra_count_theta)."""
+        encoder frozen: batchfix.correction.extra_genes), with its per-batch dispersions and ratios."""
         self.extra_decoder = ExpressionDecoder(self.cfg, n_extra, self.n_batches)
         self.register_buffer("extra_count_theta", torch.zeros(self.n_batches, n_extra))
+        self.register_buffer("extra_count_ratio", torch.ones(self.n_batches, n_extra))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """A checkpoint of an earlier format (no per-batch dispersions) is refused in one line."""
