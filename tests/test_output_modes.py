@@ -127,36 +127,36 @@ def test_uns_records_the_mode_and_the_unseen_batch(outputs):
     info = outputs["counterfactual"].uns["batchfix"]
     assert info["output_mode"] == info["params"]["output_mode"] == "counterfactual"
     assert info["params"]["batch_key"] == "batch"
-    assert list(info["unseen_batches_estimated"]) == [UNSEEN] and len(info["unseen_batches_denoised"]) == 0
+    assert list(info["unseen_batches_estimated"]) == [UNSEEN] and len(info["unseen_batches_uncorrected"]) == 0
     assert UNSEEN not in list(info["training_batches"])
     denoised = outputs["denoised"].uns["batchfix"]
     assert denoised["output_mode"] == denoised["params"]["output_mode"] == "denoised"
     assert "batch_key" not in denoised["params"] and "unseen_batches_estimated" not in denoised
 
 
-def test_values_that_would_go_negative_are_zero_and_counted(outputs):
-    out = outputs["counterfactual"]
-    values = dense(out.layers["batchfix"])
-    n_clipped = int(out.uns["batchfix"]["n_clipped_to_zero"])
-    assert values.min() == 0.0 and n_clipped > 0
-    assert (values == 0).sum() == n_clipped, "a value is exactly 0 only where it was raised to 0"
+def test_observed_zeros_made_positive_are_counted(model, shifted):
+    """The counts output raises an observed zero only where the reference expects the gene more often, and counts
+    every one it raises (corrected genes only: the others keep their counts)."""
+    out = batchfix.correct(shifted, model, copy=True)
+    raw = dense(shifted.X)
+    corrected = dense(out.layers["batchfix_counts"])
+    raised = int(((raw == 0) & (corrected > 0)).sum())
+    info = out.uns["batchfix"]
+    assert raised == info["n_zeros_made_positive"] and 0 < raised < 0.2 * info["n_observed_zeros"]
+    assert "n_clipped_to_zero" not in info  # counts are never below 0
 
 
-def test_an_unseen_batch_with_too_few_cells_gets_the_denoised_output(shifted, model, outputs, caplog):
+def test_an_unseen_batch_with_too_few_cells_keeps_its_counts(shifted, model, outputs, caplog):
     few = np.flatnonzero(shifted.obs["batch"] == UNSEEN)[calibration.MIN_UNSEEN_CELLS - 1:]
     adata = shifted[np.setdiff1d(np.arange(shifted.n_obs), few)].copy()
     small = (adata.obs["batch"] == UNSEEN).to_numpy()
     assert small.sum() == calibration.MIN_UNSEEN_CELLS - 1
     with caplog.at_level(logging.WARNING, logger="batchfix"):
         out = batchfix.correct(adata, model, copy=True)
-    assert f"fewer than {calibration.MIN_UNSEEN_CELLS} cells: ['{UNSEEN}']" in caplog.text
-    assert list(out.uns["batchfix"]["unseen_batches_denoised"]) == [UNSEEN]
-    modelled = out.var["batchfix_modelled"].to_numpy()
-    denoised = outputs["denoised"][adata.obs_names]
-    np.testing.assert_allclose(dense(out.layers["batchfix"][:, modelled])[small],
-                               dense(denoised.layers["batchfix"])[small], rtol=1e-5, atol=1e-6)
-    assert not np.allclose(dense(out.layers["batchfix"][:, modelled])[~small],
-                           dense(denoised.layers["batchfix"])[~small], atol=0.1)
+    assert f"fewer than {calibration.MIN_UNSEEN_CELLS} cells: ['{UNSEEN}']. Their cells keep their counts" in caplog.text
+    assert list(out.uns["batchfix"]["unseen_batches_uncorrected"]) == [UNSEEN]
+    np.testing.assert_array_equal(dense(out.layers["batchfix_counts"])[small], dense(adata.X)[small])
+    assert not np.array_equal(dense(out.layers["batchfix_counts"])[~small], dense(adata.X)[~small])
 
 
 def test_missing_genes_get_no_value_and_barely_move_the_others(shifted, model, outputs):

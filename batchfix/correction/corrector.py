@@ -157,12 +157,14 @@ class Corrector:
         return int(self.trained.module.model_config.latent_dim)
 
     def log_batches(self) -> None:
+        estimated = "ratio and a dispersion" if self.counts_output else "location and a spread"
         if self.batches.unseen:
             log.warning("Batches the model was not trained on: %s. Their batch effect is estimated from their own "
-                        "cells (a per-gene location and a spread against the average decoder).", self.batches.unseen)
+                        "cells (a per-gene %s against the average decoder).", self.batches.unseen, estimated)
         if self.batches.denoised:
-            log.warning("Batches the model was not trained on, with fewer than %d cells: %s. Their cells get the "
-                        "denoised output.", calibration.MIN_UNSEEN_CELLS, self.batches.denoised)
+            log.warning("Batches the model was not trained on, with fewer than %d cells: %s. Their cells %s.",
+                        calibration.MIN_UNSEEN_CELLS, self.batches.denoised,
+                        "keep their counts" if self.counts_output else "get the denoised output")
 
     def prepare(self, rows, n_obs: int) -> None:
         """Before correcting: estimate the unseen batches' location and spread (one pass over their cells) and,

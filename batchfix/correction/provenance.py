@@ -95,8 +95,10 @@ def provenance(corrector) -> dict:
     if corrector.batches is not None:
         info["params"]["batch_key"] = corrector.batch_key
         info["unseen_batches_estimated"] = corrector.batches.unseen
-        info["unseen_batches_denoised"] = corrector.batches.denoised
-        info["n_clipped_to_zero"] = corrector.n_clipped
+        small = "unseen_batches_uncorrected" if kind == "counts" else "unseen_batches_denoised"
+        info[small] = corrector.batches.denoised  # fewer than MIN_UNSEEN_CELLS cells: nothing estimated
+        if kind != "counts":
+            info["n_clipped_to_zero"] = corrector.n_clipped
     return info
 
 
