@@ -18,7 +18,19 @@ from batchfix.errors import ConfigError
 from scripts import inject_clones
 
 TINY = dict(n_top_genes=None, genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8,
-            decoder_hidden=32, batch_size=64, max_epochs=30, threads=1, enable_progress_bar=False)
+            decoder_hidden=32, batch_size=64, max_epochs=30, threads=1, enable_progress_bar=False,
+            scale="log", likelihood="gaussian")
+
+@pytest.fixture(scope="module")
+def subset(subset):
+    """The real subset on a log scale, 1 + log1p(counts per 10k), for a model of log-scale input: the log-scale
+    counterfactual formula these tests check (a model trained on counts writes corrected counts instead,
+    tests/test_counts.py). No value is 0, so the rule that an input zero stays zero (tested on its own) leaves
+    every value to the formula."""
+    adata = subset.copy()
+    adata.X = 1.0 + np.asarray(log_cp10k(np.asarray(adata.X)), dtype=np.float32)
+    return adata
+
 
 
 def test_the_smoother_averages_neighbours_within_each_chromosome_only():
@@ -157,6 +169,18 @@ def test_keep_input_keeps_a_regional_shift_in_a_batch_location(subset, tiny_mode
     for mode in ("keep", "keep_all"):
         assert change[mode] == pytest.approx(change["apply"], abs=0.01)
     assert change["keep_input"] == pytest.approx(scale * 0.5 * share, abs=0.01)
+
+
+def test_an_input_zero_stays_zero_in_the_log_scale_output(subset, tiny_model):
+    """A log-scale value of 0 is a gene not detected: the counterfactual output leaves it at 0, whatever the
+    shift, and corrects the others."""
+    zeroed = subset.copy()
+    holes = np.random.default_rng(2).random(zeroed.shape) < 0.2
+    zeroed.X = np.where(holes, 0.0, zeroed.X).astype(np.float32)
+    output = in_model_order(zeroed, tiny_model, "keep")
+    observed = np.asarray(zeroed[:, list(tiny_model.genes)].X)
+    assert (output[observed == 0] == 0).all() and (observed == 0).sum() > 1000
+    assert (output[observed > 0] > 0).mean() > 0.9
 
 
 def default_terms(adata, model):
