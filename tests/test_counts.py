@@ -149,3 +149,17 @@ def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line(trained, tmp_
     with pytest.raises(CheckpointFormatError, match="checkpoint format 1") as err:
         load_trained(tmp_path / "old.ckpt")
     assert "\n" not in str(err.value)
+
+
+def test_the_output_carries_coordinates_as_infercnvpy_reads_them(trained, subset):
+    """var['chromosome'] as 'chr1'..., 'start' and 'end', placed from var and the genome's table."""
+    import batchfix
+
+    model, _ = trained
+    assert not subset.var["chromosome"].dropna().astype(str).str.startswith("chr").any()  # '1', 'X' in the input
+    out = batchfix.correct(subset, model, copy=True)
+    chromosome = out.var["chromosome"]
+    placed = chromosome.notna().to_numpy()
+    assert placed.mean() > 0.8 and chromosome[placed].astype(str).str.match(r"^chr(\d+|X|Y|M)$").all()
+    assert (out.var["end"][placed] >= out.var["start"][placed]).all()
+    assert subset.var["chromosome"].dropna().iloc[0] in chromosome.dropna().iloc[0]  # same place, infercnvpy's name

@@ -10,7 +10,8 @@ What is added (key = key_added, default 'batchfix'; uns[key]['layers'] says what
 - The denoised output, and the counterfactual output of a log-scale model: layers[key] only, values in the
   modelled genes' columns (every modelled gene in every cell; other genes hold no entries).
 - var[f'{key}_modelled'] (the genes the model reads) and var[f'{key}_corrected'] (the genes whose values the
-  correction changed), obsm[f'X_{key}'] (the latent, float32) and uns[key] (provenance: batchfix.correction.
+  correction changed), var['highly_variable'] (the modelled genes) where the input has none, and the genes'
+  coordinates as infercnvpy reads them (var['chromosome'] as 'chr1'..., 'start', 'end') unless var has them so, obsm[f'X_{key}'] (the latent, float32) and uns[key] (provenance: batchfix.correction.
   provenance).
 
 The streamed writer reads the input a chunk of cells at a time (X or a layer, dense or CSR) and writes the new
@@ -33,6 +34,7 @@ from batchfix.correction.corrector import Corrector, corrected_chunks
 from batchfix.correction.provenance import for_hdf5, provenance
 from batchfix.data import ondisk
 from batchfix.data.atomic import atomic_output, output_exists
+from batchfix.data.genome import infercnv_columns
 from batchfix.data.io import OutputKeys, check_h5ad_path, select_matrix
 from batchfix.errors import InputError
 from batchfix.training.module import BatchfixModel
@@ -117,6 +119,8 @@ def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: Correctio
     adata.var[keys.corrected] = corrector.corrected_mask
     if "highly_variable" not in adata.var.columns:  # scanpy's HVG column, where the user has none: the modelled
         adata.var["highly_variable"] = corrector.modelled_mask
+    for column, values in (infercnv_columns(adata.var, trained.data_options["genome"]) or {}).items():
+        adata.var[column] = values  # coordinates as infercnvpy reads them ('chr1', start, end)
     adata.uns[keys.uns] = info
     return adata if copy else None
 
@@ -207,8 +211,9 @@ def write_streamed(src: h5py.File, dst: h5py.File, corrector: Corrector, rows, n
     names = layer_names(keys)
     ondisk.copy_file_except(src, dst, top_skip={"var"},
                             skip={"layers": set(names.values()), "obsm": {keys.latent}, "uns": {keys.uns}})
+    coordinates = infercnv_columns(ondisk.read_var_frame(src), corrector.trained.data_options["genome"]) or {}
     ondisk.replace_var_columns(src, dst, {keys.modelled: corrector.modelled_mask,
-                                          keys.corrected: corrector.corrected_mask},
+                                          keys.corrected: corrector.corrected_mask, **coordinates},
                                defaults={"highly_variable": corrector.modelled_mask})
     shape = (n_obs, corrector.n_vars)
     kinds = list(names) if corrector.counts_output else ["log"]

@@ -240,3 +240,18 @@ def make_windows(coords: GeneCoordinates, genes_per_token: int) -> LocusWindows:
         position=np.asarray(position, dtype=np.float64),
         chromosome=np.asarray(chromosome, dtype=np.int64),
     )
+
+
+def infercnv_columns(var: pd.DataFrame, genome: str = DataConfig.genome) -> dict[str, pd.Series] | None:
+    """var's coordinate columns as infercnvpy reads them ('chromosome' as 'chr1' ... 'chrX', 'chrM'; 'start',
+    'end'), from var itself or the bundled table of `genome`; None when var already has them in that form."""
+    present = {"chromosome", "start", "end"} <= set(var.columns)
+    if present and var["chromosome"].dropna().astype(str).str.startswith("chr").all():
+        return None
+    coordinates = place_genes(var, genome)
+    placed = coordinates.placed
+    names = [f"chr{'M' if c == 'MT' else c}" if p else None for c, p in zip(coordinates.chromosome, placed)]
+    return {"chromosome": pd.Categorical(names),
+            "start": np.where(placed, coordinates.start, np.nan),
+            "end": np.where(placed, coordinates.end, np.nan)}
+

@@ -273,6 +273,11 @@ def create_csr(group: h5py.Group, name: str, shape: tuple[int, int], nnz: int,
     return data, indices, indptr
 
 
+def read_var_frame(f: h5py.File) -> pd.DataFrame:
+    """var of an open .h5ad file, as a DataFrame."""
+    return read_elem(f["var"])
+
+
 def replace_var_columns(src: h5py.File, dst: h5py.File, columns: dict[str, np.ndarray],
                         defaults: dict[str, np.ndarray] | None = None) -> None:
     """Write the input's var into `dst` with `columns` added (or replaced), and `defaults` added where var has no
