@@ -14,9 +14,9 @@ differences.
 Here the own batch's term is replaced by the expected log, E[log1p(a_b N)], N ~ NB(v_b(z) L_b, theta_g) with L_b the
 batch's median library (over the modelled genes) and a_b = 10k / L_b (`ExpectedLog`: tabulated per gene over a grid
 of expected counts). The location and spread are estimated again from the new residuals on all cells. Rows, each
-built from one model's terms (`marker_loss.counterfactual_terms`, checked against batchfix.correct):
+built from one model's terms (`marker_loss.counterfactual_terms`, checked against the package's log-scale output):
 
-    default                          batchfix.correct's output with regional_shift=apply
+    default                          the package's log-scale output with regional_shift=apply
     state W                          correction.state_dependence=W (the batch mean of the decoder term plus W times
                                      the cell's deviation from it), W in STATE_WEIGHTS
     expected-log own [, state W]     decoded_b(z) the expected log at the batch's median depth; decoded_ref as before

@@ -5,7 +5,7 @@ For cell c of batch b (batchfix/correction/counterfactual.py):
     values = D(c) + location_ref + k_b * (observed(c) - location_b),   D(c) = decoded_ref(z_c) - k_b decoded_b(z_c)
 
 `counterfactual_terms` runs the shipped `counterfactual.output_terms` with the shipped `calibration.Statistics`,
-so `Terms.values` is batchfix.correct's output before the floor (regional_shift=apply); a lab script builds its
+so `Terms.values` is the package's log-scale output before the floor (regional_shift=apply); a lab script builds its
 variants from these terms (a decoder term or a k swapped, `Terms.unclipped`), and `recalibration` estimates a
 location and a spread again with the shipped `calibration.ResidualSums` and `calibration.reference_statistics`.
 No script holds a copy of the formula.
@@ -83,7 +83,7 @@ def cell_scale(model: batchfix.BatchfixModel, codes: np.ndarray, **options) -> n
 
 @torch.no_grad()
 def counterfactual_terms(adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str, **options) -> Terms:
-    """The model's terms for every cell, as batchfix.correct computes them (average reference; `options`:
+    """The model's terms for every cell, as the package's log-scale output computes them (average reference; `options`:
     `statistics`', spread per batch and residual weight 1 by default)."""
     net = model.net
     counts = np.asarray(adata[:, model.genes].X, dtype=np.float32)  # the model's gene order
@@ -116,3 +116,32 @@ def recalibration(terms: Terms, own: np.ndarray) -> tuple[np.ndarray, np.ndarray
     location, spread = np.stack([s.location() for s in sums]), np.array([s.spread() for s in sums])
     reference_spread = calibration.reference_statistics(location, spread, None)[1]
     return location, (reference_spread / spread)[terms.codes][:, None]
+
+
+@torch.no_grad()
+def shipped_log_output(adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str, spread: str = "batch",
+                       residual_weight: float = 1.0, state_dependence: float = 1.0) -> np.ndarray:
+    """The package's log-scale counterfactual output (`counterfactual.corrected`, regional_shift=apply) of every
+    cell, (cells, G) in the model's gene order, float64: what batchfix ships for a log-scale model and what the
+    lab's rows are checked against (for a counts model batchfix.correct writes corrected counts instead). The
+    state shrink's batch means are the decoder term's over each batch's cells, as the package estimates them."""
+    net = model.net
+    counts = np.asarray(adata[:, model.genes].X, dtype=np.float32)
+    codes = counterfactual.batch_codes(adata.obs[batch_key].astype(str).to_numpy(), model.batch_categories).codes
+    stats = statistics(model, spread_by=spread, residual_weight=residual_weight)
+    present = torch.ones(len(model.genes), dtype=torch.bool)
+    state = None
+    if state_dependence < 1:
+        decoder = counterfactual_terms(adata, model, batch_key, spread_by=spread,
+                                       residual_weight=residual_weight).decoder
+        means = np.stack([decoder[codes == b].mean(axis=0) for b in range(len(model.batch_categories))])
+        state = counterfactual.StateShrink(state_dependence, torch.as_tensor(means, dtype=torch.float32),
+                                           torch.ones(len(means)))
+    blocks = []
+    with fused_attention(net):
+        for start in range(0, len(counts), BATCH_SIZE):
+            x = torch.from_numpy(counts[start:start + BATCH_SIZE])
+            block = torch.from_numpy(codes[start:start + len(x)])
+            blocks.append(counterfactual.corrected(net, x, block, None, stats, present, state=state)[1].numpy())
+    return np.concatenate(blocks).astype(np.float64)
+

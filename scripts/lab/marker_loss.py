@@ -8,7 +8,7 @@ For cell c of batch b the counterfactual output (batchfix/correction/counterfact
 batchfix is trained once per seed, and every variant below is built from that one model's terms
 (scripts/lab/harness.py), on the modelled genes:
 
-    shipped          batchfix.correct's layer with regional_shift=apply (the terms' own values, checked against it)
+    shipped          the package's log-scale output with regional_shift=apply (the terms' own values, checked against it)
     no clip          the same values without the floor at 0
     k=1              k_b = 1 for every batch: decoded_ref - decoded_b + location_ref + observed - location_b
     gene-wise shift  D(c) replaced by its mean over the cell's batch: one shift per gene and batch, as ComBat's
@@ -46,7 +46,7 @@ from batchfix.data.normalize import log_cp10k
 from batchfix.eval import fidelity, metrics
 from scripts.baselines import combat
 from scripts.benchmark import load
-from scripts.lab.harness import Terms, counterfactual_terms
+from scripts.lab.harness import Terms, counterfactual_terms, shipped_log_output
 
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False)
 SHRINKS = (0.25, 0.5)
@@ -71,21 +71,18 @@ def variant_matrices(terms: Terms) -> dict[str, np.ndarray]:
 
 
 def shipped_values(adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str, **options) -> np.ndarray:
-    """batchfix.correct's layer on the modelled genes, in the model's gene order, with the whole state shift removed
-    (regional_shift=apply: the variants take that form apart; the default `keep` adds back a regional part);
-    `options`: more of batchfix.correct's."""
-    corrected = batchfix.correct(adata, model, batch_key=batch_key, copy=True, regional_shift="apply", **options)
-    assert corrected.var["batchfix_modelled"].to_numpy().sum() == len(model.genes)
-    columns = corrected.var_names.get_indexer(model.genes)
-    return np.asarray(corrected.layers["batchfix"][:, columns].toarray(), dtype=np.float64)
+    """The package's log-scale counterfactual output on the modelled genes, in the model's gene order, with the
+    whole state shift removed (regional_shift=apply: the variants take that form apart); `options`: spread,
+    residual_weight, state_dependence (harness.shipped_log_output)."""
+    return shipped_log_output(adata, model, batch_key, **options)
 
 
 def check_shipped(values: np.ndarray, adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str, name: str,
                   **options) -> None:
-    """Stop unless a rebuilt row (model gene order) is batchfix.correct's with `options` (`shipped_values`)."""
+    """Stop unless a rebuilt row (model gene order) is the package's output with `options` (`shipped_values`)."""
     difference = np.abs(values - shipped_values(adata, model, batch_key, **options)).max()
     if difference > 1e-4:
-        raise SystemExit(f"The row '{name}' differs from batchfix.correct by {difference:.2e}.")
+        raise SystemExit(f"The row '{name}' differs from the package's log-scale output by {difference:.2e}.")
 
 
 def reference_rows(adata: ad.AnnData, genes: list, batch_key: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -101,10 +98,10 @@ def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int) -> tuple[np.ndar
     terms = counterfactual_terms(adata, model, batch_key)
     variants = variant_matrices(terms)
     difference = np.abs(variants[SHIPPED] - shipped_values(adata, model, batch_key)).max()
-    print(f"seed {seed}: re-implemented shipped output vs batchfix.correct, largest difference {difference:.2e}",
+    print(f"seed {seed}: re-implemented shipped output vs the package's, largest difference {difference:.2e}",
           flush=True)
     if difference > 1e-4:
-        raise SystemExit("The re-implementation does not reproduce batchfix.correct: the variants mean nothing.")
+        raise SystemExit("The re-implementation does not reproduce the package's output: the variants mean nothing.")
     counts, uncorrected = reference_rows(adata, model.genes, batch_key)
     return counts, {**uncorrected, **variants}
 

@@ -7,7 +7,7 @@ The counterfactual output (batchfix/correction/counterfactual.py) is, for cell c
 and r holds each cell's own deviation from what the decoder expects for its state: counting noise, biology the
 decoder misses, and batch-specific structure the decoder misses. Each row below replaces r by another form,
 built from one model's terms (`harness.counterfactual_terms`; the default row is checked against
-batchfix.correct, regional_shift=apply):
+the package's log-scale output, regional_shift=apply):
 
     residual weight A        A r (correction.residual_weight=A): every part of r shrunk alike
     local mean kept, A       rbar + A (r - rbar), rbar the mean of r over the cell's LOCAL_NEIGHBOURS nearest cells
