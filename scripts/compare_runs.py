@@ -16,6 +16,8 @@ import anndata as ad
 import numpy as np
 import scipy.sparse as sp
 
+from batchfix.eval.sweep import flatten
+
 TIMING_KEYS = ("seconds", "time", "_s", "peak", "memory", "rss")  # metrics.json entries that vary run to run
 
 
@@ -23,16 +25,10 @@ def dense(matrix) -> np.ndarray:
     return matrix.toarray() if sp.issparse(matrix) else np.asarray(matrix)
 
 
-def scores(metrics: dict, prefix: str = "") -> dict[str, float]:
-    """Every number in metrics.json by its dotted path, timings left out."""
-    flat = {}
-    for key, value in metrics.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(scores(value, f"{path}."))
-        elif isinstance(value, (int, float)) and not any(word in key.lower() for word in TIMING_KEYS):
-            flat[path] = value
-    return flat
+def scores(metrics: dict) -> dict[str, float]:
+    """Every number in metrics.json by its dotted path (batchfix.eval.sweep.flatten), timings left out."""
+    return {name: value for name, value in flatten(metrics).items()
+            if not any(word in name.rsplit(".", 1)[-1].lower() for word in TIMING_KEYS)}
 
 
 def compare(run_a: Path, run_b: Path, key: str) -> list[tuple[str, bool]]:

@@ -22,14 +22,9 @@ TINY = dict(n_top_genes=None, genes_per_token=16, d_model=16, n_heads=2, n_layer
             scale="log", likelihood="gaussian")
 
 @pytest.fixture(scope="module")
-def subset(subset):
-    """The real subset on a log scale, 1 + log1p(counts per 10k), for a model of log-scale input: the log-scale
-    counterfactual formula these tests check (a model trained on counts writes corrected counts instead,
-    tests/test_counts.py). No value is 0, so the rule that an input zero stays zero (tested on its own) leaves
-    every value to the formula."""
-    adata = subset.copy()
-    adata.X = 1.0 + np.asarray(log_cp10k(np.asarray(adata.X)), dtype=np.float32)
-    return adata
+def subset(log_scale_subset):
+    """The subset on a log scale (conftest): these tests check the log-scale formula of a log-scale model."""
+    return log_scale_subset
 
 
 
