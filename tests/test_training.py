@@ -126,20 +126,22 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, co
     x = torch.from_numpy(np.asarray(source.X[:, columns], dtype=np.float32))
     codes = torch.from_numpy(np.searchsorted(trained.batch_categories, source.obs["batch"].astype(str).to_numpy()))
     mu = net.encode(x)[0].detach()
-    shift, own = counterfactual.log_mean_shift(net, mu, codes, None, None, None)  # (cells, G), before the options
+    shift, own = counterfactual.log_mean_shift(net, mu, codes, None, None)  # the decoder's, (cells, G)
     mean_shift = torch.stack([shift[codes == b].mean(dim=0) for b in range(len(trained.batch_categories))])
     assert all((codes == b).sum() >= calibration.MIN_UNSEEN_CELLS for b in range(len(trained.batch_categories)))
     regional = RegionalShift(
         GenomeSmoother(list(trained.module.hparams.chromosome), 100), mean_shift,
         torch.ones(len(trained.batch_categories)))
-    shift = counterfactual.applied_shift(shift, codes, None, regional)
-    own_mean = (own * x.sum(-1, keepdim=True)).double().numpy()
+    shift = counterfactual.applied_shift(shift, codes, None, regional).double().numpy()
+    ratio = net.count_ratio.double().numpy()  # each batch's observed / decoded mean; the reference's: geometric mean
+    shift += np.log(np.exp(np.log(ratio).mean(axis=0)) / ratio[codes.numpy()])
+    own_mean = (own * x.sum(-1, keepdim=True)).double().numpy() * ratio[codes.numpy()]
     own_theta = net.count_theta.double().numpy()[codes.numpy()]
     reference_theta = np.broadcast_to(net.decoder.log_theta.detach().double().exp().numpy(), own_theta.shape)
     uniform = counts.counter_uniform(CorrectionSettings().quantile_seed, counts.name_keys(source.obs_names),
                                      counts.name_keys(trained.genes))
     expected = counts.quantile_map(x.double().numpy().ravel(), own_mean.ravel(),
-                                   (own_mean * np.exp(shift.double().numpy())).ravel(), own_theta.ravel(),
+                                   (own_mean * np.exp(shift)).ravel(), own_theta.ravel(),
                                    reference_theta.ravel(), uniform.ravel()).reshape(x.shape)
     corrected = ad.read_h5ad(cli_run / "corrected.h5ad")
     counts_nearly_equal(corrected.layers["batchfix_counts"][:, columns], expected)  # measured: none differ
@@ -211,7 +213,7 @@ def test_checkpoint_reload_reproduces_in_memory_model(subset_h5ad, tmp_path, cap
     # decoder of the genes the encoder does not read (fitted afterwards, the rest of the network unchanged).
     best, final = (load_trained(run_dir / name).module.state_dict() for name in ("checkpoints/best.ckpt", "model.ckpt"))
     calibration = {"net.residual_location", "net.residual_spread", "net.residual_gene_spread", "net.residual_cells",
-                   "net.count_theta"}
+                   "net.count_theta", "net.count_ratio"}
     extra = {k for k in final if k.startswith("net.extra_")}
     assert "net.extra_count_theta" in extra and any(k.startswith("net.extra_decoder.") for k in extra)
     assert best.keys() == final.keys() - extra and calibration <= set(final)
