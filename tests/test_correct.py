@@ -100,6 +100,36 @@ def correct_quiet(source, target, checkpoint, counts_layer=None, overwrite=False
                         counts_layer=counts_layer, overwrite=overwrite, progress=False)
 
 
+def check_gene_flags(out: ad.AnnData, adata: ad.AnnData, trained_run: dict) -> np.ndarray:
+    """var's modelled genes (also var['highly_variable'], which the input lacks) and corrected genes (every gene
+    detected in 3 training cells); returns the corrected ones' mask."""
+    modelled = out.var["batchfix_modelled"].to_numpy()
+    order = list(out.var_names).index
+    assert modelled.dtype == bool and list(out.var_names[modelled]) == sorted(trained_run["genes"], key=order)
+    np.testing.assert_array_equal(out.var["highly_variable"], modelled)
+    corrected = out.var["batchfix_corrected"].to_numpy()
+    seen = adata.obs["batch"].astype(str).isin(trained_run["seen"]).to_numpy()
+    detected = np.asarray((dense(adata.X)[seen] > 0).sum(axis=0)).ravel()
+    np.testing.assert_array_equal(corrected, detected >= 3)
+    assert corrected[modelled].all()
+    return corrected
+
+
+def check_count_layers(out: ad.AnnData, counts_in) -> None:
+    """The counts output of `out` (corrected from `counts_in`): layers['batchfix_counts'] of integer counts, the
+    genes not in var['batchfix_corrected'] as in the input, and layers['batchfix'] their normalize_total + log1p,
+    both CSR float32 of the full width with no stored zeros."""
+    counts, log_layer = out.layers["batchfix_counts"], out.layers["batchfix"]
+    for layer in (counts, log_layer):
+        assert isinstance(layer, sp.csr_matrix) and layer.dtype == np.float32 and layer.shape == out.shape
+        assert np.isfinite(layer.data).all() and (layer.data > 0).all(), "zeros are not stored"
+    assert (counts.data == np.round(counts.data)).all(), "corrected counts are integers"
+    corrected = out.var["batchfix_corrected"].to_numpy()
+    raw = sp.csr_matrix(dense(counts_in), dtype=np.float32)
+    assert (counts[:, ~corrected] != raw[:, ~corrected]).nnz == 0, "the other genes keep their input counts"
+    np.testing.assert_allclose(dense(log_layer), dense(log_cp10k(counts)), rtol=1e-6, atol=1e-6)
+
+
 # --------------------------------------------------------------------------------------------
 # The file route
 
@@ -137,23 +167,8 @@ def test_round_trip_keeps_everything_and_adds_the_correction(trained_run, rich_i
     assert out.uns["note"] == "kept as is" and out.uns["params"]["k"] == 3
     assert list(out.uns["params"]["names"]) == ["a", "b"]
 
-    genes = trained_run["genes"]
-    modelled = out.var["batchfix_modelled"].to_numpy()
-    assert modelled.dtype == bool and list(out.var_names[modelled]) == sorted(genes, key=list(out.var_names).index)
-    np.testing.assert_array_equal(out.var["highly_variable"], modelled)
-    corrected = out.var["batchfix_corrected"].to_numpy()
-    seen = adata.obs["batch"].astype(str).isin(trained_run["seen"]).to_numpy()
-    detected = np.asarray((dense(adata.X)[seen] > 0).sum(axis=0)).ravel()
-    np.testing.assert_array_equal(corrected, detected >= 3)  # every gene detected in 3 training cells
-    assert corrected[modelled].all()
-    counts, log_layer = out.layers["batchfix_counts"], out.layers["batchfix"]
-    for layer in (counts, log_layer):
-        assert isinstance(layer, sp.csr_matrix) and layer.dtype == np.float32 and layer.shape == adata.shape
-        assert np.isfinite(layer.data).all() and (layer.data > 0).all(), "zeros are not stored"
-    assert (counts.data == np.round(counts.data)).all(), "corrected counts are integers"
-    raw = sp.csr_matrix(dense(adata.X), dtype=np.float32)
-    assert (counts[:, ~corrected] != raw[:, ~corrected]).nnz == 0, "the other genes keep their input counts"
-    np.testing.assert_allclose(dense(log_layer), dense(log_cp10k(counts)), rtol=1e-6, atol=1e-6)
+    corrected = check_gene_flags(out, adata, trained_run)
+    check_count_layers(out, adata.X)
     latent = out.obsm["X_batchfix"]
     assert latent.shape == (adata.n_obs, load_trained(trained_run["checkpoint"]).module.model_config.latent_dim)
     assert np.isfinite(latent).all()
@@ -163,7 +178,7 @@ def test_round_trip_keeps_everything_and_adds_the_correction(trained_run, rich_i
     assert info["checkpoint_sha256"] == sha256(trained_run["checkpoint"])
     assert info["reference_batch"] == "average"
     assert info["output_mode"] == info["params"]["output_mode"] == "counterfactual"
-    assert list(info["modelled_genes"]) == genes
+    assert list(info["modelled_genes"]) == trained_run["genes"]
     assert list(info["training_batches"]) == trained_run["seen"]
     assert info["n_missing_genes"] == 0 and len(info["missing_genes"]) == 0
     assert set(info["layers"]) == {"batchfix", "batchfix_counts"}
@@ -244,10 +259,7 @@ def test_some_missing_genes_are_filled_and_reported(trained_run, rich_input, tmp
     assert out.var["batchfix_modelled"].sum() == len(genes) - len(dropped)
     corrected = out.var["batchfix_corrected"].to_numpy()
     assert corrected[out.var["batchfix_modelled"].to_numpy()].all() and info["n_corrected_genes"] == corrected.sum()
-    counts = out.layers["batchfix_counts"]
-    assert counts.shape == out.shape and (counts.data == np.round(counts.data)).all()
-    np.testing.assert_allclose(out.layers["batchfix"].toarray(), log_cp10k(counts).toarray(), rtol=1e-6, atol=1e-6)
-    assert np.isfinite(out.layers["batchfix"].data).all()
+    check_count_layers(out, adata[:, ~adata.var_names.isin(dropped)].X)
 
 
 def test_too_many_missing_genes_stop_with_the_count(trained_run, rich_input, tmp_path):
