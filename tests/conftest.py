@@ -2,7 +2,7 @@
 
 The bundled dataset is read once per session; tests that need a file on disk get a small real
 subset (200 cells x 600 genes, all 5 batches) written to their own tmp_path, and tests that need
-a bad file make it themselves from these.
+a bad file make it themselves from these. `counts_nearly_equal` compares corrected counts of one input.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import anndata as ad
 import numpy as np
 import pytest
+import scipy.sparse as sp
 
 from batchfix.data.normalize import log_cp10k
 
@@ -104,3 +105,20 @@ def write_h5ad(tmp_path):
 def small_h5ad(small_adata, write_h5ad) -> Path:
     """The real 200 x 600 subset written to tmp_path/small.h5ad."""
     return write_h5ad(small_adata, "small.h5ad")
+
+
+@pytest.fixture(scope="session")
+def counts_nearly_equal():
+    """Check two corrected-count matrices of one input: a tiny change of the model's means (float noise, int8, a
+    reloaded checkpoint) moves a count on a quantile boundary by one, so a share of entries below `max_share` may
+    differ, by 1 at most. Returns the share that differs."""
+
+    def check(actual, expected, max_share: float = 0.01) -> float:
+        difference = sp.csr_matrix(actual) - sp.csr_matrix(expected)
+        difference.eliminate_zeros()
+        share = difference.nnz / np.prod(difference.shape)
+        assert np.abs(difference.data).max(initial=0) <= 1, "a count moved by more than 1"
+        assert share < max_share, f"{share:.2%} of the counts differ"
+        return share
+
+    return check

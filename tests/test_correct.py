@@ -29,6 +29,7 @@ from batchfix.config import CorrectConfig, CorrectionSettings, validated
 from batchfix.correction import corrector
 from batchfix.correction.writers import correct_file
 from batchfix.data import ondisk
+from batchfix.data.normalize import log_cp10k
 from batchfix.errors import CheckpointError, InputError
 from batchfix.training.module import load_trained
 
@@ -99,6 +100,36 @@ def correct_quiet(source, target, checkpoint, counts_layer=None, overwrite=False
                         counts_layer=counts_layer, overwrite=overwrite, progress=False)
 
 
+def check_gene_flags(out: ad.AnnData, adata: ad.AnnData, trained_run: dict) -> np.ndarray:
+    """var's modelled genes (also var['highly_variable'], which the input lacks) and corrected genes (every gene
+    detected in 3 training cells); returns the corrected ones' mask."""
+    modelled = out.var["batchfix_modelled"].to_numpy()
+    order = list(out.var_names).index
+    assert modelled.dtype == bool and list(out.var_names[modelled]) == sorted(trained_run["genes"], key=order)
+    np.testing.assert_array_equal(out.var["highly_variable"], modelled)
+    corrected = out.var["batchfix_corrected"].to_numpy()
+    seen = adata.obs["batch"].astype(str).isin(trained_run["seen"]).to_numpy()
+    detected = np.asarray((dense(adata.X)[seen] > 0).sum(axis=0)).ravel()
+    np.testing.assert_array_equal(corrected, detected >= 3)
+    assert corrected[modelled].all()
+    return corrected
+
+
+def check_count_layers(out: ad.AnnData, counts_in) -> None:
+    """The counts output of `out` (corrected from `counts_in`): layers['batchfix_counts'] of integer counts, the
+    genes not in var['batchfix_corrected'] as in the input, and layers['batchfix'] their normalize_total + log1p,
+    both CSR float32 of the full width with no stored zeros."""
+    counts, log_layer = out.layers["batchfix_counts"], out.layers["batchfix"]
+    for layer in (counts, log_layer):
+        assert isinstance(layer, sp.csr_matrix) and layer.dtype == np.float32 and layer.shape == out.shape
+        assert np.isfinite(layer.data).all() and (layer.data > 0).all(), "zeros are not stored"
+    assert (counts.data == np.round(counts.data)).all(), "corrected counts are integers"
+    corrected = out.var["batchfix_corrected"].to_numpy()
+    raw = sp.csr_matrix(dense(counts_in), dtype=np.float32)
+    assert (counts[:, ~corrected] != raw[:, ~corrected]).nnz == 0, "the other genes keep their input counts"
+    np.testing.assert_allclose(dense(log_layer), dense(log_cp10k(counts)), rtol=1e-6, atol=1e-6)
+
+
 # --------------------------------------------------------------------------------------------
 # The file route
 
@@ -124,22 +155,20 @@ def test_round_trip_keeps_everything_and_adds_the_correction(trained_run, rich_i
     for name in ("counts", "scaled"):
         np.testing.assert_array_equal(dense(out.layers[name]), dense(adata.layers[name]))
     pd.testing.assert_frame_equal(out.obs, adata.obs)
-    pd.testing.assert_frame_equal(out.var.drop(columns="batchfix_modelled"), adata.var)
+    added = ["batchfix_modelled", "batchfix_corrected", "highly_variable"]  # the input has no HVG column
+    coordinates = ["chromosome", "start", "end"]  # rewritten as infercnvpy reads them ('chr1', ...)
+    pd.testing.assert_frame_equal(out.var.drop(columns=added + coordinates), adata.var.drop(columns=coordinates))
+    placed = adata.var["chromosome"].notna().to_numpy()
+    np.testing.assert_array_equal(out.var["chromosome"].astype(str)[placed],
+                                  "chr" + adata.var["chromosome"].astype(str)[placed])
     np.testing.assert_array_equal(out.obsm["X_pca"], adata.obsm["X_pca"])
     np.testing.assert_array_equal(dense(out.obsp["connectivities"]), dense(adata.obsp["connectivities"]))
     np.testing.assert_array_equal(out.varm["loadings"], adata.varm["loadings"])
     assert out.uns["note"] == "kept as is" and out.uns["params"]["k"] == 3
     assert list(out.uns["params"]["names"]) == ["a", "b"]
 
-    genes = trained_run["genes"]
-    modelled = out.var["batchfix_modelled"].to_numpy()
-    assert modelled.dtype == bool and list(out.var_names[modelled]) == sorted(genes, key=list(out.var_names).index)
-    layer = out.layers["batchfix"]
-    assert isinstance(layer, sp.csr_matrix) and layer.dtype == np.float32 and layer.shape == adata.shape
-    assert layer.nnz == adata.n_obs * len(genes), "every modelled gene has a value in every cell"
-    assert not dense(layer[:, ~modelled]).any(), "genes the model did not model are not stored"
-    values = dense(layer[:, modelled])
-    assert np.isfinite(values).all() and (values >= 0).all()
+    corrected = check_gene_flags(out, adata, trained_run)
+    check_count_layers(out, adata.X)
     latent = out.obsm["X_batchfix"]
     assert latent.shape == (adata.n_obs, load_trained(trained_run["checkpoint"]).module.model_config.latent_dim)
     assert np.isfinite(latent).all()
@@ -149,9 +178,12 @@ def test_round_trip_keeps_everything_and_adds_the_correction(trained_run, rich_i
     assert info["checkpoint_sha256"] == sha256(trained_run["checkpoint"])
     assert info["reference_batch"] == "average"
     assert info["output_mode"] == info["params"]["output_mode"] == "counterfactual"
-    assert list(info["modelled_genes"]) == genes
+    assert list(info["modelled_genes"]) == trained_run["genes"]
     assert list(info["training_batches"]) == trained_run["seen"]
     assert info["n_missing_genes"] == 0 and len(info["missing_genes"]) == 0
+    assert set(info["layers"]) == {"batchfix", "batchfix_counts"}
+    assert (info["n_corrected_genes"], info["n_uncorrected_genes"]) == (corrected.sum(), (~corrected).sum())
+    assert 0 < info["n_zeros_made_positive"] < info["n_observed_zeros"]
     assert info["params"]["chunk_size"] == 64 and info["params"]["model"]["genes_per_token"] == 16
 
 
@@ -225,8 +257,9 @@ def test_some_missing_genes_are_filled_and_reported(trained_run, rich_input, tmp
     info = out.uns["batchfix"]
     assert info["n_missing_genes"] == len(dropped) and list(info["missing_genes"]) == dropped
     assert out.var["batchfix_modelled"].sum() == len(genes) - len(dropped)
-    assert out.layers["batchfix"].nnz == out.n_obs * (len(genes) - len(dropped))
-    assert np.isfinite(out.layers["batchfix"].data).all()
+    corrected = out.var["batchfix_corrected"].to_numpy()
+    assert corrected[out.var["batchfix_modelled"].to_numpy()].all() and info["n_corrected_genes"] == corrected.sum()
+    check_count_layers(out, adata[:, ~adata.var_names.isin(dropped)].X)
 
 
 def test_too_many_missing_genes_stop_with_the_count(trained_run, rich_input, tmp_path):
@@ -317,10 +350,14 @@ def test_correcting_a_corrected_file_replaces_the_earlier_correction(trained_run
                            reference=trained_run["seen"][0])
     earlier, out = ad.read_h5ad(first), ad.read_h5ad(second)
     assert out.uns["batchfix"]["reference_batch"] == trained_run["seen"][0]
-    assert list(out.var.columns) == list(earlier.var.columns)
-    assert out.layers["batchfix"].nnz == earlier.layers["batchfix"].nnz
+    assert list(out.var.columns) == list(earlier.var.columns) and set(out.layers) == set(earlier.layers)
     np.testing.assert_array_equal(out.obsm["X_batchfix"], earlier.obsm["X_batchfix"])  # the latent: same cells
-    assert not np.allclose(out.layers["batchfix"].data, earlier.layers["batchfix"].data)
+    assert not np.allclose(dense(out.layers["batchfix_counts"]), dense(earlier.layers["batchfix_counts"]))
+    # The earlier layers are replaced, not read: the same as correcting the input with that reference.
+    direct = ad.read_h5ad(correct_quiet(source, tmp_path / "direct.h5ad", trained_run["checkpoint"],
+                                        reference=trained_run["seen"][0]))
+    for name in ("batchfix_counts", "batchfix"):
+        assert (out.layers[name] != direct.layers[name]).nnz == 0, name
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,7 +397,8 @@ def test_api_copy_and_key_added(trained_run, subset):
     adata = subset.copy()
     result = batchfix.correct(adata, trained_run["checkpoint"], key_added="bf", copy=True)
     assert set(adata.layers) == set() and "X_bf" not in adata.obsm and "bf" not in adata.uns, "input changed"
-    assert {"bf"} == set(result.layers) and "X_bf" in result.obsm and "bf_modelled" in result.var
+    assert {"bf", "bf_counts"} == set(result.layers) == set(result.uns["bf"]["layers"])
+    assert "X_bf" in result.obsm and {"bf_modelled", "bf_corrected"} <= set(result.var)
     assert result.uns["bf"]["n_modelled_genes"] == len(trained_run["genes"])
     np.testing.assert_array_equal(result.X, adata.X)
 
@@ -450,7 +488,8 @@ def test_cli_writes_the_output_and_reports_errors(trained_run, rich_input, tmp_p
     assert files_in(tmp_path) == ["cli.h5ad", "input.h5ad"], "correct wrote more than its output"
     out = ad.read_h5ad(target)
     assert out.uns["batchfix"]["reference_batch"] == trained_run["seen"][1]
-    assert out.layers["batchfix"].nnz == out.n_obs * len(trained_run["genes"])
+    assert out.var["batchfix_modelled"].sum() == len(trained_run["genes"])
+    assert set(out.layers) >= {"batchfix", "batchfix_counts"} and out.layers["batchfix_counts"].nnz > 0
 
     # The same options again are refused (checked in this process: a new one takes long to start).
     from hydra import compose, initialize_config_module
@@ -466,9 +505,11 @@ def test_cli_writes_the_output_and_reports_errors(trained_run, rich_input, tmp_p
 
 
 @pytest.mark.parametrize("output_mode", ["counterfactual", "denoised"])
-def test_fused_attention_of_the_correction_changes_values_by_float_noise_only(trained_run, subset, output_mode):
+def test_fused_attention_of_the_correction_changes_values_by_float_noise_only(trained_run, subset, output_mode,
+                                                                               counts_nearly_equal):
     """Correction runs the attention through torch's fused kernel: the written-out guarded softmax gives the
-    same values up to float rounding, and the model's own backend is left as it was."""
+    same values up to float rounding (counts: a count on a quantile boundary may move by one), and the model's
+    own backend is left as it was."""
     from batchfix.correction.corrector import Corrector
     from batchfix.nn.attention import MultiHeadSelfAttention
 
@@ -477,11 +518,16 @@ def test_fused_attention_of_the_correction_changes_values_by_float_noise_only(tr
     assert attention and all(m.backend == "guarded" for m in attention)
     settings = CorrectionSettings(output_mode=output_mode)
     batch = subset.obs["batch"].astype(str).to_numpy()
-    corrector = Corrector(model, subset.var_names, settings, batch=batch, batch_key="batch")
+    corrector = Corrector(model, subset.var_names, settings, batch=batch, batch_key="batch",
+                          obs_names=subset.obs_names)
     corrector.prepare(ondisk.InMemoryRows(subset.X), subset.n_obs)
     fused_latent, fused = corrector(subset.X, 0)
     assert all(m.backend == "guarded" for m in attention)  # restored
     with torch.inference_mode():
         written_latent, written = corrector.corrected(subset.X, 0)  # the guarded softmax, as trained
-    np.testing.assert_allclose(fused, written, atol=1e-4)
+    assert set(fused) == set(written) == ({"counts", "log"} if output_mode == "counterfactual" else {"log"})
+    if output_mode == "counterfactual":
+        counts_nearly_equal(fused["counts"], written["counts"])  # measured: none differ
+    else:
+        np.testing.assert_allclose(fused["log"].toarray(), written["log"].toarray(), atol=1e-4)
     np.testing.assert_allclose(fused_latent, written_latent, atol=1e-4)

@@ -166,12 +166,18 @@ def test_attention_verb_writes_only_what_is_asked(per_gene_runs, subset_h5ad, tm
 # ---------------------------------------------------------------- INT8 inference
 
 
-def test_int8_correction_is_close_to_float32_and_recorded(per_gene_runs, small_adata):
+def test_int8_correction_is_close_to_float32_and_recorded(per_gene_runs, small_adata, counts_nearly_equal):
     trained = load_trained(per_gene_runs["whole"] / "model.ckpt")
     fp32 = batchfix.correct(small_adata, trained, copy=True)
     int8 = batchfix.correct(small_adata, trained, copy=True, int8=True)
-    difference = np.abs(int8.layers["batchfix"].toarray() - fp32.layers["batchfix"].toarray())
-    assert 0 < difference.max() < 0.5, difference.max()
+    approximate, exact = int8.layers["batchfix_counts"], fp32.layers["batchfix_counts"]
+    modelled = fp32.var["batchfix_modelled"].to_numpy()
+    # The modelled genes: a count on a quantile boundary moves by one (measured 0.4 % of them). The extra genes'
+    # decoder moves more under int8 (measured: 13 % of their counts, some by tens; each cell's total by < 3 %).
+    assert 0 < counts_nearly_equal(approximate[:, modelled], exact[:, modelled])
+    assert (approximate != exact).nnz / np.prod(exact.shape) < 0.2
+    totals = np.asarray(approximate.sum(axis=1)).ravel() / np.asarray(exact.sum(axis=1)).ravel()
+    np.testing.assert_allclose(totals, 1.0, atol=0.05)
     np.testing.assert_allclose(int8.obsm["X_batchfix"], fp32.obsm["X_batchfix"], atol=0.2)
     assert int8.uns["batchfix"]["params"]["int8"] and not fp32.uns["batchfix"]["params"]["int8"]
     assert type(trained.net.decoder.out) is torch.nn.Linear, "the trained model itself is left in float32"

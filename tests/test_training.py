@@ -20,8 +20,8 @@ import torch
 from hydra import compose, initialize_config_module
 
 from batchfix import tasks
-from batchfix.config import TrainConfig, validated
-from batchfix.correction import calibration, counterfactual
+from batchfix.config import CorrectionSettings, TrainConfig, validated
+from batchfix.correction import calibration, counterfactual, counts
 from batchfix.correction.regional import GenomeSmoother, RegionalShift
 from batchfix.errors import InputError
 from batchfix.training import fitting
@@ -114,29 +114,38 @@ def test_cli_train_writes_run_folder(cli_run, subset_h5ad):
     assert set(corrected.var_names[modelled]) == set(trained.genes)
 
 
-def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad):
+def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, counts_nearly_equal):
     """The written correction equals what the reloaded model.ckpt computes on the same cells (the default
-    regional_shift=keep: each batch's mean state shift over its cells, smoothed along the genome)."""
+    regional_shift=keep: each batch's mean log-mean shift over its cells, smoothed along the genome; each count
+    mapped from its batch's NB to the reference's at its randomised quantile)."""
     trained = load_trained(cli_run / "model.ckpt")
+    net = trained.net
     source = ad.read_h5ad(subset_h5ad)
     columns = source.var_names.get_indexer(trained.genes)
     assert (columns >= 0).all()
     x = torch.from_numpy(np.asarray(source.X[:, columns], dtype=np.float32))
     codes = torch.from_numpy(np.searchsorted(trained.batch_categories, source.obs["batch"].astype(str).to_numpy()))
-    statistics = calibration.Statistics(trained.net, None, [])
-    mu, _ = trained.net.encode(x)
-    shift = counterfactual.output_terms(trained.net, x, mu, codes, None, statistics)[1]  # decoder term (cells, G)
+    mu = net.encode(x)[0].detach()
+    shift, own = counterfactual.log_mean_shift(net, mu, codes, None, None)  # the decoder's, (cells, G)
     mean_shift = torch.stack([shift[codes == b].mean(dim=0) for b in range(len(trained.batch_categories))])
     assert all((codes == b).sum() >= calibration.MIN_UNSEEN_CELLS for b in range(len(trained.batch_categories)))
     regional = RegionalShift(
         GenomeSmoother(list(trained.module.hparams.chromosome), 100), mean_shift,
         torch.ones(len(trained.batch_categories)))
-    latent, expression, _ = counterfactual.corrected(trained.net, x, codes, None, statistics, regional=regional)
+    shift = counterfactual.applied_shift(shift, codes, None, regional).double().numpy()
+    ratio = net.count_ratio.double().numpy()  # each batch's observed / decoded mean; the reference's: geometric mean
+    shift += np.log(np.exp(np.log(ratio).mean(axis=0)) / ratio[codes.numpy()])
+    own_mean = (own * x.sum(-1, keepdim=True)).double().numpy() * ratio[codes.numpy()]
+    own_theta = net.count_theta.double().numpy()[codes.numpy()]
+    reference_theta = np.broadcast_to(net.decoder.log_theta.detach().double().exp().numpy(), own_theta.shape)
+    uniform = counts.counter_uniform(CorrectionSettings().quantile_seed, counts.name_keys(source.obs_names),
+                                     counts.name_keys(trained.genes))
+    expected = counts.quantile_map(x.double().numpy().ravel(), own_mean.ravel(),
+                                   (own_mean * np.exp(shift)).ravel(), own_theta.ravel(),
+                                   reference_theta.ravel(), uniform.ravel()).reshape(x.shape)
     corrected = ad.read_h5ad(cli_run / "corrected.h5ad")
-    layer = corrected.layers["batchfix"]
-    layer = layer.toarray() if hasattr(layer, "toarray") else np.asarray(layer)
-    np.testing.assert_allclose(layer[:, columns], expression.numpy(), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(corrected.obsm["X_batchfix"], latent.numpy(), rtol=1e-5, atol=1e-5)
+    counts_nearly_equal(corrected.layers["batchfix_counts"][:, columns], expected)  # measured: none differ
+    np.testing.assert_allclose(corrected.obsm["X_batchfix"], mu.numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_cli_loss_falls(cli_run):
@@ -200,13 +209,18 @@ def test_checkpoint_reload_reproduces_in_memory_model(subset_h5ad, tmp_path, cap
     assert saved["epoch"] == int(val_elbo.idxmin())
     (state,) = [v for k, v in saved["callbacks"].items() if k.startswith("ModelCheckpoint")]
     assert float(state["best_model_score"]) == pytest.approx(val_elbo.min(), rel=1e-6)
-    # model.ckpt is the best checkpoint plus the training batches' residual statistics.
+    # model.ckpt is the best checkpoint plus the training batches' residual statistics and NB dispersions, and the
+    # decoder of the genes the encoder does not read (fitted afterwards, the rest of the network unchanged).
     best, final = (load_trained(run_dir / name).module.state_dict() for name in ("checkpoints/best.ckpt", "model.ckpt"))
-    calibration = {"net.residual_location", "net.residual_spread", "net.residual_gene_spread", "net.residual_cells"}
-    assert best.keys() == final.keys() and calibration <= set(final)
+    calibration = {"net.residual_location", "net.residual_spread", "net.residual_gene_spread", "net.residual_cells",
+                   "net.count_theta", "net.count_ratio"}
+    extra = {k for k in final if k.startswith("net.extra_")}
+    assert "net.extra_count_theta" in extra and any(k.startswith("net.extra_decoder.") for k in extra)
+    assert best.keys() == final.keys() - extra and calibration <= set(final)
     assert all(torch.equal(best[k], final[k]) for k in best if k not in calibration)
     assert not best["net.residual_spread"].any() and (final["net.residual_spread"] > 0).all()
     assert final["net.residual_location"].abs().sum() > 0
+    assert not best["net.count_theta"].any() and (final["net.count_theta"] > 0).all()
 
 
 def test_resume_continues_step_count(subset_h5ad, tmp_path):
