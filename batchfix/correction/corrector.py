@@ -78,9 +78,13 @@ def gene_columns(var_names: pd.Index, trained: BatchfixModel, max_missing_fracti
 def int8_network(net: torch.nn.Module) -> torch.nn.Module:
     """A copy of the network whose linear layers run in int8 (weights quantized once, activations per batch).
 
-    CPU only; the gene weights and the attention products stay in float32.
+    CPU only; the gene weights, the attention products and the extra genes' decoder stay in float32 (int8 there
+    moved 13 % of those genes' corrected counts, some by tens).
     """
-    return torch.ao.quantization.quantize_dynamic(copy.deepcopy(net), {torch.nn.Linear}, dtype=torch.qint8)
+    quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(net), {torch.nn.Linear}, dtype=torch.qint8)
+    if getattr(net, "extra_decoder", None) is not None:
+        quantized.extra_decoder = copy.deepcopy(net.extra_decoder)
+    return quantized
 
 
 class Corrector:
