@@ -91,7 +91,7 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
     corrected_path = write_corrected(cfg, model, adata, run_dir / runfolder.CORRECTED_H5AD)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
     attention_picture(cfg, model, run_dir)
-    if cfg.evaluate and cfg.data.label_key:
+    if cfg.evaluate:  # without labels: the label-free mixing scores (iLISI, PCR) and a UMAP by batch
         from batchfix.eval.evaluate import evaluate_file
 
         metrics["evaluation"] = evaluate_file(corrected_path, cfg.data.batch_key, cfg.data.label_key, run_dir,

@@ -5,7 +5,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from batchfix.cli.common import require_inputs, run, user_errors_reported
+from batchfix.cli.common import require_inputs, require_keys, run, user_errors_reported
 from batchfix.config import CorrectConfig, CorrectionChoice, validated
 
 
@@ -25,6 +25,8 @@ def main(cfg: DictConfig) -> None:
     with user_errors_reported("correct"):
         options = validated(cfg, CorrectConfig)  # before the heavy imports: a bad option is reported at once
         require_inputs(("input", options.input), ("checkpoint", options.checkpoint))
+        require_keys(options.input, {"data.batch_key": ("Batch", options.data.batch_key)},
+                     {"data.counts_layer": options.data.counts_layer})
         from batchfix import tasks
 
         tasks.correct(options, correction_told(cfg))

@@ -17,6 +17,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from batchfix.config import DataKeys
+from batchfix.data.header import missing_matrix, missing_obs_column
 from batchfix.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -147,26 +148,11 @@ def warn_if_labels_follow_batches(labels: np.ndarray, batch: np.ndarray, label_k
     return True
 
 
-def missing_obs_column(key: str, columns: list, what: str, option: str, hint: str = "") -> InputError:
-    return InputError(
-        f"{what} key '{key}' is not an obs column. Columns present: "
-        f"{list(map(str, columns)) or '(none)'}. Set it with {option}=<column>{hint}."
-    )
-
-
 def obs_strings(values: pd.Series, key: str) -> np.ndarray:
     """An obs column as strings; missing values are refused."""
     if values.isna().any():
         raise InputError(f"obs column '{key}' has {int(values.isna().sum())} missing values.")
     return values.astype(str).to_numpy()
-
-
-def missing_matrix(layer: str | None, present: list[str], option: str = "data.counts_layer") -> InputError:
-    """The error for X or a layer that is not there, naming the layers that are."""
-    if layer is None:
-        return InputError(f"The file has no X matrix. Layers present: {present or '(none)'}; set {option}.")
-    return InputError(f"Layer '{layer}' not found. Layers present: {present or '(none)'}. "
-                      f"Use {option}=null to read X.")
 
 
 def select_matrix(adata: ad.AnnData, layer: str | None, option: str = "data.counts_layer"):

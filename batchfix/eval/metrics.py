@@ -43,7 +43,9 @@ CORRECTED = "batchfix corrected expression (PCA)"
 
 LABEL_FREE_NOTE = (
     "No label key: bio conservation was not scored; batch correction is the mean of the "
-    "label-free metrics iLISI and PCR comparison only (not comparable to a labelled run)."
+    "label-free metrics iLISI and PCR comparison only (not comparable to a labelled run). Mixing alone rewards "
+    "over-correction: merging distinct cell types mixes batches too; look at the UMAP, or score with "
+    "data.label_key=<obs column>."
 )
 _LABEL_FREE_BATCH_METRICS = BatchCorrection(
     bras=False, kbet_per_label=False, graph_connectivity=False

@@ -1,0 +1,79 @@
+"""What a new user trips on in the first hour (issue 43): defaults that fit only the bundled file, options naming
+what the input lacks, label-free runs, argparse habits, readable pictures and the abuse cases that got through."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from batchfix.config import EvaluateConfig, TrainConfig, validated
+
+
+def composed(name: str, overrides: list[str]):
+    with initialize_config_module(config_module="batchfix.conf", version_base=None):
+        return compose(name, overrides=overrides)
+
+
+def verb_probe(verb: str, args: list[str], cwd: Path) -> tuple[str, str]:
+    """Run a verb's entry in a fresh process: (its stderr, whether torch was imported by the time it exited)."""
+    probe = (f"import sys, runpy; sys.argv = ['x', *{args!r}]\n"
+             f"try:\n    runpy.run_module('batchfix.cli.{verb}', run_name='__main__')\n"
+             "except SystemExit:\n    print('torch' in sys.modules)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env=env)
+    return done.stderr, done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+
+
+@pytest.mark.parametrize("name, path_key, schema", [("train", "data.path", TrainConfig),
+                                                     ("evaluate", "input", EvaluateConfig)])
+def test_the_bundled_label_column_is_no_default_for_a_users_file(name, path_key, schema):
+    assert validated(composed(name, []), schema).data.label_key == "cell_type"
+    assert validated(composed(name, [f"{path_key}=mine.h5ad"]), schema).data.label_key is None
+    given = validated(composed(name, [f"{path_key}=mine.h5ad", "data.label_key=celltype"]), schema)
+    assert given.data.label_key == "celltype"
+
+
+@pytest.mark.parametrize("verb, args, message", [
+    ("train", ["data.label_key=nope"], "Label key 'nope' is not an obs column"),
+    ("train", ["data.batch_key=nope"], "Batch key 'nope' is not an obs column"),
+    ("train", ["data.counts_layer=nope"], "Layer 'nope' not found"),
+    ("evaluate", ["data.label_key=nope"], "Label key 'nope' is not an obs column"),
+    ("correct", ["data.batch_key=nope", "checkpoint=CKPT"], "Batch key 'nope' is not an obs column"),
+    ("correct", ["data.counts_layer=nope", "checkpoint=CKPT"], "Layer 'nope' not found"),
+    ("attention", ["group_by=nope", "checkpoint=CKPT"], "Group key 'nope' is not an obs column"),
+])
+def test_an_option_naming_what_the_input_lacks_fails_before_any_work(verb, args, message, tmp_path):
+    (tmp_path / "model.ckpt").write_bytes(b"not read")
+    args = [arg.replace("CKPT", str(tmp_path / "model.ckpt")) for arg in args]
+    folder = [f"hydra.run.dir={tmp_path / 'run'}"] if verb in ("train", "evaluate") else []
+    stderr, torch_imported = verb_probe(verb, [*args, *folder], tmp_path)
+    assert message in stderr, stderr[-2000:]
+    assert torch_imported == "False"
+    assert not (tmp_path / "run").exists()
+
+
+def batchfix_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "batchfix", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("args, spelling", [(["--max_epochs", "2"], "`trainer.max_epochs=2`"),
+                                            (["--max-epochs=3"], "`trainer.max_epochs=3`"),
+                                            (["--label_key", "cell_type"], "`data.label_key=cell_type`"),
+                                            (["--n_head", "4"], "`model.n_heads=4`")])
+def test_an_argparse_flag_gets_its_hydra_spelling_in_one_line(args, spelling, tmp_path):
+    result = batchfix_cli(["train", *args], tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and spelling in lines[0], result.stderr
+    assert "usage" not in result.stdout + result.stderr and not (tmp_path / "outputs").exists()
+
+
+def test_a_mistyped_verb_suggests_the_verb_meant(tmp_path):
+    result = batchfix_cli(["trian", "trainer.max_epochs=2"], tmp_path)
+    assert result.returncode == 2 and "did you mean `train`?" in result.stderr
