@@ -2,6 +2,7 @@
 what the input lacks, label-free runs, argparse habits, readable pictures and the abuse cases that got through."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -77,3 +78,27 @@ def test_an_argparse_flag_gets_its_hydra_spelling_in_one_line(args, spelling, tm
 def test_a_mistyped_verb_suggests_the_verb_meant(tmp_path):
     result = batchfix_cli(["trian", "trainer.max_epochs=2"], tmp_path)
     assert result.returncode == 2 and "did you mean `train`?" in result.stderr
+
+
+TINY = ["data.n_top_genes=200", "model.genes_per_token=16", "model.d_model=16", "model.n_layers=1",
+        "model.latent_dim=8", "model.decoder_hidden=32", "fit.batch_size=64", "threads=1", "trainer.max_epochs=1",
+        "trainer.enable_progress_bar=false"]
+
+
+@pytest.fixture(scope="module")
+def unlabelled_run(subset_h5ad, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A tiny `train` on a user's file (no data.label_key): its run folder and what it printed."""
+    where = tmp_path_factory.mktemp("unlabelled")
+    result = batchfix_cli(["train", f"data.path={subset_h5ad}", f"hydra.run.dir={where / 'run'}", *TINY], where)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return where / "run", result
+
+
+def test_a_run_without_labels_ends_with_mixing_scores_and_a_umap_by_batch(unlabelled_run):
+    run, result = unlabelled_run
+    evaluation = json.loads((run / "metrics.json").read_text())["evaluation"]
+    assert evaluation["label_key"] is None
+    scored = set().union(*(scores.keys() for scores in evaluation["scores"].values()))
+    assert {"iLISI", "PCR comparison"} <= scored, scored
+    assert (run / "umap.png").is_file()
+    assert "Mixing alone rewards over-correction" in result.stdout
