@@ -102,3 +102,63 @@ def test_a_run_without_labels_ends_with_mixing_scores_and_a_umap_by_batch(unlabe
     assert {"iLISI", "PCR comparison"} <= scored, scored
     assert (run / "umap.png").is_file()
     assert "Mixing alone rewards over-correction" in result.stdout
+
+
+def test_the_umap_columns_are_titled_by_their_obs_column_and_never_share_a_colour():
+    import pandas as pd
+
+    from batchfix.eval import umap_plots
+
+    batch = pd.Series(["a", "b", "c"] * 4, name="sample")
+    labels = pd.Series(["x", "y", "z", "w"] * 3, name="cell_type")
+    (batch_title, _, batch_palettes), (label_title, _, label_palettes) = umap_plots.umap_columns(batch, labels)
+    assert (batch_title, label_title) == ("sample", "cell_type")
+    for n in (3, 12):
+        batch_colours = set(umap_plots._category_colors(n, batch_palettes))
+        assert not batch_colours & set(umap_plots._category_colors(n, label_palettes))
+
+
+def test_the_attention_picture_has_a_large_panel_per_layer(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from batchfix.eval.attention_maps import PANEL_INCHES, PICTURE_DPI, AttentionMaps, plot_attention_maps
+
+    groups, layers, heads, bins = 3, 2, 4, 48
+    maps = np.random.default_rng(0).dirichlet(np.ones(bins), size=(groups, layers, heads, bins)).astype(np.float32)
+    chromosomes = np.repeat([f"chr{i}" for i in range(1, 25)], 2)
+    attention = AttentionMaps(maps, ["a", "b", "c"], np.array([30, 20, 10]), np.ones(bins, int), chromosomes)
+    assert attention.relative_to_uniform(heads_averaged=True).shape == (groups, layers, bins, bins)
+    plot_attention_maps(attention, tmp_path / "attention.png")
+    width, height = Image.open(tmp_path / "attention.png").size
+    panel = PANEL_INCHES * PICTURE_DPI
+    assert width < (layers + 1) * panel and height < (groups + 1) * panel  # a panel per layer, not per head
+    assert width > layers * panel and height > groups * panel
+
+
+def test_the_sweep_summary_drops_constant_columns_and_plots_head_counts_as_categories(tmp_path):
+    import pandas as pd
+
+    from batchfix.eval.sweep import SUMMARY_MD, category_positions, summarize_sweep
+
+    for job, heads in enumerate((1, 2, 8)):
+        (tmp_path / str(job) / ".hydra").mkdir(parents=True)
+        (tmp_path / str(job) / ".hydra" / "overrides.yaml").write_text(f"- model.n_heads={heads}\n- seed=0\n")
+        scores = {"batchfix corrected expression (PCA)": {"Batch correction": 0.5, "Total": 0.7 + job / 100},
+                  "Unintegrated PCA": {"Batch correction": 0.4, "Total": 0.6}}
+        (tmp_path / str(job) / "metrics.json").write_text(json.dumps({"evaluation": {"scores": scores}}))
+    summarize_sweep(tmp_path)
+    header = next(line for line in (tmp_path / SUMMARY_MD).read_text().splitlines() if line.startswith("| job"))
+    assert header == "| job | model.n_heads | corrected Total |"
+    positions, labels = category_positions(pd.Series([8, 1, 2, 1]))
+    assert list(positions) == [2, 0, 1, 0] and labels == ["1", "2", "8"]
+
+
+def test_evaluate_says_what_it_is_scoring_and_keeps_it_in_its_log(unlabelled_run, tmp_path):
+    run, _ = unlabelled_run
+    result = batchfix_cli(["evaluate", f"input={run / 'corrected.h5ad'}", f"hydra.run.dir={tmp_path / 'scores'}"],
+                          tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logged = (tmp_path / "scores" / "evaluate.log").read_text()
+    for step in ("Reading", "Scoring 200 cells", "batch mixing only", "Gene-level fidelity", "UMAPs", "Scored in"):
+        assert step in logged and step in result.stdout + result.stderr, step

@@ -13,6 +13,10 @@ from matplotlib.figure import Figure
 from batchfix.config import EvaluationOptions
 from batchfix.eval.metrics import resolve_neighbors
 
+# Batches and labels never share a colour: matplotlib's qualitative palettes, small then large
+BATCH_PALETTES = ("Dark2", "tab20b")
+LABEL_PALETTES = ("tab10", "tab20")
+
 
 def plot_umaps(
     embeddings: Mapping[str, np.ndarray],
@@ -24,18 +28,25 @@ def plot_umaps(
     neighbors: str = EvaluationOptions.neighbors,
 ) -> None:
     """One PNG: a row per embedding (UMAP of its 15-NN graph, found as `neighbors` says), coloured by batch
-    and by label."""
-    columns = [("batch", np.asarray(batch).astype(str))]
-    if labels is not None:
-        columns.append(("label", np.asarray(labels).astype(str)))
+    and by label, each in its own palette; a column is titled with its obs column's name (a Series' name)."""
+    columns = umap_columns(batch, labels)
     fig = Figure(figsize=(5.5 * len(columns), 4.5 * len(embeddings)), layout="constrained")
     axes = fig.subplots(len(embeddings), len(columns), squeeze=False)
     for row, (name, emb) in enumerate(embeddings.items()):
         coords = umap_coordinates(emb, seed, neighbors)
-        for col, (what, values) in enumerate(columns):
-            _scatter_categories(axes[row, col], coords, values, legend=row == 0)
+        for col, (what, values, palettes) in enumerate(columns):
+            _scatter_categories(axes[row, col], coords, values, palettes, legend=row == 0)
             axes[row, col].set_title(f"{name} — {what}", fontsize=10)
     fig.savefig(out_png, dpi=110, format=image_format)
+
+
+def umap_columns(batch: Sequence, labels: Sequence | None) -> list[tuple[str, np.ndarray, tuple[str, str]]]:
+    """(title, values, palettes) of each column of the picture: the batch, then the labels when given; the title
+    is the obs column's name (a Series' name), the palettes never shared."""
+    columns = [(getattr(batch, "name", None) or "batch", np.asarray(batch).astype(str), BATCH_PALETTES)]
+    if labels is not None:
+        columns.append((getattr(labels, "name", None) or "label", np.asarray(labels).astype(str), LABEL_PALETTES))
+    return columns
 
 
 def umap_coordinates(embedding: np.ndarray, seed: int = 0, neighbors: str = EvaluationOptions.neighbors) -> np.ndarray:
@@ -83,9 +94,9 @@ def approximate_neighbors(n_cells: int, n_neighbors: int, seed: int):
                         n_trees=min(64, 5 + round(n_cells**0.5 / 20.0)), n_iters=max(5, round(np.log2(n_cells))))
 
 
-def _scatter_categories(ax, coords: np.ndarray, values: np.ndarray, legend: bool) -> None:
+def _scatter_categories(ax, coords: np.ndarray, values: np.ndarray, palettes: tuple[str, str], legend: bool) -> None:
     categories = sorted(pd.unique(values))
-    cmap = _category_colors(len(categories))
+    cmap = _category_colors(len(categories), palettes)
     order = np.random.default_rng(0).permutation(len(values))  # no category painted on top
     colors = np.array([cmap[categories.index(v)] for v in values])
     ax.scatter(coords[order, 0], coords[order, 1], c=colors[order], s=6, linewidths=0)
@@ -97,8 +108,10 @@ def _scatter_categories(ax, coords: np.ndarray, values: np.ndarray, legend: bool
         ax.legend(fontsize=7, markerscale=1.2, frameon=False, loc="best")
 
 
-def _category_colors(n: int) -> list:
+def _category_colors(n: int, palettes: tuple[str, str]) -> list:
+    """n colours of the first palette, of the second (larger) one beyond its size."""
     from matplotlib import colormaps
 
-    palette = colormaps["tab10" if n <= 10 else "tab20"]
+    palette = colormaps[palettes[0]]
+    palette = palette if n <= palette.N else colormaps[palettes[1]]
     return [palette(i % palette.N) for i in range(n)]
