@@ -162,3 +162,29 @@ def test_evaluate_says_what_it_is_scoring_and_keeps_it_in_its_log(unlabelled_run
     logged = (tmp_path / "scores" / "evaluate.log").read_text()
     for step in ("Reading", "Scoring 200 cells", "batch mixing only", "Gene-level fidelity", "UMAPs", "Scored in"):
         assert step in logged and step in result.stdout + result.stderr, step
+
+
+def test_the_run_folders_corrected_file_is_compressed(unlabelled_run):
+    import h5py
+
+    run, _ = unlabelled_run
+    with h5py.File(run / "corrected.h5ad") as f:
+        assert f["layers/batchfix_counts/data"].compression == "gzip"
+
+
+def test_correct_refuses_an_existing_output_before_reading_anything(tmp_path):
+    (tmp_path / "model.ckpt").write_bytes(b"not read")
+    (tmp_path / "out.h5ad").write_bytes(b"kept")
+    stderr, torch_imported = verb_probe("correct", [f"output={tmp_path / 'out.h5ad'}",
+                                                    f"checkpoint={tmp_path / 'model.ckpt'}"], tmp_path)
+    assert f"Output {tmp_path / 'out.h5ad'} exists" in stderr and torch_imported == "False", stderr[-2000:]
+    assert (tmp_path / "out.h5ad").read_bytes() == b"kept"
+
+
+def test_the_quick_starts_outputs_are_ignored_by_git():
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    outputs = ["run/model.ckpt", "scores/umap.png", "cellbench5.corrected.h5ad", "outputs/train/x/train.log"]
+    ignored = subprocess.run(["git", "check-ignore", *outputs], cwd=root, capture_output=True, text=True)
+    assert ignored.stdout.split() == outputs

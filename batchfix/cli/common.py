@@ -63,13 +63,9 @@ def require_keys(path: str | None, obs: dict[str, tuple[str, str | None]],
                  layers: dict[str, str | None]) -> None:
     """Refuse an option naming an obs column or a layer that the input lacks, reading only its header (h5py):
     before the imports and the read (batchfix.data.header)."""
-    from importlib import resources
+    from batchfix.data.header import check_named_keys, input_path
 
-    from batchfix.data.header import check_named_keys
-
-    bundled = path in (None, "", "bundled")
-    source = resources.files("batchfix.bundled").joinpath("cellbench5.h5ad") if bundled else Path(path).expanduser()
-    check_named_keys(source, obs, layers)
+    check_named_keys(input_path(path), obs, layers)
 
 
 def require_data_keys(path: str | None, data) -> None:

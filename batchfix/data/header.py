@@ -1,10 +1,26 @@
-"""What an .h5ad's header holds (obs columns, layers), read with h5py alone, and every option that names one of
-them checked against it before any work: a misspelt column fails in a second, not after the imports and the read."""
+"""The input before it is read: its path (null = the bundled dataset) and what its header holds (obs columns,
+layers), read with h5py alone, so that every option naming one of them is checked before any work: a misspelt
+column fails in a second, not after the imports and the read."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from batchfix.errors import InputError
+
+
+BUNDLED_FILE = "cellbench5.h5ad"
+
+
+def bundled_dataset() -> str:
+    """Path of the bundled CellBench dataset (the default input of every command)."""
+    from importlib import resources
+
+    return str(resources.files("batchfix.bundled").joinpath(BUNDLED_FILE))
+
+
+def input_path(path: str | None) -> str:
+    """A user's input path, or the bundled dataset for null / 'bundled'."""
+    return bundled_dataset() if path in (None, "", "bundled") else str(Path(path).expanduser())
 
 
 def missing_obs_column(key: str, columns: list, what: str, option: str, hint: str = "") -> InputError:

@@ -17,22 +17,10 @@ import pandas as pd
 import scipy.sparse as sp
 
 from batchfix.config import DataKeys
-from batchfix.data.header import missing_matrix, missing_obs_column
+from batchfix.data.header import bundled_dataset, input_path, missing_matrix, missing_obs_column  # noqa: F401
 from batchfix.errors import InputError
 
 log = logging.getLogger(__name__)
-
-
-def bundled_dataset() -> str:
-    """Path of the bundled CellBench dataset (the default input of every command)."""
-    from importlib import resources
-
-    return str(resources.files("batchfix.bundled").joinpath("cellbench5.h5ad"))
-
-
-def input_path(path: str | None) -> str:
-    """A user's input path, or the bundled dataset for null / 'bundled'."""
-    return bundled_dataset() if path in (None, "", "bundled") else str(Path(path).expanduser())
 
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
