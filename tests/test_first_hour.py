@@ -188,3 +188,25 @@ def test_the_quick_starts_outputs_are_ignored_by_git():
     outputs = ["run/model.ckpt", "scores/umap.png", "cellbench5.corrected.h5ad", "outputs/train/x/train.log"]
     ignored = subprocess.run(["git", "check-ignore", *outputs], cwd=root, capture_output=True, text=True)
     assert ignored.stdout.split() == outputs
+
+
+def test_a_sweep_value_is_checked_before_the_first_job(subset_h5ad, tmp_path):
+    sweep = tmp_path / "sweep"
+    result = batchfix_cli(["train", "-m", f"data.path={subset_h5ad}", "model.n_heads=2,3",
+                           f"hydra.sweep.dir={sweep}", *TINY], tmp_path)
+    assert result.returncode == 1 and "sweep job 1" in result.stderr and "model.n_heads" in result.stderr, \
+        result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (sweep / "0").exists()
+
+
+def test_a_used_sweep_folder_is_refused_before_a_finished_runs_hydra_files_change(subset_h5ad, tmp_path):
+    sweep = tmp_path / "sweep"
+    (sweep / "1" / ".hydra").mkdir(parents=True)
+    (sweep / "1" / "model.ckpt").write_bytes(b"a finished run")
+    (sweep / "1" / ".hydra" / "overrides.yaml").write_text("- model.n_heads=2\n")
+    result = batchfix_cli(["train", "-m", f"data.path={subset_h5ad}", "model.n_heads=1,2",
+                           f"hydra.sweep.dir={sweep}", *TINY], tmp_path)
+    assert result.returncode == 1 and "already holds a run" in result.stderr, result.stderr[-2000:]
+    assert (sweep / "1" / ".hydra" / "overrides.yaml").read_text() == "- model.n_heads=2\n"
+    assert not (sweep / "0").exists()
