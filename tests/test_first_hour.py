@@ -210,3 +210,57 @@ def test_a_used_sweep_folder_is_refused_before_a_finished_runs_hydra_files_chang
     assert result.returncode == 1 and "already holds a run" in result.stderr, result.stderr[-2000:]
     assert (sweep / "1" / ".hydra" / "overrides.yaml").read_text() == "- model.n_heads=2\n"
     assert not (sweep / "0").exists()
+
+
+def genome_table(genome: str, n: int = 200):
+    from batchfix.data.genome import bundled_gene_table
+
+    return bundled_gene_table(genome).dropna(subset=["symbol"]).iloc[1000:1000 + n]
+
+
+@pytest.mark.parametrize("named_as, genome, column", [("mm10", "GRCh38", "symbol"), ("GRCh38", "mm10", "gene_id")])
+def test_genes_named_as_another_genome_get_a_warning_naming_it(named_as, genome, column, caplog):
+    import pandas as pd
+
+    from batchfix.data.genome import place_genes
+
+    var = pd.DataFrame(index=genome_table(named_as)[column].to_numpy())
+    with caplog.at_level("WARNING", logger="batchfix"):
+        place_genes(var, genome=genome)
+    assert f"set data.genome={named_as}" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="batchfix"):
+        place_genes(var, genome=named_as)
+    assert "data.genome" not in caplog.text
+
+
+def test_var_columns_that_place_genes_are_checked():
+    import pandas as pd
+
+    from batchfix.data.genome import place_genes
+    from batchfix.errors import InputError
+
+    var = pd.DataFrame({"chromosome": ["1", "2"], "start": [100, 200]}, index=["A", "B"])
+    with pytest.raises(InputError, match=r"no \['end'\]"):
+        place_genes(var)
+    var["end"] = ["150", "two hundred"]
+    with pytest.raises(InputError, match=r"var\['end'\] of 1 genes"):
+        place_genes(var)
+
+
+def test_a_gtf_is_checked_even_when_var_places_every_gene_and_a_truncated_one_is_one_line(tmp_path):
+    import gzip
+
+    import pandas as pd
+
+    from batchfix.data.genome import place_genes
+    from batchfix.errors import InputError
+
+    var = pd.DataFrame({"chromosome": ["1"], "start": [100], "end": [150]}, index=["A"])
+    (tmp_path / "bad.gtf").write_text("1\tx\tgene\tone\ttwo\t.\t+\t.\tgene_id \"A\";\n")
+    with pytest.raises(InputError, match="not a number"):
+        place_genes(var, gtf=str(tmp_path / "bad.gtf"))
+    whole = gzip.compress(("1\tx\tgene\t1\t9\t.\t+\t.\tgene_id \"A\";\n" * 2000).encode())
+    (tmp_path / "cut.gtf.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(InputError, match="Cannot read data.gtf"):
+        place_genes(var, gtf=str(tmp_path / "cut.gtf.gz"))
