@@ -264,3 +264,13 @@ def test_a_gtf_is_checked_even_when_var_places_every_gene_and_a_truncated_one_is
     (tmp_path / "cut.gtf.gz").write_bytes(whole[: len(whole) // 2])
     with pytest.raises(InputError, match="Cannot read data.gtf"):
         place_genes(var, gtf=str(tmp_path / "cut.gtf.gz"))
+
+
+def test_raw_counts_declared_log_are_refused_with_a_hint(small_adata, write_h5ad):
+    from batchfix.data.io import expression_input, read_h5ad
+    from batchfix.config import DataKeys
+    from batchfix.errors import InputError
+
+    path = write_h5ad(small_adata)
+    with pytest.raises(InputError, match="looks like raw counts.*data.scale=counts"):
+        expression_input(read_h5ad(path), DataKeys(), scale="log")
