@@ -267,10 +267,42 @@ def test_a_gtf_is_checked_even_when_var_places_every_gene_and_a_truncated_one_is
 
 
 def test_raw_counts_declared_log_are_refused_with_a_hint(small_adata, write_h5ad):
-    from batchfix.data.io import expression_input, read_h5ad
     from batchfix.config import DataKeys
+    from batchfix.data.io import expression_input, read_h5ad
     from batchfix.errors import InputError
 
     path = write_h5ad(small_adata)
     with pytest.raises(InputError, match="looks like raw counts.*data.scale=counts"):
         expression_input(read_h5ad(path), DataKeys(), scale="log")
+
+
+def corrupt_csr(adata, path: Path, part: str) -> Path:
+    """`adata` written with a CSR X whose column indices (part='indices') or row pointers ('indptr') are broken."""
+    import h5py
+    import scipy.sparse as sp
+
+    adata = adata.copy()
+    adata.X = sp.csr_matrix(adata.X)
+    adata.write_h5ad(path)
+    with h5py.File(path, "r+") as f:
+        values = f[f"X/{part}"][:]
+        if part == "indices":
+            values[5] = adata.n_vars + 1000
+        else:
+            values[3] = values[4] + 7
+        f[f"X/{part}"][:] = values
+    return path
+
+
+@pytest.mark.parametrize("part", ["indices", "indptr"])
+def test_a_corrupt_csr_matrix_is_one_line_and_leaves_no_run_folder(part, small_adata, tmp_path):
+    from batchfix.data import ondisk
+    from batchfix.errors import InputError
+
+    path = corrupt_csr(small_adata, tmp_path / "bad.h5ad", part)
+    result = batchfix_cli(["train", f"data.path={path}", f"hydra.run.dir={tmp_path / 'run'}", *TINY], tmp_path)
+    assert result.returncode == 1 and "corrupt" in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+    with pytest.raises(InputError, match="corrupt"):  # what correct reads, chunk by chunk
+        with ondisk.open_anndata(path) as f:
+            ondisk.open_rows(f["X"]).rows(0, small_adata.n_obs)

@@ -151,12 +151,35 @@ def select_matrix(adata: ad.AnnData, layer: str | None, option: str = "data.coun
     return matrix
 
 
+def check_sparse_structure(indptr: np.ndarray, n_stored: int, n_rows: int, where: str = "The expression matrix",
+                           fmt: str = "csr") -> None:
+    """Refuse a sparse matrix whose row pointers (indptr) cannot be: scipy would raise or crash on it."""
+    indptr = np.asarray(indptr)
+    if len(indptr) != n_rows + 1 or (len(indptr) and (indptr[0] != 0 or indptr[-1] != n_stored)) \
+            or (np.diff(indptr) < 0).any():
+        raise InputError(f"{where} is a corrupt {fmt.upper()} matrix: its indptr ({len(indptr)} pointers from "
+                         f"{indptr[:1].tolist()} to {indptr[-1:].tolist()}) does not describe {n_rows} rows of "
+                         f"{n_stored} stored values. Re-create the matrix and save the file again.")
+
+
+def check_sparse_indices(indices: np.ndarray, n_columns: int, where: str = "The expression matrix") -> None:
+    """Refuse column (or row) indices outside the matrix: scipy would read past its arrays or abort."""
+    if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= n_columns):
+        bad = int(indices.max()) if int(indices.max()) >= n_columns else int(indices.min())
+        raise InputError(f"{where} is a corrupt sparse matrix: it stores an index {bad} outside 0..{n_columns - 1}. "
+                         "Re-create the matrix and save the file again.")
+
+
 def as_float32_csr(matrix) -> sp.csr_matrix:
     """Any in-memory matrix (dense, sparse, backed dataset) as a float32 CSR matrix."""
     dtype = getattr(matrix, "dtype", None)
     if dtype is None or not (np.issubdtype(dtype, np.number) or np.issubdtype(dtype, np.bool_)) \
             or np.issubdtype(dtype, np.complexfloating):
         raise InputError(f"The expression matrix holds {dtype or type(matrix).__name__} values, not real numbers.")
+    if sp.issparse(matrix) and matrix.format in ("csr", "csc"):
+        major, minor = matrix.shape if matrix.format == "csr" else matrix.shape[::-1]
+        check_sparse_structure(matrix.indptr, len(matrix.indices), major, fmt=matrix.format)
+        check_sparse_indices(matrix.indices, minor)
     matrix = sp.csr_matrix(matrix) if sp.issparse(matrix) else sp.csr_matrix(np.asarray(matrix))
     with np.errstate(invalid="ignore"):
         too_large = int((np.abs(matrix.data) > np.finfo(np.float32).max).sum()) if matrix.nnz else 0
