@@ -306,3 +306,32 @@ def test_a_corrupt_csr_matrix_is_one_line_and_leaves_no_run_folder(part, small_a
     with pytest.raises(InputError, match="corrupt"):  # what correct reads, chunk by chunk
         with ondisk.open_anndata(path) as f:
             ondisk.open_rows(f["X"]).rows(0, small_adata.n_obs)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda obs: obs.assign(cell_type=obs["cell_type"].where(obs.index != obs.index[0])), "1 missing values"),
+    (lambda obs: obs.iloc[:60], "at least 90 cells"),
+    (lambda obs: obs.assign(cell_type=[f"cell{i}" for i in range(len(obs))]), "labels for 200 cells"),
+    (lambda obs: obs.assign(batch="one"), "holds one batch"),
+])
+def test_what_evaluate_cannot_score_is_one_line_before_the_scoring(change, message, subset):
+    from batchfix.errors import InputError
+    from batchfix.eval.metrics import check_obs_keys
+
+    obs = change(subset.obs.copy())
+    with pytest.raises(InputError, match=message):
+        check_obs_keys(obs, "batch", "cell_type")
+
+
+def test_cnv_scores_without_a_profiled_gene_are_a_note_not_a_traceback(subset):
+    import numpy as np
+
+    from batchfix.data.io import OutputKeys
+    from batchfix.eval.metrics import cnv_level_scores
+
+    adata = subset.copy()
+    adata.layers["batchfix"] = np.log1p(adata.X)
+    adata.var["batchfix_modelled"] = True
+    adata.var["chromosome"], adata.var["start"] = "unplaced", 0
+    result = cnv_level_scores(adata, OutputKeys("batchfix"), "batch", "cell_type")
+    assert result["retention_r"] is None and "profiled chromosome" in result["note"]
