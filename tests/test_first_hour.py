@@ -335,3 +335,13 @@ def test_cnv_scores_without_a_profiled_gene_are_a_note_not_a_traceback(subset):
     adata.var["chromosome"], adata.var["start"] = "unplaced", 0
     result = cnv_level_scores(adata, OutputKeys("batchfix"), "batch", "cell_type")
     assert result["retention_r"] is None and "profiled chromosome" in result["note"]
+
+
+def test_resuming_with_another_network_shape_is_one_line_and_leaves_no_run_folder(unlabelled_run, subset_h5ad,
+                                                                                   tmp_path):
+    run, _ = unlabelled_run
+    tiny = [arg for arg in TINY if not arg.startswith("model.d_model")]
+    result = batchfix_cli(["train", f"data.path={subset_h5ad}", f"resume={run}", "model.d_model=32",
+                           f"hydra.run.dir={tmp_path / 'again'}", *tiny], tmp_path)
+    assert result.returncode == 1 and "model.d_model=16 (not 32)" in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "again").exists()
