@@ -345,3 +345,9 @@ def test_resuming_with_another_network_shape_is_one_line_and_leaves_no_run_folde
                            f"hydra.run.dir={tmp_path / 'again'}", *tiny], tmp_path)
     assert result.returncode == 1 and "model.d_model=16 (not 32)" in result.stderr, result.stderr[-2000:]
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "again").exists()
+
+
+def test_an_unquoted_unicode_value_gets_a_hint_to_quote_it(tmp_path):
+    result = batchfix_cli(["train", "data.label_key=Zellé", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert result.returncode == 1 and "data.label_key='Zellé'" in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1

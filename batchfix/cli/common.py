@@ -98,6 +98,18 @@ def check_overrides(args: list[str], verb: str) -> None:
             raise unknown_option_error(key, SCHEMAS[verb])
 
 
+def quoting_hint(args: list[str]) -> str:
+    """A hint to quote the first value Hydra's override grammar cannot read unquoted (non-ASCII letters, spaces),
+    as `key='value'`; '' when every value is plain."""
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if sep and not arg.startswith("-") and not value.startswith(("'", '"')) and \
+                (not value.isascii() or " " in value):
+            return (f". Quote a value with other than ASCII letters: {key}='{value}' (in the shell: "
+                    f"\"{key}='{value}'\")")
+    return ""
+
+
 def run(main: Callable[[], object], verb: str) -> None:
     """Run a verb's @hydra.main with signals raising Interrupted and Hydra's own errors as one line.
 
@@ -127,4 +139,4 @@ def run(main: Callable[[], object], verb: str) -> None:
             cause = err.__cause__
             detail = f": {readable(cause)}" if isinstance(cause, OmegaConfBaseException) else ""
             message = str(err).split("Config search path")[0]  # Hydra's list of where it looked: noise here
-            report(verb, f"{one_line(message)}{detail}", 1)
+            report(verb, f"{one_line(message)}{detail}{quoting_hint(sys.argv[1:])}", 1)
