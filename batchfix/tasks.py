@@ -53,9 +53,22 @@ def train(cfg: TrainConfig, run_dir: str | Path, preset: str = DEFAULT_PRESET) -
     except Interrupted as err:
         raise Interrupted(err.signum, " while reading the data, before training: nothing was saved") from None
     reference_index(prepared.batch_categories, cfg.correction.reference)  # refused now, not after training
+    warn_if_mostly_unplaced(prepared.coordinates.placed, cfg.correction)
     run_dir.mkdir(parents=True, exist_ok=True)
     with runfolder.held(run_dir):  # no other command writes into it meanwhile
         return train_into(cfg, prepared, adata, run_dir, started, preset)
+
+
+def warn_if_mostly_unplaced(placed, correction) -> bool:
+    """Warn (and return True) when a regional_shift that keeps copy-number-like shifts meets a model whose genes are
+    mostly unplaced: along the genome it sees only the placed ones."""
+    if correction.output_mode != "counterfactual" or correction.regional_shift == "apply" or placed.mean() >= 0.5:
+        return False
+    log.warning("correction.regional_shift=%s keeps shifts that are smooth along the genome, but only %d of %d "
+                "modelled genes are placed on it: the rest are corrected without it. Place them with data.genome or "
+                "data.gtf (or var's chromosome, start and end).", correction.regional_shift, int(placed.sum()),
+                len(placed))
+    return True
 
 
 def train_into(cfg: TrainConfig, prepared: PreparedData, adata: ad.AnnData | None, run_dir: Path,

@@ -351,3 +351,17 @@ def test_an_unquoted_unicode_value_gets_a_hint_to_quote_it(tmp_path):
     result = batchfix_cli(["train", "data.label_key=Zellé", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert result.returncode == 1 and "data.label_key='Zellé'" in result.stderr, result.stderr[-2000:]
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_keeping_regional_shifts_warns_when_most_genes_are_unplaced(caplog):
+    import numpy as np
+
+    from batchfix.config import CorrectionOptions
+    from batchfix.tasks import warn_if_mostly_unplaced
+
+    mostly_unplaced = np.arange(2000) < 85
+    with caplog.at_level("WARNING", logger="batchfix"):
+        assert warn_if_mostly_unplaced(mostly_unplaced, CorrectionOptions(regional_shift="keep"))
+    assert "only 85 of 2000" in caplog.text
+    assert not warn_if_mostly_unplaced(mostly_unplaced, CorrectionOptions(regional_shift="apply"))
+    assert not warn_if_mostly_unplaced(~mostly_unplaced, CorrectionOptions(regional_shift="keep"))
