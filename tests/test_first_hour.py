@@ -365,3 +365,18 @@ def test_keeping_regional_shifts_warns_when_most_genes_are_unplaced(caplog):
     assert "only 85 of 2000" in caplog.text
     assert not warn_if_mostly_unplaced(mostly_unplaced, CorrectionOptions(regional_shift="apply"))
     assert not warn_if_mostly_unplaced(~mostly_unplaced, CorrectionOptions(regional_shift="keep"))
+
+
+@pytest.mark.parametrize("verb", ["train", "correct", "evaluate"])
+def test_the_api_refuses_a_backed_anndata_before_any_work(verb, subset_h5ad):
+    import anndata as ad
+
+    import batchfix
+    from batchfix.errors import InputError
+
+    backed = ad.read_h5ad(subset_h5ad, backed="r")
+    call = {"train": lambda: batchfix.train(backed), "correct": lambda: batchfix.correct(backed, "no.ckpt"),
+            "evaluate": lambda: batchfix.evaluate(backed)}[verb]
+    with pytest.raises(InputError, match="adata.to_memory"):
+        call()
+    backed.file.close()
