@@ -380,3 +380,25 @@ def test_the_api_refuses_a_backed_anndata_before_any_work(verb, subset_h5ad):
     with pytest.raises(InputError, match="adata.to_memory"):
         call()
     backed.file.close()
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_whole_and_is_one_line(tmp_path, monkeypatch):
+    import errno
+
+    from pytorch_lightning.plugins.io import TorchCheckpointIO
+
+    from batchfix.errors import OutputError
+    from batchfix.training.checkpoint_io import AtomicCheckpointIO
+
+    best = tmp_path / "checkpoints" / "best.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"step": 1}, best)
+    whole = best.read_bytes()
+
+    def disk_full(self, checkpoint, path, storage_options=None):
+        Path(path).write_bytes(b"trunc")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(TorchCheckpointIO, "save_checkpoint", disk_full)
+    with pytest.raises(OutputError, match="No space left on device"):
+        AtomicCheckpointIO().save_checkpoint({"step": 2}, best)
+    assert best.read_bytes() == whole and sorted(p.name for p in best.parent.iterdir()) == ["best.ckpt"]

@@ -28,6 +28,7 @@ from batchfix.data.io import expression_input, input_path, read_h5ad
 from batchfix.data.prepare import CellDataModule, PreparedData, prepare
 from batchfix.data.streaming import prepare_streamed, use_streaming
 from batchfix.errors import ConfigError, InputError, Interrupted
+from batchfix.training.checkpoint_io import AtomicCheckpointIO
 from batchfix.training.module import TRAINED_DATA_OPTIONS, BatchfixModule, load_trained
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, has_validation: bool) -> pl.T
     quiet_lightning_logs()
     try:
         return pl.Trainer(
-            default_root_dir=str(run_dir), callbacks=callbacks,
+            default_root_dir=str(run_dir), callbacks=callbacks, plugins=[AtomicCheckpointIO()],
             logger=CSVLogger(str(run_dir), name=runfolder.LOGS, version=""),
             accelerator=options.accelerator, devices=options.devices, strategy=options.strategy,
             num_nodes=options.num_nodes, precision=resolve_precision(options.precision, options.accelerator),
