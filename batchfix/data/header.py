@@ -7,7 +7,6 @@ from pathlib import Path
 
 from batchfix.errors import InputError
 
-
 BUNDLED_FILE = "cellbench5.h5ad"
 
 
