@@ -111,11 +111,10 @@ def test_the_umap_columns_are_titled_by_their_obs_column_and_never_share_a_colou
 
     batch = pd.Series(["a", "b", "c"] * 4, name="sample")
     labels = pd.Series(["x", "y", "z", "w"] * 3, name="cell_type")
-    (batch_title, _, batch_palettes), (label_title, _, label_palettes) = umap_plots.umap_columns(batch, labels)
+    (batch_title, _, batch_colors), (label_title, _, label_colors) = umap_plots.umap_columns(batch, labels)
     assert (batch_title, label_title) == ("sample", "cell_type")
-    for n in (3, 12):
-        batch_colours = set(umap_plots._category_colors(n, batch_palettes))
-        assert not batch_colours & set(umap_plots._category_colors(n, label_palettes))
+    for n in (3, 5, 12):
+        assert len(set(batch_colors(n))) == n and not set(batch_colors(n)) & set(label_colors(n))
 
 
 def test_the_attention_picture_has_a_large_panel_per_layer(tmp_path):

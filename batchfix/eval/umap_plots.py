@@ -1,7 +1,7 @@
 """UMAP pictures of the scored embeddings, coloured by batch and by label."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import anndata as ad
 import numpy as np
@@ -12,10 +12,6 @@ from matplotlib.figure import Figure
 
 from batchfix.config import EvaluationOptions
 from batchfix.eval.metrics import resolve_neighbors
-
-# Batches and labels never share a colour: matplotlib's qualitative palettes, small then large
-BATCH_PALETTES = ("Dark2", "tab20b")
-LABEL_PALETTES = ("tab10", "tab20")
 
 
 def plot_umaps(
@@ -34,18 +30,18 @@ def plot_umaps(
     axes = fig.subplots(len(embeddings), len(columns), squeeze=False)
     for row, (name, emb) in enumerate(embeddings.items()):
         coords = umap_coordinates(emb, seed, neighbors)
-        for col, (what, values, palettes) in enumerate(columns):
-            _scatter_categories(axes[row, col], coords, values, palettes, legend=row == 0)
+        for col, (what, values, colors) in enumerate(columns):
+            _scatter_categories(axes[row, col], coords, values, colors, legend=row == 0)
             axes[row, col].set_title(f"{name} — {what}", fontsize=10)
     fig.savefig(out_png, dpi=110, format=image_format)
 
 
-def umap_columns(batch: Sequence, labels: Sequence | None) -> list[tuple[str, np.ndarray, tuple[str, str]]]:
-    """(title, values, palettes) of each column of the picture: the batch, then the labels when given; the title
-    is the obs column's name (a Series' name), the palettes never shared."""
-    columns = [(getattr(batch, "name", None) or "batch", np.asarray(batch).astype(str), BATCH_PALETTES)]
+def umap_columns(batch: Sequence, labels: Sequence | None) -> list[tuple[str, np.ndarray, Callable]]:
+    """(title, values, colours) of each column of the picture: the batch, then the labels when given; the title
+    is the obs column's name (a Series' name), the colours (batch_colors, label_colors) never shared."""
+    columns = [(getattr(batch, "name", None) or "batch", np.asarray(batch).astype(str), batch_colors)]
     if labels is not None:
-        columns.append((getattr(labels, "name", None) or "label", np.asarray(labels).astype(str), LABEL_PALETTES))
+        columns.append((getattr(labels, "name", None) or "label", np.asarray(labels).astype(str), label_colors))
     return columns
 
 
@@ -94,12 +90,12 @@ def approximate_neighbors(n_cells: int, n_neighbors: int, seed: int):
                         n_trees=min(64, 5 + round(n_cells**0.5 / 20.0)), n_iters=max(5, round(np.log2(n_cells))))
 
 
-def _scatter_categories(ax, coords: np.ndarray, values: np.ndarray, palettes: tuple[str, str], legend: bool) -> None:
+def _scatter_categories(ax, coords: np.ndarray, values: np.ndarray, colors: Callable, legend: bool) -> None:
     categories = sorted(pd.unique(values))
-    cmap = _category_colors(len(categories), palettes)
+    cmap = colors(len(categories))
     order = np.random.default_rng(0).permutation(len(values))  # no category painted on top
-    colors = np.array([cmap[categories.index(v)] for v in values])
-    ax.scatter(coords[order, 0], coords[order, 1], c=colors[order], s=6, linewidths=0)
+    points = np.array([cmap[categories.index(v)] for v in values])
+    ax.scatter(coords[order, 0], coords[order, 1], c=points[order], s=6, linewidths=0)
     ax.set_xticks([])
     ax.set_yticks([])
     if legend:
@@ -108,10 +104,18 @@ def _scatter_categories(ax, coords: np.ndarray, values: np.ndarray, palettes: tu
         ax.legend(fontsize=7, markerscale=1.2, frameon=False, loc="best")
 
 
-def _category_colors(n: int, palettes: tuple[str, str]) -> list:
-    """n colours of the first palette, of the second (larger) one beyond its size."""
+def label_colors(n: int) -> list:
+    """n bright colours for labels (scanpy's: tab10, tab20 beyond 10)."""
     from matplotlib import colormaps
 
-    palette = colormaps[palettes[0]]
-    palette = palette if n <= palette.N else colormaps[palettes[1]]
+    palette = colormaps["tab10" if n <= 10 else "tab20"]
     return [palette(i % palette.N) for i in range(n)]
+
+
+def batch_colors(n: int) -> list:
+    """n muted colours for batches, none of them a label's: tab20b, one shade of each of its 5 hues before the
+    next shade (the second darkest first: the most distinct)."""
+    from matplotlib import colormaps
+
+    palette = colormaps["tab20b"]
+    return [palette((i % 5) * 4 + (1, 0, 2, 3)[(i // 5) % 4]) for i in range(n)]
