@@ -79,6 +79,8 @@ def sweep_jobs(config: DictConfig) -> list[tuple[list[str], DictConfig]]:
     from batchfix.config import readable
     from batchfix.errors import ConfigError
 
+    if not GlobalHydra.instance().is_initialized():  # called outside a Hydra application: nothing to expand
+        return []
     loader = GlobalHydra.instance().config_loader()
     overrides = OverridesParser.create(config_loader=loader).parse_overrides(list(config.hydra.overrides.task))
     jobs = []
