@@ -33,13 +33,21 @@ Each verb's options, their defaults and descriptions: python -m batchfix VERB --
 (the composed configuration: --cfg job)."""
 
 
+def verb_meant(word: str) -> str:
+    """'; did you mean train?' for a mistyped verb (`trian`), else ''."""
+    import difflib
+
+    close = difflib.get_close_matches(word.lower(), VERBS, n=1, cutoff=0.6)
+    return f"; did you mean `{close[0]}`?" if close else ""
+
+
 def main() -> None:
     args = sys.argv[1:]
     if not args or args[0] not in VERBS:
         asked_for_help = bool(args) and args[0] in ("-h", "--help")
         if args and not asked_for_help:
-            print(f"batchfix: error: '{args[0]}' is not a verb: the first argument is one of {list(VERBS)}.",
-                  file=sys.stderr)
+            print(f"batchfix: error: '{args[0]}' is not a verb{verb_meant(args[0])}: the first argument is one of "
+                  f"{list(VERBS)}.", file=sys.stderr)
         print(USAGE)
         sys.exit(0 if asked_for_help else 2)
     sys.argv = [sys.argv[0], *args[1:]]

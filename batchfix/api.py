@@ -121,6 +121,7 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
     """
     options = {name: value for name, value in locals().items()
                if name not in ("adata", "correction", "correction_options")}
+    require_in_memory(adata, "train")
     cfg = train_config(**options, **correction_options)
     preset, chosen = CorrectionChoice(correction, correction_options).resolve()
     fitting.seed_and_threads(cfg.seed, cfg.threads)
@@ -132,6 +133,17 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
     model.remember_correction(remembered_correction(preset, chosen))
     model.path = None  # the checkpoint it came from is gone: model.save(path) keeps it
     return model
+
+
+def require_in_memory(adata: ad.AnnData, verb: str) -> None:
+    """Refuse, before any work, an AnnData backed by its file (read_h5ad(..., backed='r')): the API works in
+    memory; the command line streams files."""
+    if getattr(adata, "isbacked", False):
+        from batchfix.errors import InputError
+
+        raise InputError(f"batchfix.{verb} works on an AnnData in memory; this one is backed by {adata.filename} "
+                         f"(read with backed=...). Load it with adata.to_memory(), or use `python -m batchfix "
+                         f"{verb}` on the file, which reads it in chunks.")
 
 
 def options_doc(names: list[str], schema: type = TrainConfig) -> str:
@@ -170,6 +182,7 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, correction:
     copy=True, else None. For .h5ad files of any size use `python -m batchfix correct`, which streams cells
     from disk.
     """
+    require_in_memory(adata, "correct")
     told, inference = correct_keywords(options)
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
     preset, chosen = CorrectionChoice(correction, told).resolve(trained.correction)
@@ -212,6 +225,7 @@ def evaluate(adata: ad.AnnData, *, batch_key: str = DataConfig.batch_key, label_
     from batchfix.config import EvaluateConfig
     from batchfix.eval.evaluate import evaluate_file
 
+    require_in_memory(adata, "evaluate")
     validated(dict(data=dict(batch_key=batch_key, label_key=label_key, counts_layer=counts_layer),
                    correction=dict(key_added=key_added), evaluation=dict(max_cells=max_cells, neighbors=neighbors)),
               EvaluateConfig)

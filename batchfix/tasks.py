@@ -25,7 +25,7 @@ from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.corrector import reference_index
 from batchfix.correction.extra_genes import add_extra_genes_from
 from batchfix.correction.writers import correct_adata, correct_file
-from batchfix.data.atomic import atomic_output
+from batchfix.data.atomic import CORRECTED_SUFFIX, atomic_output, default_output
 from batchfix.data.io import input_path
 from batchfix.data.prepare import PreparedData
 from batchfix.errors import Interrupted
@@ -53,9 +53,22 @@ def train(cfg: TrainConfig, run_dir: str | Path, preset: str = DEFAULT_PRESET) -
     except Interrupted as err:
         raise Interrupted(err.signum, " while reading the data, before training: nothing was saved") from None
     reference_index(prepared.batch_categories, cfg.correction.reference)  # refused now, not after training
+    warn_if_mostly_unplaced(prepared.coordinates.placed, cfg.correction)
     run_dir.mkdir(parents=True, exist_ok=True)
     with runfolder.held(run_dir):  # no other command writes into it meanwhile
         return train_into(cfg, prepared, adata, run_dir, started, preset)
+
+
+def warn_if_mostly_unplaced(placed, correction) -> bool:
+    """Warn (and return True) when a regional_shift that keeps copy-number-like shifts meets a model whose genes are
+    mostly unplaced: along the genome it sees only the placed ones."""
+    if correction.output_mode != "counterfactual" or correction.regional_shift == "apply" or placed.mean() >= 0.5:
+        return False
+    log.warning("correction.regional_shift=%s keeps shifts that are smooth along the genome, but only %d of %d "
+                "modelled genes are placed on it: the rest are corrected without it. Place them with data.genome or "
+                "data.gtf (or var's chromosome, start and end).", correction.regional_shift, int(placed.sum()),
+                len(placed))
+    return True
 
 
 def train_into(cfg: TrainConfig, prepared: PreparedData, adata: ad.AnnData | None, run_dir: Path,
@@ -91,7 +104,7 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
     corrected_path = write_corrected(cfg, model, adata, run_dir / runfolder.CORRECTED_H5AD)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
     attention_picture(cfg, model, run_dir)
-    if cfg.evaluate and cfg.data.label_key:
+    if cfg.evaluate:  # without labels: the label-free mixing scores (iLISI, PCR) and a UMAP by batch
         from batchfix.eval.evaluate import evaluate_file
 
         metrics["evaluation"] = evaluate_file(corrected_path, cfg.data.batch_key, cfg.data.label_key, run_dir,
@@ -109,8 +122,8 @@ def write_corrected(cfg: TrainConfig, model: BatchfixModel, adata: ad.AnnData | 
     if adata is None:
         return correct_file(input_path(cfg.data.path), target, model, settings, overwrite=True, **keys)
     correct_adata(adata, model, settings, **keys)
-    with atomic_output(target, overwrite=True) as tmp:
-        adata.write_h5ad(tmp)
+    with atomic_output(target, overwrite=True) as tmp:  # compressed, as `correct` writes: a quarter of the size
+        adata.write_h5ad(tmp, compression="gzip", compression_opts=1)
     log.info("Wrote %s (%d cells; layers['%s'] (%s)).", target, adata.n_obs, settings.key_added, settings.output_mode)
     return target
 
@@ -139,7 +152,7 @@ def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     source = input_path(cfg.input)
-    output = Path(cfg.output or Path.cwd() / (Path(source).stem + ".corrected.h5ad"))
+    output = default_output(source, cfg.output, CORRECTED_SUFFIX)
     earlier = file_identity(output)
     trained = load_trained(cfg.checkpoint)
     preset, options = (told or CorrectionChoice()).resolve(trained.correction)

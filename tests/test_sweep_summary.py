@@ -57,7 +57,8 @@ def test_summarize_sweep_on_hand_made_folder(tmp_path):
     csv = pd.read_csv(tmp_path / SUMMARY_CSV)
     assert "model.n_heads" in csv.columns and len(csv) == 3
     markdown = (tmp_path / SUMMARY_MD).read_text()
-    assert "| job | model.n_heads | trainer.max_epochs |" in markdown
+    assert "| job | model.n_heads | latent Total |" in markdown  # trainer.max_epochs=3 in every job
+    assert "the same in every job: trainer.max_epochs=3" in markdown
     assert "n/a" in markdown  # the failed job
     for plot in ("sweep_total.png", "sweep_batch_correction.png",
                  "sweep_bio_conservation.png", "sweep_seconds.png"):

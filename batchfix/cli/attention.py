@@ -4,7 +4,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from batchfix.cli.common import require_inputs, run, user_errors_reported
+from batchfix.cli.common import require_inputs, require_keys, run, user_errors_reported
 from batchfix.config import AttentionConfig, validated
 
 
@@ -14,6 +14,8 @@ def main(cfg: DictConfig) -> None:
     with user_errors_reported("attention"):
         options = validated(cfg, AttentionConfig)  # before the heavy imports: a bad option is reported at once
         require_inputs(("input", options.input), ("checkpoint", options.checkpoint))
+        require_keys(options.input, {"group_by": ("Group", options.group_by)},
+                     {"data.counts_layer": options.data.counts_layer})
         from batchfix import tasks
 
         tasks.attention(options)

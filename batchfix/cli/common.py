@@ -10,6 +10,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from batchfix.errors import Interrupted, UserError
 
@@ -47,8 +48,6 @@ def user_errors_reported(verb: str, on_error: Callable[[], None] | None = None) 
 def require_inputs(*named_paths: tuple[str, str | None]) -> None:
     """Refuse a named input file that does not exist, before seconds of imports (torch, scanpy) are spent on
     it; null (or 'bundled' for data) is the bundled dataset and always there."""
-    from pathlib import Path
-
     from batchfix.errors import CheckpointError, InputError
 
     for option, path in named_paths:
@@ -58,6 +57,21 @@ def require_inputs(*named_paths: tuple[str, str | None]) -> None:
             error = CheckpointError if option == "checkpoint" else InputError
             what = "Checkpoint" if option == "checkpoint" else "Input file"
             raise error(f"{what} not found: {Path(path).expanduser()} ({option}=)")
+
+
+def require_keys(path: str | None, obs: dict[str, tuple[str, str | None]],
+                 layers: dict[str, str | None]) -> None:
+    """Refuse an option naming an obs column or a layer that the input lacks, reading only its header (h5py):
+    before the imports and the read (batchfix.data.header)."""
+    from batchfix.data.header import check_named_keys, input_path
+
+    check_named_keys(input_path(path), obs, layers)
+
+
+def require_data_keys(path: str | None, data) -> None:
+    """require_keys for the `data.*` options of train and evaluate (batchfix.config.DataKeys)."""
+    require_keys(path, {"data.batch_key": ("Batch", data.batch_key), "data.label_key": ("Label", data.label_key)},
+                 {"data.counts_layer": data.counts_layer})
 
 
 def config_groups() -> set[str]:
@@ -70,8 +84,11 @@ def config_groups() -> set[str]:
 def check_overrides(args: list[str], verb: str) -> None:
     """Refuse a `key=value` (or `+key=value`) whose key is no option of the verb, before Hydra composes
     (whose hint for an unknown key is to add it with `+`), naming the closest option names."""
-    from batchfix.config import SCHEMAS, dotted_options, unknown_option_error
+    from batchfix.config import SCHEMAS, dashed_option_error, dotted_options, unknown_option_error
 
+    dashed = dashed_option_error(args, SCHEMAS[verb])
+    if dashed is not None:
+        raise dashed
     known, groups = set(dotted_options(SCHEMAS[verb])), config_groups()
     for arg in args:
         key = arg.split("=", 1)[0].lstrip("+~").strip()
@@ -79,6 +96,18 @@ def check_overrides(args: list[str], verb: str) -> None:
             continue
         if key not in known and key not in groups:
             raise unknown_option_error(key, SCHEMAS[verb])
+
+
+def quoting_hint(args: list[str]) -> str:
+    """A hint to quote the first value Hydra's override grammar cannot read unquoted (non-ASCII letters, spaces),
+    as `key='value'`; '' when every value is plain."""
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if sep and not arg.startswith("-") and not value.startswith(("'", '"')) and \
+                (not value.isascii() or " " in value):
+            return (f". Quote a value with other than ASCII letters: {key}='{value}' (in the shell: "
+                    f"\"{key}='{value}'\")")
+    return ""
 
 
 def run(main: Callable[[], object], verb: str) -> None:
@@ -110,4 +139,4 @@ def run(main: Callable[[], object], verb: str) -> None:
             cause = err.__cause__
             detail = f": {readable(cause)}" if isinstance(cause, OmegaConfBaseException) else ""
             message = str(err).split("Config search path")[0]  # Hydra's list of where it looked: noise here
-            report(verb, f"{one_line(message)}{detail}", 1)
+            report(verb, f"{one_line(message)}{detail}{quoting_hint(sys.argv[1:])}", 1)

@@ -5,8 +5,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from batchfix.cli.common import require_inputs, run, user_errors_reported
+from batchfix.cli.common import require_inputs, require_keys, run, user_errors_reported
 from batchfix.config import CorrectConfig, CorrectionChoice, validated
+from batchfix.data.atomic import CORRECTED_SUFFIX, default_output, refuse_existing
+from batchfix.data.header import input_path
 
 
 def correction_told(cfg: DictConfig) -> CorrectionChoice:
@@ -25,6 +27,10 @@ def main(cfg: DictConfig) -> None:
     with user_errors_reported("correct"):
         options = validated(cfg, CorrectConfig)  # before the heavy imports: a bad option is reported at once
         require_inputs(("input", options.input), ("checkpoint", options.checkpoint))
+        refuse_existing(default_output(input_path(options.input), options.output, CORRECTED_SUFFIX),
+                        options.overwrite)  # before anything is read
+        require_keys(options.input, {"data.batch_key": ("Batch", options.data.batch_key)},
+                     {"data.counts_layer": options.data.counts_layer})
         from batchfix import tasks
 
         tasks.correct(options, correction_told(cfg))

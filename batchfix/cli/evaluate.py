@@ -5,7 +5,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from batchfix.cli.common import require_inputs, run, user_errors_reported
+from batchfix.cli.common import require_data_keys, require_inputs, run, user_errors_reported
 from batchfix.cli.summary import run_summary
 from batchfix.config import EvaluateConfig, validated
 from batchfix.runfolder import METRICS_JSON, METRICS_MD, UMAP_PNG, remove_if_unused
@@ -18,6 +18,7 @@ def main(cfg: DictConfig) -> float | None:
     with user_errors_reported("evaluate", on_error=lambda: remove_if_unused(out_dir)):
         options = validated(cfg, EvaluateConfig)  # before the heavy imports: a bad option is reported at once
         require_inputs(("input", options.input))
+        require_data_keys(options.input, options.data)
         from batchfix.eval import metrics  # scoring needs neither torch nor Lightning
         from batchfix.eval.evaluate import evaluate
 

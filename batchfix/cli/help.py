@@ -2,6 +2,7 @@
 and their descriptions (the schemas' comments in batchfix/config/), nothing of Hydra's internals or other verbs."""
 from __future__ import annotations
 
+import re
 import textwrap
 from dataclasses import fields, is_dataclass
 
@@ -35,6 +36,9 @@ def shown(value) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
+    bundled = re.fullmatch(r"\$\{bundled_only:\$\{([^}]+)\},([^}]+)\}", str(value))
+    if bundled:  # the bundled file's column (batchfix.config.verbs.bundled_only)
+        return f"{bundled.group(2)} (for the bundled data; null when {bundled.group(1)} is set)"
     return str(value)
 
 

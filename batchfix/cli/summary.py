@@ -44,7 +44,7 @@ def run_summary(verb: str, result: dict, folder: str | Path, written: list[str])
         lines += evaluation_summary(evaluation)
     elif "losses" in result:
         loss = result["losses"].get("val_elbo", result["losses"].get("train_elbo"))
-        lines.append("  not scored (no data.label_key, or evaluate=false)" +
+        lines.append("  not scored (evaluate=false)" +
                      ("" if loss is None else f"; final negative ELBO {loss:.1f}"))
     folder = Path(folder)
     lines.append(f"  wrote {folder}/: " + ", ".join(name for name in written if (folder / name).exists()))

@@ -16,6 +16,7 @@ here: `from batchfix.config import TrainConfig`.
 from batchfix.config.choices import (
     ATTENTION_BACKENDS,
     GENOMES,
+    HYDRA_FLAGS,
     LIKELIHOODS,
     NEIGHBOR_METHODS,
     OUTPUT_MODES,
@@ -35,6 +36,7 @@ from batchfix.config.choices import (
 )
 from batchfix.config.groups import DataConfig, DataKeys, FitConfig, ModelConfig, TrainerConfig
 from batchfix.config.help_text import (
+    dashed_option_error,
     dotted_options,
     field_comments,
     flat_option_names,
@@ -68,11 +70,11 @@ from batchfix.config.verbs import (
 )
 
 __all__ = [
-    "ATTENTION_BACKENDS", "GENOMES", "LIKELIHOODS", "NEIGHBOR_METHODS", "OUTPUT_MODES", "POSITION_ENCODINGS",
+    "ATTENTION_BACKENDS", "GENOMES", "HYDRA_FLAGS", "LIKELIHOODS", "NEIGHBOR_METHODS", "OUTPUT_MODES", "POSITION_ENCODINGS",
     "PRECISIONS", "REGIONAL_ORDERS", "REGIONAL_SHIFTS", "SCALES", "SPREADS", "STREAM_CHOICES", "TOKEN_IDENTITIES",
     "UNPLACED_CHOICES", "at_least", "non_empty", "one_of", "within",
     "DataConfig", "DataKeys", "FitConfig", "ModelConfig", "TrainerConfig",
-    "dotted_options", "field_comments", "flat_option_names", "option_descriptions", "unknown_option_error",
+    "dashed_option_error", "dotted_options", "field_comments", "flat_option_names", "option_descriptions", "unknown_option_error",
     "readable", "unknown_options", "validated",
     "DEFAULT_PRESET", "CorrectionChoice", "preset_names", "preset_options", "remembered_correction",
     "GROUP_SCHEMAS", "SCHEMAS", "AttentionConfig", "CorrectConfig", "CorrectDataKeys", "CorrectionKey",

@@ -20,6 +20,10 @@ REGIONAL_SHIFTS = ("apply", "keep", "keep_all", "keep_input")  # batchfix.correc
 REGIONAL_ORDERS = ("genome", "shuffled")
 SPREADS = ("batch", "gene")  # the counterfactual output's residual scale: one per batch | per gene and batch, shrunk
 NEIGHBOR_METHODS = ("auto", "exact", "approximate")  # how batchfix.eval.metrics finds the scores' neighbour graphs
+# Hydra's own command-line flags: every other `--name` is an argparse habit (batchfix.config.help_text)
+HYDRA_FLAGS = ("--cfg", "-c", "--multirun", "-m", "--help", "-h", "--hydra-help", "--version", "--resolve",
+               "--package", "-p", "--info", "-i", "--config-path", "-cp", "--config-name", "-cn", "--config-dir",
+               "-cd", "--run", "-r", "--shell-completion", "-sc", "--experimental-rerun")
 
 
 def one_of(option: str, value, choices) -> None:

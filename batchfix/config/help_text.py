@@ -18,9 +18,8 @@ def dotted_options(schema: type, prefix: str = "") -> list[str]:
     return names
 
 
-def unknown_option_error(key: str, schema: type) -> ConfigError:
-    """'Unknown option X; did you mean Y?', the suggestions drawn from the schema's own option names."""
-    known = dotted_options(schema)
+def closest_options(key: str, known: list[str]) -> list[str]:
+    """Up to 3 of the `known` dotted options closest to `key`: the same last name first, then near spellings."""
     last = key.rpartition(".")[2]
     close = [name for name in known if name.rpartition(".")[2] == last]  # the same option, spelled otherwise
     if not close:
@@ -29,11 +28,35 @@ def unknown_option_error(key: str, schema: type) -> ConfigError:
             by_last.setdefault(name.rpartition(".")[2], []).append(name)
         close = difflib.get_close_matches(key, known, n=3, cutoff=0.7)
         close += [n for near in difflib.get_close_matches(last, by_last, n=3, cutoff=0.7) for n in by_last[near]]
-    close = list(dict.fromkeys(close))[:3]
+    return list(dict.fromkeys(close))[:3]
+
+
+def unknown_option_error(key: str, schema: type) -> ConfigError:
+    """'Unknown option X; did you mean Y?', the suggestions drawn from the schema's own option names."""
+    close = closest_options(key, dotted_options(schema))
     hint = f"; did you mean {' or '.join(f'`{name}`' for name in close)}?" if close else "."
     verb = next((v for v, s in SCHEMAS.items() if s is schema), None)
     where = f" `python -m batchfix {verb} --help` lists them." if verb else ""
     return ConfigError(f"Unknown option `{key}`{hint}{where}")
+
+
+def dashed_option_error(args: list[str], schema: type) -> ConfigError | None:
+    """The first `--name value` (or `--name=value`) of `args` that is no Hydra flag, as an error giving its Hydra
+    spelling (`--max_epochs 2` -> `trainer.max_epochs=2`); None when there is none."""
+    from batchfix.config.choices import HYDRA_FLAGS
+
+    for position, arg in enumerate(args):
+        if not arg.startswith("--") or arg.split("=", 1)[0] in HYDRA_FLAGS:
+            continue
+        name, _, value = arg[2:].partition("=")
+        following = args[position + 1] if position + 1 < len(args) else ""
+        value = value or (following if following and "=" not in following and not following.startswith("-")
+                          else "VALUE")
+        key = name.replace("-", "_")
+        meant = closest_options(key, dotted_options(schema))
+        spelling = f"`{meant[0]}={value}`" if meant else f"key=value (`{key}=...` is no option)"
+        return ConfigError(f"`{arg}`: options are Hydra overrides, key=value without dashes: write {spelling}.")
+    return None
 
 
 def field_comments(schema: type) -> dict[str, str]:

@@ -148,7 +148,8 @@ class TrainConfig:
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
     resume: Optional[str] = None  # a previous run folder: continue from its checkpoints/last.ckpt
     overwrite: bool = False  # train into a run folder that holds a run: its outputs and checkpoints are deleted first
-    evaluate: bool = True  # score batch mixing into metrics.json when data.label_key is set
+    # score the corrected file into metrics.json and umap.png (without data.label_key: batch mixing only)
+    evaluate: bool = True
 
     def __post_init__(self):
         within("seed", self.seed, 0, 2**32 - 1)
@@ -263,10 +264,20 @@ SCHEMAS = {"train": TrainConfig, "correct": CorrectConfig, "evaluate": EvaluateC
 GROUP_SCHEMAS = {"data": DataConfig, "model": ModelConfig, "fit": FitConfig, "trainer": TrainerConfig}
 
 
-def register_schemas() -> None:
-    """Put every schema in Hydra's ConfigStore: `<verb>_schema` for the verbs, `<group>/schema` for groups."""
-    from hydra.core.config_store import ConfigStore
+def bundled_only(path: str | None, value: str) -> str | None:
+    """`${bundled_only:${data.path},VALUE}`: VALUE for the bundled dataset (path null or 'bundled'), else null: a
+    preset's column of the bundled file is never the default of a user's file."""
+    return value if path in (None, "", "bundled") else None
 
+
+def register_schemas() -> None:
+    """Put every schema in Hydra's ConfigStore (`<verb>_schema` for the verbs, `<group>/schema` for groups) and
+    register the presets' `bundled_only` resolver."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("bundled_only"):
+        OmegaConf.register_new_resolver("bundled_only", bundled_only)
     store = ConfigStore.instance()
     for verb, schema in SCHEMAS.items():
         store.store(name=f"{verb}_schema", node=schema)

@@ -18,6 +18,8 @@ from batchfix.errors import OutputError, OutputExistsError, UserError
 
 log = logging.getLogger(__name__)
 
+CORRECTED_SUFFIX = ".corrected.h5ad"  # `correct`'s output beside nothing: <input name>.corrected.h5ad
+
 
 def _current_umask() -> int:
     mask = os.umask(0)
@@ -143,6 +145,17 @@ def _move_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
             raise output_exists(target) from None
         os.replace(tmp, target)
     tmp.unlink(missing_ok=True)
+
+
+def default_output(source: str | Path, output: str | None, suffix: str) -> Path:
+    """An output path: `output`, else <source's name><suffix> in the working folder."""
+    return Path(output).expanduser() if output else Path.cwd() / (Path(source).stem + suffix)
+
+
+def refuse_existing(target: Path, overwrite: bool) -> None:
+    """Refuse an output that exists unless overwrite (OutputExistsError)."""
+    if target.exists() and not overwrite:
+        raise output_exists(target)
 
 
 def output_exists(target: Path) -> OutputExistsError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import logging
 import re
+import zlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -84,7 +85,8 @@ def read_gtf(path: str | Path) -> pd.DataFrame:
                 fh, sep="\t", comment="#", header=None, usecols=[0, 2, 3, 4, 8],
                 names=["chromosome", "feature", "start", "end", "attributes"], dtype={0: str},
             )
-    except (OSError, ValueError, UnicodeDecodeError) as err:  # unreadable, not gzip, not tab-separated text
+    # unreadable, not gzip, cut short (a truncated .gz), not tab-separated text
+    except (OSError, EOFError, zlib.error, ValueError, UnicodeDecodeError) as err:
         raise InputError(f"Cannot read data.gtf={path} as a GTF file: {type(err).__name__}: {err}") from None
     genes = gtf[gtf["feature"] == "gene"]
     if genes.empty:
@@ -155,20 +157,76 @@ class GeneCoordinates:
         return GeneCoordinates(self.chromosome[index], self.start[index], self.end[index])
 
 
+VAR_PLACE = ("chromosome", "start", "end")  # the var columns that place a gene (base pairs)
+
+
+def coordinates_from_var(var: pd.DataFrame) -> pd.DataFrame | None:
+    """var's chromosome, start and end (positional index; chromosome None where var places no gene), None when var
+    has none of them; some of the three without the others, or a placed gene without a numeric start and end, is
+    refused."""
+    present = [c for c in VAR_PLACE if c in var.columns]
+    if not present:
+        return None
+    if len(present) < len(VAR_PLACE):
+        absent = [c for c in VAR_PLACE if c not in present]
+        raise InputError(f"var has {present} but no {absent}: genes are placed from var with all of chromosome, "
+                         "start and end (base pairs). Add the missing column(s), or remove these to place genes by "
+                         "name (data.genome, data.gtf).")
+    from_var = var[list(VAR_PLACE)].reset_index(drop=True)
+    from_var["chromosome"] = from_var["chromosome"].astype(object).map(canonical_chromosome)
+    placed = from_var["chromosome"].notna()
+    for column in ("start", "end"):
+        values = pd.to_numeric(from_var[column], errors="coerce")
+        bad = placed & values.isna()
+        if bad.any():
+            raise InputError(f"var['{column}'] of {int(bad.sum())} genes with a chromosome is not a number "
+                             f"(e.g. gene {var.index[int(np.flatnonzero(bad)[0])]!r}).")
+    return from_var
+
+
+def exact_share(var: pd.DataFrame, table: pd.DataFrame) -> float:
+    """The share of var's genes whose name, symbol or (unversioned) Ensembl ID is in `table` as written: case
+    tells mouse symbols (Actb) from human ones (ACTB), which the case-insensitive lookup does not."""
+    keys = set(table["symbol"].dropna()) | set(table["gene_id"].dropna().map(strip_version))
+    names = [var.index.to_series()] + [var[c] for c in (*ID_COLUMNS, *SYMBOL_COLUMNS) if c in var]
+    hit = np.zeros(len(var), dtype=bool)
+    for column in names:
+        hit |= column.astype(str).map(strip_version).isin(keys).to_numpy()
+    return float(hit.mean()) if len(var) else 0.0
+
+
+def warn_if_another_genome_fits(var: pd.DataFrame, genome: str, table: pd.DataFrame) -> bool:
+    """Warn (and return True) when var's genes are named as another bundled genome's (mouse symbols or IDs with
+    GRCh38, human ones with mm10): placed by the lookup anyway, they would sit on the wrong coordinates."""
+    if len(var) < 20:
+        return False
+    own = exact_share(var, table)
+    for other in (g for g in GENOMES if g != genome):
+        theirs = exact_share(var, bundled_gene_table(other))
+        if theirs >= 0.5 and theirs > 2 * own:
+            log.warning("The gene names look like %s's, not %s's (%.0f%% match the %s table as written, %.0f%% the "
+                        "%s one): set data.genome=%s (or data.gtf=<annotation>).", other, genome, 100 * theirs,
+                        other, 100 * own, genome, other)
+            return True
+    return False
+
+
 def place_genes(var: pd.DataFrame, genome: str = DataConfig.genome, gtf: str | None = None) -> GeneCoordinates:
     """Coordinates for every gene of `var`: from var itself, then a GTF or the bundled table."""
     # Positional (RangeIndex) throughout: var_names need not be unique.
     found = pd.DataFrame(index=pd.RangeIndex(len(var)), columns=["chromosome", "start", "end"], dtype=object)
     sources = []
-    if {"chromosome", "start", "end"} <= set(var.columns):
-        from_var = var[["chromosome", "start", "end"]].reset_index(drop=True)
-        from_var["chromosome"] = from_var["chromosome"].astype(object).map(canonical_chromosome)
-        ok = (from_var["chromosome"].notna() & from_var["start"].notna()).to_numpy()
+    from_var = coordinates_from_var(var)
+    if from_var is not None:
+        ok = from_var["chromosome"].notna().to_numpy()
         found.loc[ok] = from_var.loc[ok].to_numpy()
         sources.append(f"{int(ok.sum())} from var")
+    table = read_gtf(gtf) if gtf else None  # a GTF is read (and checked) even when var places every gene
     missing = np.flatnonzero(found["chromosome"].isna().to_numpy())
     if len(missing):
-        table = read_gtf(gtf) if gtf else bundled_gene_table(genome)
+        if table is None:
+            table = bundled_gene_table(genome)
+            warn_if_another_genome_fits(var, genome, table)
         table = table.assign(chromosome=table["chromosome"].map(canonical_chromosome))
         looked_up = lookup_in_table(var.iloc[missing], table)
         ok = looked_up["chromosome"].notna().to_numpy()

@@ -17,21 +17,10 @@ import pandas as pd
 import scipy.sparse as sp
 
 from batchfix.config import DataKeys
+from batchfix.data.header import bundled_dataset, input_path, missing_matrix, missing_obs_column  # noqa: F401
 from batchfix.errors import InputError
 
 log = logging.getLogger(__name__)
-
-
-def bundled_dataset() -> str:
-    """Path of the bundled CellBench dataset (the default input of every command)."""
-    from importlib import resources
-
-    return str(resources.files("batchfix.bundled").joinpath("cellbench5.h5ad"))
-
-
-def input_path(path: str | None) -> str:
-    """A user's input path, or the bundled dataset for null / 'bundled'."""
-    return bundled_dataset() if path in (None, "", "bundled") else str(Path(path).expanduser())
 
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
@@ -147,26 +136,11 @@ def warn_if_labels_follow_batches(labels: np.ndarray, batch: np.ndarray, label_k
     return True
 
 
-def missing_obs_column(key: str, columns: list, what: str, option: str, hint: str = "") -> InputError:
-    return InputError(
-        f"{what} key '{key}' is not an obs column. Columns present: "
-        f"{list(map(str, columns)) or '(none)'}. Set it with {option}=<column>{hint}."
-    )
-
-
 def obs_strings(values: pd.Series, key: str) -> np.ndarray:
     """An obs column as strings; missing values are refused."""
     if values.isna().any():
         raise InputError(f"obs column '{key}' has {int(values.isna().sum())} missing values.")
     return values.astype(str).to_numpy()
-
-
-def missing_matrix(layer: str | None, present: list[str], option: str = "data.counts_layer") -> InputError:
-    """The error for X or a layer that is not there, naming the layers that are."""
-    if layer is None:
-        return InputError(f"The file has no X matrix. Layers present: {present or '(none)'}; set {option}.")
-    return InputError(f"Layer '{layer}' not found. Layers present: {present or '(none)'}. "
-                      f"Use {option}=null to read X.")
 
 
 def select_matrix(adata: ad.AnnData, layer: str | None, option: str = "data.counts_layer"):
@@ -177,12 +151,35 @@ def select_matrix(adata: ad.AnnData, layer: str | None, option: str = "data.coun
     return matrix
 
 
+def check_sparse_structure(indptr: np.ndarray, n_stored: int, n_rows: int, where: str = "The expression matrix",
+                           fmt: str = "csr") -> None:
+    """Refuse a sparse matrix whose row pointers (indptr) cannot be: scipy would raise or crash on it."""
+    indptr = np.asarray(indptr)
+    if len(indptr) != n_rows + 1 or (len(indptr) and (indptr[0] != 0 or indptr[-1] != n_stored)) \
+            or (np.diff(indptr) < 0).any():
+        raise InputError(f"{where} is a corrupt {fmt.upper()} matrix: its indptr ({len(indptr)} pointers from "
+                         f"{indptr[:1].tolist()} to {indptr[-1:].tolist()}) does not describe {n_rows} rows of "
+                         f"{n_stored} stored values. Re-create the matrix and save the file again.")
+
+
+def check_sparse_indices(indices: np.ndarray, n_columns: int, where: str = "The expression matrix") -> None:
+    """Refuse column (or row) indices outside the matrix: scipy would read past its arrays or abort."""
+    if len(indices) and (int(indices.min()) < 0 or int(indices.max()) >= n_columns):
+        bad = int(indices.max()) if int(indices.max()) >= n_columns else int(indices.min())
+        raise InputError(f"{where} is a corrupt sparse matrix: it stores an index {bad} outside 0..{n_columns - 1}. "
+                         "Re-create the matrix and save the file again.")
+
+
 def as_float32_csr(matrix) -> sp.csr_matrix:
     """Any in-memory matrix (dense, sparse, backed dataset) as a float32 CSR matrix."""
     dtype = getattr(matrix, "dtype", None)
     if dtype is None or not (np.issubdtype(dtype, np.number) or np.issubdtype(dtype, np.bool_)) \
             or np.issubdtype(dtype, np.complexfloating):
         raise InputError(f"The expression matrix holds {dtype or type(matrix).__name__} values, not real numbers.")
+    if sp.issparse(matrix) and matrix.format in ("csr", "csc"):
+        major, minor = matrix.shape if matrix.format == "csr" else matrix.shape[::-1]
+        check_sparse_structure(matrix.indptr, len(matrix.indices), major, fmt=matrix.format)
+        check_sparse_indices(matrix.indices, minor)
     matrix = sp.csr_matrix(matrix) if sp.issparse(matrix) else sp.csr_matrix(np.asarray(matrix))
     with np.errstate(invalid="ignore"):
         too_large = int((np.abs(matrix.data) > np.finfo(np.float32).max).sum()) if matrix.nnz else 0
@@ -211,6 +208,26 @@ def check_values(values: np.ndarray, scale: str, where: str = "The expression ma
     if scale == "counts" and (n_negative or n_fraction):
         raise InputError(f"{where} does not hold raw counts ({n_negative} negative and {n_fraction} non-integer "
                          f"values). {hint}")
+    if scale == "log" and len(values):
+        check_log_values(values, n_negative, n_fraction, where)
+
+
+MAX_LOG_VALUE = 50.0  # log1p of normalized counts stays far below (log1p(1e4) = 9.2; log2 of a million CPM: 20)
+
+
+def check_log_values(values: np.ndarray, n_negative: int, n_fraction: int, where: str) -> None:
+    """Refuse what data.scale=log cannot mean: negative values (z-scored or scaled data) and raw counts."""
+    if n_negative:
+        raise InputError(f"{where} holds {n_negative} negative values: data.scale=log expects log-normalized "
+                         "expression (log1p of normalized counts, >= 0), not z-scored or scaled values (sc.pp.scale). "
+                         "Point data.counts_layer at the layer of raw counts (data.scale=counts) or of log1p values "
+                         "kept before scaling.")
+    largest = float(values.max())
+    if (not n_fraction and largest > 1) or largest > MAX_LOG_VALUE:
+        what = "every value a whole number" if not n_fraction else f"values up to {largest:g}"
+        raise InputError(f"{where} looks like raw counts, not log-normalized expression ({what}): set "
+                         "data.scale=counts (the default) for raw counts, or point data.counts_layer at the log1p "
+                         "layer.")
 
 
 def drop_empty(counts: sp.csr_matrix, var: pd.DataFrame) -> tuple[sp.csr_matrix, pd.DataFrame, np.ndarray]:

@@ -27,7 +27,7 @@ try:  # anndata >= 0.11
 except ImportError:  # pragma: no cover - older anndata
     from anndata.experimental import read_elem, write_elem
 
-from batchfix.data.io import missing_matrix
+from batchfix.data.io import check_sparse_indices, check_sparse_structure, missing_matrix
 from batchfix.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -153,26 +153,29 @@ class CSRRows:
         self.group = group
         self.shape = tuple(int(n) for n in group.attrs["shape"])
         self.data, self.indices, self.indptr = group["data"], group["indices"], group["indptr"]
-        self._offsets = None  # the whole indptr, read by the first `take`
+        self._offsets = self.indptr[:].astype(np.int64)  # the whole indptr: one pointer per row
+        self.where = f"The matrix {group.name} of {group.file.filename}"
+        check_sparse_structure(self._offsets, len(self.indices), self.shape[0], self.where)
+
+    def matrix(self, data, indices, indptr, n_rows: int) -> sp.csr_matrix:
+        """A chunk's CSR matrix, its column indices checked."""
+        check_sparse_indices(indices, self.shape[1], self.where)
+        return sp.csr_matrix((data, indices, indptr), shape=(n_rows, self.shape[1]))
 
     def rows(self, start: int, stop: int) -> sp.csr_matrix:
-        indptr = self.indptr[start:stop + 1].astype(np.int64)
+        indptr = self._offsets[start:stop + 1]
         first, last = int(indptr[0]), int(indptr[-1])
-        return sp.csr_matrix((self.data[first:last], self.indices[first:last], indptr - first),
-                             shape=(stop - start, self.shape[1]))
+        return self.matrix(self.data[first:last], self.indices[first:last], indptr - first, stop - start)
 
     def take(self, rows: np.ndarray) -> sp.csr_matrix:
         """The rows `rows` (ascending): one read of data and of indices per run of consecutive rows."""
-        if self._offsets is None:
-            self._offsets = self.indptr[:].astype(np.int64)
         starts, stops = self._offsets[rows], self._offsets[rows + 1]
         spans = [(starts[a], stops[b]) for a, b in run_bounds(rows)]
         data = [self.data[a:b] for a, b in spans if b > a]
         indices = [self.indices[a:b] for a, b in spans if b > a]
         indptr = np.concatenate([[0], np.cumsum(stops - starts)])
-        return sp.csr_matrix((np.concatenate(data) if data else np.empty(0, self.data.dtype),
-                              np.concatenate(indices) if indices else np.empty(0, self.indices.dtype), indptr),
-                             shape=(len(rows), self.shape[1]))
+        return self.matrix(np.concatenate(data) if data else np.empty(0, self.data.dtype),
+                           np.concatenate(indices) if indices else np.empty(0, self.indices.dtype), indptr, len(rows))
 
 
 class InMemoryRows:

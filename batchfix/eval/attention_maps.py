@@ -44,10 +44,12 @@ class AttentionMaps:
     tokens_per_bin: np.ndarray  # (bins,)
     bin_chromosome: np.ndarray  # (bins,) chromosome name of each bin's first token
 
-    def relative_to_uniform(self) -> np.ndarray:
-        """log2(attention / the share of keys in the bin): 0 where a head weighs every token alike."""
+    def relative_to_uniform(self, heads_averaged: bool = False) -> np.ndarray:
+        """log2(attention / the share of keys in the bin): 0 where a head weighs every token alike; with
+        `heads_averaged` of each layer's mean over its heads, (groups, layers, bins, bins)."""
         share = self.tokens_per_bin / self.tokens_per_bin.sum()
-        return np.log2(np.maximum(self.maps, 1e-12) / share)
+        maps = self.maps.mean(axis=2) if heads_averaged else self.maps
+        return np.log2(np.maximum(maps, 1e-12) / share)
 
     def save_npz(self, path: Path) -> None:
         np.savez_compressed(path, maps=self.maps, groups=np.array(self.groups), n_cells=self.n_cells,
@@ -143,55 +145,54 @@ def chromosome_segments(bin_chromosome: np.ndarray) -> tuple[list[int], list[tup
     return starts[1:], [((a + b - 1) / 2, str(bin_chromosome[a])) for a, b in zip(starts, ends)]
 
 
+PANEL_INCHES = 3.4  # each map's side in the picture
+PICTURE_DPI = 100
+
+
 def plot_attention_maps(maps: AttentionMaps, path: Path, title: str = "") -> None:
-    """A row per group (the largest MAX_GROUPS_DRAWN), a column per (layer, head); chromosome boundaries marked."""
+    """A row per group (the largest MAX_GROUPS_DRAWN), a panel per layer with its heads averaged (the .npz keeps
+    each head); chromosome names on the axes and their boundaries drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     drawn = np.argsort(-maps.n_cells, kind="stable")[:MAX_GROUPS_DRAWN]
-    _, n_layers, n_heads = maps.maps.shape[:3]
-    relative = maps.relative_to_uniform()
+    n_layers = maps.maps.shape[1]
+    relative = maps.relative_to_uniform(heads_averaged=True)  # (groups, layers, bins, bins)
     boundaries, ticks = chromosome_segments(maps.bin_chromosome)
-    fig, axes = plt.subplots(len(drawn), n_layers * n_heads, figsize=(1.7 * n_layers * n_heads + 1.2, 1.8 * len(drawn) + 0.9),
-                             squeeze=False, constrained_layout=True)
+    fig, axes = plt.subplots(len(drawn), n_layers, squeeze=False, constrained_layout=True,
+                             figsize=(PANEL_INCHES * n_layers + 1.4, PANEL_INCHES * len(drawn) + 0.8))
     for row, group in enumerate(drawn):
-        for column in range(n_layers * n_heads):
-            layer, head = divmod(column, n_heads)
-            ax = axes[row, column]
-            image = ax.imshow(relative[group, layer, head], cmap="RdBu_r", vmin=-COLOUR_RANGE, vmax=COLOUR_RANGE,
+        for layer in range(n_layers):
+            ax = axes[row, layer]
+            image = ax.imshow(relative[group, layer], cmap="RdBu_r", vmin=-COLOUR_RANGE, vmax=COLOUR_RANGE,
                               interpolation="nearest")
             for b in boundaries:
-                ax.axhline(b - 0.5, color="0.2", lw=0.2, alpha=0.5)
-                ax.axvline(b - 0.5, color="0.2", lw=0.2, alpha=0.5)
-            label_axes(ax, ticks, left=column == 0, bottom=row == len(drawn) - 1)
-            if row == 0:
-                ax.set_title(f"layer {layer}, head {head}", fontsize=7)
-            if column == 0:
-                ax.set_ylabel(f"{maps.groups[group]} ({maps.n_cells[group]})\nqueries", fontsize=7)
-    fig.colorbar(image, ax=axes, shrink=0.6, label="log2(attention / uniform)")
+                ax.axhline(b - 0.5, color="black", lw=0.6, alpha=0.6)
+                ax.axvline(b - 0.5, color="black", lw=0.6, alpha=0.6)
+            label_axes(ax, ticks)
+            ax.set_title(f"{maps.groups[group]} ({maps.n_cells[group]} cells), layer {layer}", fontsize=9)
+            ax.set_xlabel("keys: attended loci, by chromosome", fontsize=8)
+            ax.set_ylabel("queries: attending loci", fontsize=8)
+    fig.colorbar(image, ax=axes, shrink=min(0.6, 3.0 / len(drawn)), label="log2(attention / uniform)")
     shown = f" (the {len(drawn)} largest of {len(maps.groups)} groups)" if len(drawn) < len(maps.groups) else ""
-    fig.suptitle(f"{title}Mean attention between loci in genomic order{shown}; lines: chromosome boundaries",
-                 fontsize=9)
+    fig.suptitle(f"{title}Mean attention between loci in genomic order, heads averaged{shown}; "
+                 "lines: chromosome boundaries", fontsize=10)
     buffer = io.BytesIO()
-    fig.savefig(buffer, dpi=72, format="png")
+    fig.savefig(buffer, dpi=PICTURE_DPI, format="png")
     plt.close(fig)
     # A 64-colour palette (steps of ~0.1 on the colour scale): the file shrinks several-fold.
     Image.open(buffer).convert("RGB").quantize(colors=64).save(path, format="png", optimize=True)
 
 
-def label_axes(ax, ticks: list[tuple[float, str]], left: bool, bottom: bool) -> None:
-    """Chromosome names on the outer axes (every other one when crowded); none inside the grid."""
+def label_axes(ax, ticks: list[tuple[float, str]]) -> None:
+    """Chromosome names on both axes of a panel (every other one when crowded)."""
     step = 1 if len(ticks) <= 12 else 2
     positions, names = [t[0] for t in ticks][::step], [t[1] for t in ticks][::step]
-    ax.set_yticks(positions if left else [])
-    ax.set_xticks(positions if bottom else [])
-    if left:
-        ax.set_yticklabels(names, fontsize=4)
-    if bottom:
-        ax.set_xticklabels(names, fontsize=4, rotation=90)
-    ax.tick_params(length=1, pad=1)
+    ax.set_yticks(positions, names, fontsize=7)
+    ax.set_xticks(positions, names, fontsize=7, rotation=90)
+    ax.tick_params(length=2, pad=1)
 
 
 def write_attention(maps: AttentionMaps, folder: Path, npz: bool = True, overwrite: bool = False,

@@ -69,15 +69,20 @@ def evaluate_file(
     """
     started = time.perf_counter()
     caches.enable()
+    log.info("Reading %s ...", path)
     adata, subsample = read_for_scoring(path, batch_key, label_key, max_cells, OutputKeys(key_added),
                                         counts_layer)
     metrics.check_obs_keys(adata.obs, batch_key, label_key)
     embeddings, info = metrics.evaluation_embeddings(adata, OutputKeys(key_added), counts_layer)
     neighbors = metrics.resolve_neighbors(neighbors, adata.n_obs)
+    log.info("Scoring %d cells (%s neighbours; %s): %s ...", adata.n_obs, neighbors,
+             "batch mixing and bio conservation" if label_key else "batch mixing only: no data.label_key",
+             ", ".join(embeddings))
     table, result = metrics.score_evaluation(
         adata.obs, embeddings, {"input": str(path), **info, "neighbors": neighbors}, batch_key, label_key,
         neighbors,
     )
+    log.info("Gene-level fidelity and CNV profiles of layers['%s'] ...", key_added)
     result["gene_fidelity"] = metrics.gene_level_scores(adata, OutputKeys(key_added), batch_key, label_key,
                                                         counts_layer)
     result["cnv_fidelity"] = metrics.cnv_level_scores(adata, OutputKeys(key_added), batch_key, label_key,
@@ -88,6 +93,7 @@ def evaluate_file(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     labels = adata.obs[label_key] if label_key else None
+    log.info("UMAPs of %d embeddings ...", len(embeddings))
     with atomic_output(out_dir / UMAP_PNG, overwrite=True) as tmp:
         umap_plots.plot_umaps(embeddings, adata.obs[batch_key], labels, tmp, image_format="png", neighbors=neighbors)
     result["evaluation_seconds"] = round(time.perf_counter() - started, 2)
@@ -95,6 +101,8 @@ def evaluate_file(
         tmp.write_text(_markdown_report(table, result))
     with atomic_output(out_dir / METRICS_JSON, overwrite=True) as tmp:
         tmp.write_text(json.dumps(result, indent=2) + "\n")
+    log.info("Scored in %.0f s: %s, %s and %s in %s.", result["evaluation_seconds"], METRICS_JSON, METRICS_MD,
+             UMAP_PNG, out_dir)
     return result
 
 

@@ -43,7 +43,9 @@ CORRECTED = "batchfix corrected expression (PCA)"
 
 LABEL_FREE_NOTE = (
     "No label key: bio conservation was not scored; batch correction is the mean of the "
-    "label-free metrics iLISI and PCR comparison only (not comparable to a labelled run)."
+    "label-free metrics iLISI and PCR comparison only (not comparable to a labelled run). Mixing alone rewards "
+    "over-correction: merging distinct cell types mixes batches too; look at the UMAP, or score with "
+    "data.label_key=<obs column>."
 )
 _LABEL_FREE_BATCH_METRICS = BatchCorrection(
     bras=False, kbet_per_label=False, graph_connectivity=False
@@ -270,10 +272,15 @@ def cnv_level_scores(adata: ad.AnnData, keys: OutputKeys, batch_key: str, label_
                                  "no CNV profiles"}
     if not _is_integer_valued(counts):
         return {**empty, "note": f"{counts_layer or 'X'} does not hold raw counts: no CNV profiles"}
-    windows = cnv.windows_of(adata.var.iloc[np.flatnonzero(genes)])
+    placed = adata.var.iloc[np.flatnonzero(genes)]
+    profiled = placed["chromosome"].astype(str).str.replace(r"^chr", "", regex=True).isin(cnv.CHROMOSOMES)
+    if not (profiled & pd.to_numeric(placed["start"], errors="coerce").notna()).any():
+        return {**empty, "note": "no modelled gene lies on a profiled chromosome: no CNV profiles"}
+    windows = cnv.windows_of(placed)
     result = cnv.profile_retention(log_cp10k(counts), adata.layers[keys.layer][:, genes],
                                    adata.obs[batch_key].to_numpy(), adata.obs[label_key].to_numpy(), windows)
     return {"profile": f"windows of {cnv.WINDOW} genes, step {cnv.STEP} (batchfix.eval.cnv)",
+            "n_genes": int(profiled.sum()), "n_windows": len(windows.members),
             **{k: v for k, v in result.items() if k != "groups"}}
 
 
@@ -327,12 +334,29 @@ def headline(metrics: dict) -> float | None:
     return None if loss is None else float(loss)
 
 
+MIN_SCORED_CELLS = 90  # scib-metrics' neighbour graphs hold 90 neighbours per cell
+
+
 def check_obs_keys(obs: pd.DataFrame, batch_key: str, label_key: str | None) -> None:
+    """Refuse, before the scoring time, what scib-metrics would fail on after it: a missing column or value, too few
+    cells, a single batch, or labels that name single cells."""
     for what, key in (("batch key", batch_key), ("label key", label_key)):
         if key is not None and key not in obs.columns:
             raise InputError(
                 f"The {what} {key!r} is not an obs column; obs has: {sorted(map(str, obs.columns))}"
             )
+        if key is not None and obs[key].isna().any():
+            raise InputError(f"obs['{key}'] has {int(obs[key].isna().sum())} missing values: scoring needs a "
+                             f"{what.split()[0]} for every cell (drop those cells, or fill them in).")
+    if len(obs) < MIN_SCORED_CELLS:
+        raise InputError(f"Scoring needs at least {MIN_SCORED_CELLS} cells (scib-metrics' neighbour graphs); the file "
+                         f"has {len(obs)}.")
+    if obs[batch_key].nunique() < 2:
+        raise InputError(f"obs['{batch_key}'] holds one batch: batch mixing needs at least two. Is data.batch_key "
+                         "the column that names the batches?")
+    if label_key is not None and obs[label_key].nunique() > len(obs) // 2:
+        raise InputError(f"obs['{label_key}'] has {obs[label_key].nunique()} labels for {len(obs)} cells: labels "
+                         "group cells (cell types). Is data.label_key the column of cell types? (null: no labels)")
 
 
 def _check_adata_keys(adata, keys: OutputKeys, counts_layer) -> None:

@@ -129,26 +129,23 @@ def _plot_metric(
     """Metric vs the first swept key; one line per column (and per value of other swept keys)."""
     x_key = swept[0] if swept else JOB_COLUMN
     others = swept[1:]
-    x_values = table[x_key]
-    numeric_x = pd.api.types.is_numeric_dtype(x_values)
-    categories = list(dict.fromkeys(x_values.astype(str)))
+    positions, categories = category_positions(table[x_key])
 
     fig = Figure(figsize=(6.5, 4.2), layout="constrained")
     ax = fig.subplots()
     by_others = table.groupby(others, dropna=False, sort=False) if others else [((), table)]
     for other_values, part in by_others:
         for column in columns:
-            label = column
+            label = short_header(column)
             if others:
                 other_values = other_values if isinstance(other_values, tuple) else (other_values,)
                 label += " | " + ", ".join(f"{k}={v}" for k, v in zip(others, other_values))
-            x = part[x_key] if numeric_x else part[x_key].astype(str).map(categories.index)
+            x = positions.loc[part.index]
             y = part[column]
             means = y.groupby(x).mean().sort_index()
             line = ax.plot(means.index, means.to_numpy(), marker="o", label=label)[0]
             ax.scatter(x, y, color=line.get_color(), s=12, alpha=0.5)
-    if not numeric_x:
-        ax.set_xticks(range(len(categories)), categories)
+    ax.set_xticks(range(len(categories)), categories)
     ax.set_xlabel(x_key)
     ax.set_ylabel(group)
     ax.set_title(f"{group} vs {x_key}")
@@ -157,17 +154,50 @@ def _plot_metric(
     fig.savefig(out_dir / f"sweep_{_slug(group)}.png", dpi=110)
 
 
+# The scored embeddings (batchfix.eval.metrics) and aggregate scores by a short name in the summary's headers
+SHORT_NAMES = {"batchfix corrected expression (PCA)": "corrected", "batchfix latent": "latent",
+               "Unintegrated PCA": "unintegrated", "Batch correction": "batch", "Bio conservation": "bio"}
+
+
+def short_header(column: str) -> str:
+    """A metric column's header in the markdown summary: 'evaluation.scores.batchfix latent.Total' ->
+    'latent Total', 'fit_seconds' -> 'fit_seconds'."""
+    parts = column.split(".")
+    if len(parts) >= 2 and "scores" in parts[:-2]:
+        return " ".join(SHORT_NAMES.get(part, part) for part in parts[parts.index("scores") + 1:])
+    return parts[-1]
+
+
+def varying(table: pd.DataFrame, columns: list[str]) -> list[str]:
+    """The columns whose values differ between jobs (a missing value counts as one)."""
+    return [c for c in columns if table[c].astype(str).nunique(dropna=False) > 1]
+
+
+def category_positions(values: pd.Series) -> tuple[pd.Series, list[str]]:
+    """Swept values as evenly spaced categories (head counts 1, 2, 8 are choices, not a scale): each value's
+    position and the tick labels, numbers in numeric order, other values in order of appearance."""
+    distinct = list(dict.fromkeys(values.dropna()))
+    if pd.api.types.is_numeric_dtype(values):
+        distinct = sorted(distinct)
+    labels = [str(v) for v in distinct]
+    return values.astype(str).map({label: i for i, label in enumerate(labels)}), labels
+
+
 def _markdown(
     table: pd.DataFrame, override_keys: list[str], groups: dict[str, list[str]], sweep_dir: Path
 ) -> str:
-    columns = [JOB_COLUMN, *override_keys, *[c for cols in groups.values() for c in cols]]
+    metrics = [c for cols in groups.values() for c in cols]
+    columns = [JOB_COLUMN, *varying(table, override_keys), *varying(table, metrics)]
+    constant = sorted(set(override_keys) - set(columns))
     lines = [
         f"# Sweep summary: {sweep_dir.name}",
         "",
         f"{len(table)} jobs, {int(table[FOUND_COLUMN].sum())} with metrics.json. "
-        f"Every metric is in {SUMMARY_CSV}.",
+        f"Every metric is in {SUMMARY_CSV}; columns equal in every job are left out"
+        + (f" (the same in every job: {', '.join(f'{k}={table[k].iloc[0]}' for k in constant)})." if constant
+           else "."),
         "",
-        "| " + " | ".join(columns) + " |",
+        "| " + " | ".join(short_header(c) if c in metrics else c for c in columns) + " |",
         "|" + "---|" * len(columns),
     ]
     for _, row in table.iterrows():

@@ -1,7 +1,7 @@
 """UMAP pictures of the scored embeddings, coloured by batch and by label."""
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import anndata as ad
 import numpy as np
@@ -24,18 +24,25 @@ def plot_umaps(
     neighbors: str = EvaluationOptions.neighbors,
 ) -> None:
     """One PNG: a row per embedding (UMAP of its 15-NN graph, found as `neighbors` says), coloured by batch
-    and by label."""
-    columns = [("batch", np.asarray(batch).astype(str))]
-    if labels is not None:
-        columns.append(("label", np.asarray(labels).astype(str)))
+    and by label, each in its own palette; a column is titled with its obs column's name (a Series' name)."""
+    columns = umap_columns(batch, labels)
     fig = Figure(figsize=(5.5 * len(columns), 4.5 * len(embeddings)), layout="constrained")
     axes = fig.subplots(len(embeddings), len(columns), squeeze=False)
     for row, (name, emb) in enumerate(embeddings.items()):
         coords = umap_coordinates(emb, seed, neighbors)
-        for col, (what, values) in enumerate(columns):
-            _scatter_categories(axes[row, col], coords, values, legend=row == 0)
+        for col, (what, values, colors) in enumerate(columns):
+            _scatter_categories(axes[row, col], coords, values, colors, legend=row == 0)
             axes[row, col].set_title(f"{name} — {what}", fontsize=10)
     fig.savefig(out_png, dpi=110, format=image_format)
+
+
+def umap_columns(batch: Sequence, labels: Sequence | None) -> list[tuple[str, np.ndarray, Callable]]:
+    """(title, values, colours) of each column of the picture: the batch, then the labels when given; the title
+    is the obs column's name (a Series' name), the colours (batch_colors, label_colors) never shared."""
+    columns = [(getattr(batch, "name", None) or "batch", np.asarray(batch).astype(str), batch_colors)]
+    if labels is not None:
+        columns.append((getattr(labels, "name", None) or "label", np.asarray(labels).astype(str), label_colors))
+    return columns
 
 
 def umap_coordinates(embedding: np.ndarray, seed: int = 0, neighbors: str = EvaluationOptions.neighbors) -> np.ndarray:
@@ -83,12 +90,12 @@ def approximate_neighbors(n_cells: int, n_neighbors: int, seed: int):
                         n_trees=min(64, 5 + round(n_cells**0.5 / 20.0)), n_iters=max(5, round(np.log2(n_cells))))
 
 
-def _scatter_categories(ax, coords: np.ndarray, values: np.ndarray, legend: bool) -> None:
+def _scatter_categories(ax, coords: np.ndarray, values: np.ndarray, colors: Callable, legend: bool) -> None:
     categories = sorted(pd.unique(values))
-    cmap = _category_colors(len(categories))
+    cmap = colors(len(categories))
     order = np.random.default_rng(0).permutation(len(values))  # no category painted on top
-    colors = np.array([cmap[categories.index(v)] for v in values])
-    ax.scatter(coords[order, 0], coords[order, 1], c=colors[order], s=6, linewidths=0)
+    points = np.array([cmap[categories.index(v)] for v in values])
+    ax.scatter(coords[order, 0], coords[order, 1], c=points[order], s=6, linewidths=0)
     ax.set_xticks([])
     ax.set_yticks([])
     if legend:
@@ -97,8 +104,18 @@ def _scatter_categories(ax, coords: np.ndarray, values: np.ndarray, legend: bool
         ax.legend(fontsize=7, markerscale=1.2, frameon=False, loc="best")
 
 
-def _category_colors(n: int) -> list:
+def label_colors(n: int) -> list:
+    """n bright colours for labels (scanpy's: tab10, tab20 beyond 10)."""
     from matplotlib import colormaps
 
     palette = colormaps["tab10" if n <= 10 else "tab20"]
     return [palette(i % palette.N) for i in range(n)]
+
+
+def batch_colors(n: int) -> list:
+    """n muted colours for batches, none of them a label's: tab20b, one shade of each of its 5 hues before the
+    next shade (the second darkest first: the most distinct)."""
+    from matplotlib import colormaps
+
+    palette = colormaps["tab20b"]
+    return [palette((i % 5) * 4 + (1, 0, 2, 3)[(i // 5) % 4]) for i in range(n)]

@@ -21,13 +21,14 @@ from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from batchfix import runfolder, signals
-from batchfix.config import DataConfig, FitConfig, TrainConfig, TrainerConfig
+from batchfix.config import DataConfig, FitConfig, ModelConfig, TrainConfig, TrainerConfig
 from batchfix.console import quiet_lightning_logs, quiet_warnings
 from batchfix.data.genome import chromosome_runs
 from batchfix.data.io import expression_input, input_path, read_h5ad
 from batchfix.data.prepare import CellDataModule, PreparedData, prepare
 from batchfix.data.streaming import prepare_streamed, use_streaming
 from batchfix.errors import ConfigError, InputError, Interrupted
+from batchfix.training.checkpoint_io import AtomicCheckpointIO
 from batchfix.training.module import TRAINED_DATA_OPTIONS, BatchfixModule, load_trained
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, has_validation: bool) -> pl.T
     quiet_lightning_logs()
     try:
         return pl.Trainer(
-            default_root_dir=str(run_dir), callbacks=callbacks,
+            default_root_dir=str(run_dir), callbacks=callbacks, plugins=[AtomicCheckpointIO()],
             logger=CSVLogger(str(run_dir), name=runfolder.LOGS, version=""),
             accelerator=options.accelerator, devices=options.devices, strategy=options.strategy,
             num_nodes=options.num_nodes, precision=resolve_precision(options.precision, options.accelerator),
@@ -166,8 +167,14 @@ def build_module(cfg: TrainConfig, prepared: PreparedData, planned_steps: int) -
     return module
 
 
-def resume_checkpoint(resume: str | None, prepared: PreparedData) -> Path | None:
-    """The last.ckpt of the run folder `resume`, checked to be a run on the same genes and batches."""
+# The model options that shape the network's weights: a resumed run must keep them
+SHAPE_OPTIONS = ("genes_per_token", "d_model", "n_heads", "n_layers", "latent_dim", "decoder_hidden",
+                 "position_encoding", "token_identity", "distance_bias", "distance_buckets", "likelihood")
+
+
+def resume_checkpoint(resume: str | None, prepared: PreparedData, model: ModelConfig | None = None) -> Path | None:
+    """The last.ckpt of the run folder `resume`, checked to be a run on the same genes and batches, and of the same
+    network shape as `model`."""
     if not resume:
         return None
     checkpoint = runfolder.last_checkpoint(resume)
@@ -177,6 +184,11 @@ def resume_checkpoint(resume: str | None, prepared: PreparedData) -> Path | None
     if saved.genes != prepared.genes or saved.batch_categories != prepared.batch_categories:
         raise InputError(f"Cannot resume from {resume}: it was trained on other genes or batches "
                          "(same data and data.* options are needed).")
+    changed = [f"model.{name}={getattr(saved.config, name)!r} (not {getattr(model, name)!r})"
+               for name in SHAPE_OPTIONS if model is not None and getattr(saved.config, name) != getattr(model, name)]
+    if changed:
+        raise InputError(f"Cannot resume from {resume}: its network has another shape; resume with "
+                         f"{', '.join(changed)}.")
     return checkpoint
 
 
@@ -202,7 +214,7 @@ def fit(cfg: TrainConfig, prepared: PreparedData, run_dir: Path) -> FitResult:
     """
     datamodule = CellDataModule(prepared, cfg.fit.batch_size, cfg.fit.validation_fraction, cfg.seed,
                                 cfg.fit.max_validation_cells, cfg.data.chunk_cells)
-    resume_from = resume_checkpoint(cfg.resume, prepared)
+    resume_from = resume_checkpoint(cfg.resume, prepared, cfg.model)
     trainer = build_trainer(cfg, run_dir, has_validation=len(datamodule.validation_rows) > 0)
     # Under DDP each process takes every world_size-th minibatch: steps per epoch shrink accordingly.
     steps_per_epoch = math.ceil(math.ceil(len(datamodule.train_rows) / cfg.fit.batch_size) / trainer.world_size)
