@@ -39,6 +39,19 @@ def nb_nonzero_probability(mean: np.ndarray, theta: np.ndarray) -> np.ndarray:
     return -np.expm1(theta * np.log(theta / (theta + mean)))
 
 
+def reference_nonzero(raw: sp.csr_matrix, labels: np.ndarray) -> np.ndarray:
+    """Cells x genes P(count > 0) under a batch-free NB: per cell type rate x the cell's library, theta by moments."""
+    dense = raw.toarray().astype(np.float64)
+    library = dense.sum(axis=1, keepdims=True)
+    mean = np.empty_like(dense)
+    for label in np.unique(labels):
+        cells = labels == label
+        mean[cells] = library[cells] * (dense[cells].sum(axis=0) / library[cells].sum())
+    excess = ((dense - mean) ** 2 - mean).sum(axis=0)
+    theta = np.clip((mean ** 2).sum(axis=0) / np.maximum(excess, 1e-12), 1e-2, 1e4)
+    return nb_nonzero_probability(mean, theta)
+
+
 def _groups(labels, batches) -> tuple[pd.DataFrame, np.ndarray]:
     """The (label, batch) groups present (a frame with their sizes) and each cell's group index."""
     frame = pd.DataFrame({"label": np.asarray(labels).astype(str), "batch": np.asarray(batches).astype(str)})
