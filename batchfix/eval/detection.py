@@ -7,7 +7,8 @@ numbers or DataFrames:
   cells against the share a reference model expects (the mean over the group's cells of P(count > 0)), the
   fraction of groups within `tolerance`, and the spread across batches of the nonzero share (sd over batches per
   gene x label, averaged) of the corrected and of the raw counts; `zeros_raised` is the share of observed zeros
-  that a method's counts make positive;
+  that a method's counts make positive; `reference_nonzero` gives expected shares where a method has no model of
+  its own (a batch-free NB: per label rate at each cell's library, one theta per gene by moments);
 - false DE: within each label, a t-test between every pair of batches on a log matrix (scanpy's
   rank_genes_groups), genes called at |logFC| > 1 and adjusted p < 0.05; a gene with zero raw counts in every cell
   of both groups is never a sound call, and on a stress set's null genes every call is a false one;
