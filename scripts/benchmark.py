@@ -90,7 +90,7 @@ import scipy.sparse as sp
 
 from batchfix.config import OUTPUT_MODES, REGIONAL_SHIFTS, SPREADS, CorrectionOptions, CorrectionSettings
 from batchfix.data.normalize import log_cp10k
-from batchfix.eval import cnv, fidelity, metrics, reports
+from batchfix.eval import cnv, detection, fidelity, matrix_scores, metrics, reports
 from scripts import baselines
 from scripts.stress_set import contrast_truth_error, group_truth_error, relative_group_truth_error, truth_error
 
@@ -99,7 +99,7 @@ ALL_METHODS = ["batchfix", *BASELINES]
 ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
 STATE_DEPENDENCES = (0.5,)  # correction.state_dependence values corrected beside the default, on the same model
 CNV_R, CNV_AMPLITUDE = "CNV profile r", "CNV amplitude ratio"  # batchfix.eval.cnv.profile_retention
-MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE]
+MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE, *matrix_scores.COLUMNS]
 TRUTH_ERROR = "Truth error"  # with --truth-layer: stress_set.truth_error of the matrix
 TRUTH_GROUP_ERROR = "Truth error (group means)"  # stress_set.group_truth_error over (batch, label) groups
 TRUTH_RELATIVE_ERROR = "Truth error (group means, relative)"  # stress_set.relative_group_truth_error
@@ -559,8 +559,9 @@ def gene_scores(
     label_key: str | None,
 ) -> dict[str, dict[str, float]]:
     """Gene-level fidelity (batchfix.eval.fidelity) of every corrected matrix, by embedding name,
-    against the within-batch log1p(counts per 10k) of the same raw counts, and its CNV profile retention
-    (batchfix.eval.cnv; needs labels and var chromosome/start); NaN where not computed."""
+    against the within-batch log1p(counts per 10k) of the same raw counts, its CNV profile retention
+    (batchfix.eval.cnv; needs labels and var chromosome/start) and the scores of batchfix.eval.matrix_scores
+    (every row against the batch-free NB reference of the raw counts); NaN where not computed."""
     matrices = {k: m for _, r in results.values() for k, m in r.matrices.items()}
     batch = counts.obs[batch_key].to_numpy()
     labels = counts.obs[label_key].to_numpy() if label_key else None
@@ -568,9 +569,13 @@ def gene_scores(
     windows = cnv.windows_of(counts.var) if placed else None
     scores, notes = {}, set()
     start = time.perf_counter()
+    raw, names = sp.csr_matrix(counts.X), None if labels is None else labels.astype(str)
+    expected = None if names is None else detection.reference_nonzero(raw, names)  # one reference for every row
     for name, matrix in matrices.items():
         result = fidelity.gene_fidelity(counts.X, matrix, batch, labels)
-        scores[name] = {k: np.nan if result[k] is None else result[k] for k in fidelity.GENE_METRICS}
+        scores[name] = matrix_scores.score_matrix(matrix_scores.MatrixInput(matrix, raw, names, batch.astype(str),
+                                                                            expected))
+        scores[name].update({k: np.nan if result[k] is None else result[k] for k in fidelity.GENE_METRICS})
         retention = (cnv.profile_retention(log_cp10k(counts.X), matrix, batch, labels, windows) if placed
                      else {"retention_r": None, "amplitude_ratio": None})
         scores[name][CNV_R] = np.nan if retention["retention_r"] is None else retention["retention_r"]
@@ -658,7 +663,14 @@ GENE_SCORES_NOTE = (
     f"{CNV_R} (batchfix.eval.cnv): per (label, batch) group, Pearson r of its CNV profile (mean log "
     f"expression minus the mean of all cells, running mean over {cnv.WINDOW} genes in genomic order) "
     f"with its label's uncorrected profile in the other batches, mean over groups; {CNV_AMPLITUDE}: the "
-    "profiles' slope on that truth, corrected / uncorrected (1.0 = CNV depth kept)."
+    "profiles' slope on that truth, corrected / uncorrected (1.0 = CNV depth kept). "
+    "Matrix scores (batchfix.eval.matrix_scores; an entry counts as detected where it is positive): "
+    f"{matrix_scores.DETECTION_WITHIN} = share of (gene, label, batch) groups of >= {detection.MIN_GROUP_CELLS} "
+    "cells whose nonzero share is within 0.05 of the one expected under the reference (every row: "
+    f"{matrix_scores.BATCH_FREE_REFERENCE}); {matrix_scores.DETECTION_SPREAD}: sd over batches of that share, "
+    f"mean over (gene, label), beside the raw counts'; {matrix_scores.ZEROS_RAISED}: share of raw zeros made "
+    f"positive; {matrix_scores.FALSE_DE_ZERO_RAW}: t-test calls (|logFC| > 1, padj < 0.05) between batches "
+    "within a label on genes with zero raw counts in both groups (must be 0)."
 )
 
 

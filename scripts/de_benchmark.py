@@ -39,7 +39,7 @@ import pandas as pd
 import scanpy as sc
 import scipy.sparse as sp
 
-from batchfix.eval.detection import detection_calibration, false_de, nb_nonzero_probability
+from batchfix.eval.detection import detection_calibration, false_de, reference_nonzero
 
 PADJ = 0.05
 BASELINES = ("raw+covariate", "raw", "combat-seq", "combat-seq+group")
@@ -122,19 +122,6 @@ def de_scores(counts: sp.csr_matrix, covariate: bool, adata: ad.AnnData) -> dict
         null_called, null_total = null_called + (calls & null).sum(), null_total + null.sum()
     return {"precision": hits / called if called else float("nan"), "recall": hits / (hits + missed),
             "null_false_de": null_called / null_total if null_total else float("nan")}
-
-
-def reference_nonzero(raw: sp.csr_matrix, labels: np.ndarray) -> np.ndarray:
-    """Cells x genes P(count > 0) under a batch-free NB: per cell type rate x the cell's library, theta by moments."""
-    dense = raw.toarray().astype(np.float64)
-    library = dense.sum(axis=1, keepdims=True)
-    mean = np.empty_like(dense)
-    for label in np.unique(labels):
-        cells = labels == label
-        mean[cells] = library[cells] * (dense[cells].sum(axis=0) / library[cells].sum())
-    excess = ((dense - mean) ** 2 - mean).sum(axis=0)
-    theta = np.clip((mean ** 2).sum(axis=0) / np.maximum(excess, 1e-12), 1e-2, 1e4)
-    return nb_nonzero_probability(mean, theta)
 
 
 def matrix_scores(counts: sp.csr_matrix, adata: ad.AnnData) -> dict:

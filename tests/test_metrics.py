@@ -12,7 +12,7 @@ import scanpy as sc
 
 from batchfix.data.io import OutputKeys
 from batchfix.data.normalize import log_cp10k
-from batchfix.eval import fidelity, metrics, reports, umap_plots
+from batchfix.eval import fidelity, matrix_scores, metrics, reports, umap_plots
 from batchfix.eval.evaluate import evaluate_file
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "cellbench5.h5ad"
@@ -151,6 +151,12 @@ def test_evaluate_file_writes_report_and_leaves_input_alone(corrected_file, tmp_
     cnv = result["cnv_fidelity"]  # ComBat moves each gene per batch: lines keep their profiles along the genome
     assert cnv["n_groups"] >= 5 and cnv["retention_r"] > 0.8 * cnv["uncorrected_r"] > 0
     assert "CNV profile retention of layers['batchfix']" in markdown and f"| {cnv['retention_r']:.3f} |" in markdown
+    matrix = result["matrix_scores"]  # ComBat on the log scale fills zeros; the raw data are the reference
+    assert matrix["layer"] == "batchfix" and matrix["n_genes"] == N_GENES - 200 and "batch-free" in matrix["reference"]
+    assert matrix[matrix_scores.ZEROS_RAISED] > 0.5 and matrix[matrix_scores.DETECTION_SPREAD_RAW] > 0
+    assert matrix[matrix_scores.FALSE_DE_ZERO_RAW] is not None and matrix[matrix_scores.BATCH_DE_CALLS] is not None
+    assert "Matrix scores of layers['batchfix']" in markdown
+    assert f"| {matrix[matrix_scores.ZEROS_RAISED]:.3f} |" in markdown
     png = (tmp_path / "eval" / "umap.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000
 

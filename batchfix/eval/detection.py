@@ -7,7 +7,8 @@ numbers or DataFrames:
   cells against the share a reference model expects (the mean over the group's cells of P(count > 0)), the
   fraction of groups within `tolerance`, and the spread across batches of the nonzero share (sd over batches per
   gene x label, averaged) of the corrected and of the raw counts; `zeros_raised` is the share of observed zeros
-  that a method's counts make positive;
+  that a method's counts make positive; `reference_nonzero` gives expected shares where a method has no model of
+  its own (a batch-free NB: per label rate at each cell's library, one theta per gene by moments);
 - false DE: within each label, a t-test between every pair of batches on a log matrix (scanpy's
   rank_genes_groups), genes called at |logFC| > 1 and adjusted p < 0.05; a gene with zero raw counts in every cell
   of both groups is never a sound call, and on a stress set's null genes every call is a false one;
@@ -37,6 +38,19 @@ def nb_nonzero_probability(mean: np.ndarray, theta: np.ndarray) -> np.ndarray:
     """P(count > 0) under NB(mean, theta) (theta the inverse dispersion), elementwise with broadcasting."""
     mean, theta = np.asarray(mean, dtype=np.float64), np.asarray(theta, dtype=np.float64)
     return -np.expm1(theta * np.log(theta / (theta + mean)))
+
+
+def reference_nonzero(raw: sp.csr_matrix, labels: np.ndarray) -> np.ndarray:
+    """Cells x genes P(count > 0) under a batch-free NB: per cell type rate x the cell's library, theta by moments."""
+    dense = raw.toarray().astype(np.float64)
+    library = dense.sum(axis=1, keepdims=True)
+    mean = np.empty_like(dense)
+    for label in np.unique(labels):
+        cells = labels == label
+        mean[cells] = library[cells] * (dense[cells].sum(axis=0) / library[cells].sum())
+    excess = ((dense - mean) ** 2 - mean).sum(axis=0)
+    theta = np.clip((mean ** 2).sum(axis=0) / np.maximum(excess, 1e-12), 1e-2, 1e4)
+    return nb_nonzero_probability(mean, theta)
 
 
 def _groups(labels, batches) -> tuple[pd.DataFrame, np.ndarray]:

@@ -22,7 +22,7 @@ from batchfix.data.atomic import atomic_output
 from batchfix.data.io import OutputKeys, check_h5ad_path, input_path, obs_strings, read_h5ad
 from batchfix.data.subsample import SEED, stratified_rows
 from batchfix.errors import InputError
-from batchfix.eval import caches, metrics, reports, umap_plots
+from batchfix.eval import caches, matrix_scores, metrics, reports, umap_plots
 from batchfix.runfolder import METRICS_JSON, METRICS_MD, UMAP_PNG
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,10 @@ def evaluate_file(
     Scored with scib-metrics: the latent `obsm['X_<key_added>']`, the PCA of `layers[key_added]` and
     the uncorrected PCA, all on the modelled genes (see `batchfix.eval.metrics.evaluation_embeddings`).
     Scored gene by gene (`gene_fidelity` in the result): `layers[key_added]` against the raw counts
-    on the same genes, within each batch (`batchfix.eval.metrics.gene_level_scores`). Returns the
-    metrics dict written to metrics.json.
+    on the same genes, within each batch (`batchfix.eval.metrics.gene_level_scores`), and by the matrix
+    scores of `batchfix.eval.matrix_scores` on the modelled genes (`matrix_scores` in the result: detection
+    calibration against a batch-free NB reference, raw zeros raised, between-batch DE on zero-raw genes).
+    Returns the metrics dict written to metrics.json.
 
     `neighbors`: "exact", "approximate" (pynndescent, scib-metrics' default) or "auto" (exact up to
     batchfix.eval.metrics.EXACT_NEIGHBORS_MAX_CELLS scored cells) neighbour graphs for the scores and the UMAP;
@@ -87,6 +89,8 @@ def evaluate_file(
                                                         counts_layer)
     result["cnv_fidelity"] = metrics.cnv_level_scores(adata, OutputKeys(key_added), batch_key, label_key,
                                                       counts_layer)
+    result["matrix_scores"] = matrix_scores.corrected_matrix_scores(
+        adata, key_added, metrics.modelled_genes(adata, OutputKeys(key_added)), batch_key, label_key, counts_layer)
     if subsample is not None:
         result["subsample"] = subsample
 
@@ -198,4 +202,10 @@ def _markdown_report(table, result: dict) -> str:
         "batches; amplitude ratio = slope on that profile, corrected / uncorrected (batchfix.eval.cnv).",
         "",
         reports.cnv_markdown(result["cnv_fidelity"]),
+        f"## Matrix scores of layers['{result['corrected_layer']}']",
+        "",
+        "Detection calibration, raw zeros made positive and DE calls between batches within a label on genes with "
+        "zero raw counts in both groups (batchfix.eval.matrix_scores, on the modelled genes).",
+        "",
+        reports.matrix_markdown(result["matrix_scores"]),
     ])

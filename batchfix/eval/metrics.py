@@ -200,11 +200,11 @@ def evaluation_embeddings(
     a JSON-able description of what was used).
     """
     _check_adata_keys(adata, keys, counts_layer=counts_layer)
-    genes = _modelled_genes(adata, keys)
+    genes = modelled_genes(adata, keys)
 
     counts = adata.layers[counts_layer] if counts_layer else adata.X
     counts = counts[:, genes]
-    integer_counts = _is_integer_valued(counts)
+    integer_counts = is_integer_valued(counts)
     uncorrected = log_cp10k(counts) if integer_counts else counts
     embeddings = {
         UNINTEGRATED: pca_embedding(uncorrected, n_comps, seed),
@@ -242,10 +242,10 @@ def gene_level_scores(
     are not whole numbers give no scores, with a note: the reference is made from raw counts.
     """
     _check_adata_keys(adata, keys, counts_layer=counts_layer)
-    genes = _modelled_genes(adata, keys)
+    genes = modelled_genes(adata, keys)
     counts = (adata.layers[counts_layer] if counts_layer else adata.X)[:, genes]
     source = f"{counts_layer or 'X'} on var['{keys.modelled}']" if keys.modelled in adata.var else counts_layer or "X"
-    if not _is_integer_valued(counts):
+    if not is_integer_valued(counts):
         return {**dict.fromkeys(fidelity.GENE_METRICS), "reference": source,
                 "note": f"{counts_layer or 'X'} does not hold raw counts: the gene-level scores, which compare with "
                         "log1p(counts per 10k) of the raw counts, were not computed (set the counts layer)."}
@@ -263,14 +263,14 @@ def cnv_level_scores(adata: ad.AnnData, keys: OutputKeys, batch_key: str, label_
     Needs labels, coordinates in var and raw counts; otherwise None scores with a note saying which is missing.
     """
     empty = {"retention_r": None, "uncorrected_r": None, "relative_r": None, "amplitude_ratio": None}
-    genes = _modelled_genes(adata, keys)
+    genes = modelled_genes(adata, keys)
     counts = (adata.layers[counts_layer] if counts_layer else adata.X)[:, genes]
     if label_key is None:
         return {**empty, "note": "no label key: CNV profile retention compares each label across batches"}
     if not {"chromosome", "start"} <= set(adata.var.columns):
         return {**empty, "note": f"var has no 'chromosome' and 'start' columns (it has {list(adata.var.columns)}): "
                                  "no CNV profiles"}
-    if not _is_integer_valued(counts):
+    if not is_integer_valued(counts):
         return {**empty, "note": f"{counts_layer or 'X'} does not hold raw counts: no CNV profiles"}
     placed = adata.var.iloc[np.flatnonzero(genes)]
     profiled = placed["chromosome"].astype(str).str.replace(r"^chr", "", regex=True).isin(cnv.CHROMOSOMES)
@@ -370,7 +370,8 @@ def _check_adata_keys(adata, keys: OutputKeys, counts_layer) -> None:
                              "Was it corrected under another key_added?")
 
 
-def _modelled_genes(adata: ad.AnnData, keys: OutputKeys) -> np.ndarray:
+def modelled_genes(adata: ad.AnnData, keys: OutputKeys) -> np.ndarray:
+    """Boolean mask of the modelled genes (var[keys.modelled]; every gene when the column is missing)."""
     if keys.modelled not in adata.var:
         return np.ones(adata.n_vars, dtype=bool)
     mask = adata.var[keys.modelled].to_numpy().astype(bool)
@@ -379,7 +380,8 @@ def _modelled_genes(adata: ad.AnnData, keys: OutputKeys) -> np.ndarray:
     return mask
 
 
-def _is_integer_valued(matrix, n_sample: int = 100_000) -> bool:
+def is_integer_valued(matrix, n_sample: int = 100_000) -> bool:
+    """Whether the first n_sample stored values are non-negative whole numbers (raw counts)."""
     values = matrix.data if sp.issparse(matrix) else np.asarray(matrix).ravel()
     values = values[:n_sample]
     return bool(np.all(values >= 0) and np.all(np.mod(values, 1) == 0))

@@ -42,3 +42,13 @@ def _format_cell(value, digits: int) -> str:
     if isinstance(value, (float, np.floating)):
         return "n/a" if np.isnan(value) else f"{value:.{digits}f}"
     return str(value)
+
+
+def matrix_markdown(scores: Mapping) -> str:
+    """The matrix scores (batchfix.eval.matrix_scores) as a one-row markdown table, with the reference used."""
+    if scores.get("note"):
+        return f"{scores['note']}\n"
+    columns = [k for k in scores if k not in ("layer", "n_genes", "reference")]
+    cells = ["n/a" if scores[c] is None else f"{scores[c]:.3f}" for c in columns]
+    return ("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n| " + " | ".join(cells) + " |\n\n"
+            f"On {scores['n_genes']} genes; expected nonzero shares from the {scores['reference']}.\n")

@@ -1,0 +1,97 @@
+"""The scores of a corrected matrix that gene-level fidelity cannot see (batchfix.eval.detection), as one registry.
+
+`SCORES` lists (name, function, applies to); `evaluate` and scripts/benchmark.py both score every matrix with
+`score_matrix`, so a new score is a row added there. Each function takes a `MatrixInput` and returns its columns.
+A matrix is on the log scale (log1p of counts per 10k, or a method's own log output), so an entry is "detected"
+where it is positive; it is scored against the raw counts of the same cells and genes. The expected nonzero
+shares of detection calibration come from `MatrixInput.expected_nonzero`, and `MatrixInput.reference` names the
+model that gave them (by default detection.reference_nonzero, a batch-free NB at each cell's library).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+from batchfix.eval import detection, metrics
+
+ANY, LABELLED = "any matrix", "a matrix with labels"  # what a score applies to
+DETECTION_WITHIN = "Detection within 0.05"
+DETECTION_SPREAD = "Detection spread"
+DETECTION_SPREAD_RAW = "Detection spread (raw)"
+ZEROS_RAISED = "Zeros raised"
+BATCH_DE_CALLS = "Between-batch DE calls"
+FALSE_DE_ZERO_RAW = "False DE (zero raw)"
+BATCH_FREE_REFERENCE = "batch-free NB (per label rate at each cell's library, theta by moments)"
+
+
+@dataclass
+class MatrixInput:
+    """One corrected log matrix (cells x genes) with the raw counts of the same cells and genes, the cells'
+    labels (or None) and batches, and the expected nonzero probabilities (cells x genes, or None) with the name
+    of the reference model that gave them."""
+
+    log_values: np.ndarray | sp.spmatrix
+    raw: np.ndarray | sp.spmatrix
+    labels: np.ndarray | None
+    batches: np.ndarray
+    expected_nonzero: np.ndarray | None = None
+    reference: str = BATCH_FREE_REFERENCE
+
+
+def detection_columns(matrix: MatrixInput) -> dict[str, float]:
+    """Detection calibration: share of (gene, label, batch) groups within the tolerance, spread across batches."""
+    summary, _ = detection.detection_calibration(matrix.log_values, matrix.raw, matrix.expected_nonzero,
+                                                 matrix.labels, matrix.batches)
+    return {DETECTION_WITHIN: summary["within_tolerance"], DETECTION_SPREAD: summary["spread_corrected"],
+            DETECTION_SPREAD_RAW: summary["spread_raw"]}
+
+
+def zeros_raised_columns(matrix: MatrixInput) -> dict[str, float]:
+    """Share of the raw zeros that are positive in the matrix."""
+    return {ZEROS_RAISED: detection.zeros_raised(matrix.raw, matrix.log_values)}
+
+
+def false_de_columns(matrix: MatrixInput) -> dict[str, float]:
+    """DE calls between batches within each label, and those on genes with zero raw counts in both groups."""
+    calls = detection.false_de(matrix.log_values, sp.csr_matrix(matrix.raw), matrix.labels, matrix.batches)
+    if calls.empty:
+        return {BATCH_DE_CALLS: np.nan, FALSE_DE_ZERO_RAW: np.nan}
+    return {BATCH_DE_CALLS: float(calls["called"].sum()), FALSE_DE_ZERO_RAW: float(calls["called_zero_raw"].sum())}
+
+
+SCORES: list[tuple[str, Callable[[MatrixInput], dict[str, float]], str]] = [
+    ("detection calibration", detection_columns, LABELLED),
+    ("zeros raised", zeros_raised_columns, ANY),
+    ("false DE", false_de_columns, LABELLED),
+]
+COLUMNS = [DETECTION_WITHIN, DETECTION_SPREAD, DETECTION_SPREAD_RAW, ZEROS_RAISED, BATCH_DE_CALLS,
+           FALSE_DE_ZERO_RAW]
+
+
+def score_matrix(matrix: MatrixInput) -> dict[str, float]:
+    """Every score of SCORES that applies to the matrix, by column (NaN for those that do not apply)."""
+    if matrix.labels is not None and matrix.expected_nonzero is None:
+        matrix.expected_nonzero = detection.reference_nonzero(sp.csr_matrix(matrix.raw), np.asarray(matrix.labels))
+    result = dict.fromkeys(COLUMNS, np.nan)
+    for _, function, applies in SCORES:
+        if applies == ANY or matrix.labels is not None:
+            result.update(function(matrix))
+    return result
+
+
+def corrected_matrix_scores(adata, layer: str, genes: np.ndarray, batch_key: str, label_key: str | None,
+                            counts_layer: str | None = None) -> dict:
+    """`score_matrix` of layers[layer] on the columns `genes` (a boolean mask) against the raw counts (X or
+    counts_layer) of the same genes; the result names the genes scored and the reference."""
+    raw = (adata.layers[counts_layer] if counts_layer else adata.X)[:, genes]
+    if not metrics.is_integer_valued(raw):
+        return {**dict.fromkeys(COLUMNS), "layer": layer,
+                "note": f"{counts_layer or 'X'} does not hold raw counts: the matrix scores were not computed."}
+    labels = adata.obs[label_key].astype(str).to_numpy() if label_key else None
+    matrix = MatrixInput(adata.layers[layer][:, genes], raw, labels, adata.obs[batch_key].astype(str).to_numpy())
+    scores = score_matrix(matrix)
+    return {**{k: None if np.isnan(v) else v for k, v in scores.items()},
+            "layer": layer, "n_genes": int(np.count_nonzero(genes)), "reference": matrix.reference}
