@@ -43,7 +43,7 @@ def test_the_readme_example_runs_as_written(tmp_path, monkeypatch):
     assert modelled.sum() == len(model.genes) == 2000
     assert adata.obsm["X_batchfix"].shape == (adata.n_obs, 30)
     assert corrected.uns["bf"]["reference_batch"] == "sc_dropseq" and "bf" not in adata.layers
-    assert namespace["expr"].shape == (adata.n_obs, 2000)
+    assert namespace["counts"].shape == adata.shape and adata.layers["batchfix"].shape == adata.shape
 
 
 def test_api_training_gives_the_recorded_regression_values(small_adata):

@@ -73,7 +73,10 @@ def mapped_counts(net, genes: GeneSet, x: torch.Tensor, mu: torch.Tensor, codes:
     own_theta = genes.theta[known][:, index]
     ref_theta = np.where(missing, own_theta, genes.reference_theta[index])
     observed = x[:, genes.model_index].double().numpy()
-    uniform = counts.counter_uniform(seed, cell_keys, genes.keys)
+    # A zero's quantile is drawn (its share of positives is then the reference's); a positive count takes the middle
+    # of its quantile interval, deterministic as ComBat-seq's mapping is: a draw there would only add noise to each
+    # cell's own profile (within-type neighbours 0.648 with draws everywhere, ComBat 0.850, bundled data).
+    uniform = np.where(observed == 0, counts.counter_uniform(seed, cell_keys, genes.keys), 0.5)
     mapped = counts.quantile_map(observed.ravel(), own_mean.ravel(), ref_mean.ravel(), own_theta.ravel(),
                                  ref_theta.ravel(), uniform.ravel())
     return observed, mapped.reshape(observed.shape)
