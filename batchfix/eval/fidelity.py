@@ -44,7 +44,7 @@ from sklearn.decomposition import PCA
 from sklearn.neighbors import NearestNeighbors
 
 from batchfix.data.io import count_bad_values
-from batchfix.data.normalize import log_cp10k
+from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
 
 MIN_CELLS_DE = 10  # cells of the label, and other cells, a batch needs for a DE comparison
 MIN_CELLS_GROUP = 30  # cells a (batch, label) group needs for the neighbour comparison
@@ -102,11 +102,13 @@ class WithinBatch:
 
 
 def gene_fidelity(counts, corrected, batch: Sequence, labels: Sequence | None = None, *,
-                  require_integer_counts: bool = True, **thresholds) -> dict:
+                  require_integer_counts: bool = True, library: np.ndarray | None = None, **thresholds) -> dict:
     """Score `corrected` (cells x genes, log scale) against the within-batch reference of `counts`.
 
     `counts`: raw counts of the same cells and genes (dense or sparse; whole numbers unless
-    `require_integer_counts=False`). `batch`, `labels`: one entry per cell. `thresholds`: fields of
+    `require_integer_counts=False`). `library`: each cell's count total the reference is normalised by (e.g. over
+    all genes, as a layer made by normalize_total over all genes is); by default the sum over `counts`' genes.
+    `batch`, `labels`: one entry per cell. `thresholds`: fields of
     `Thresholds` (min_cells_de, min_cells_group, n_markers, n_pcs, n_neighbors, n_hvg). Returns a
     JSON-able dict: the four scores under `GENE_METRICS` (None where not computed), how many labels,
     groups and batches were scored, per-label and per-batch values, the parameters, and a `note`
@@ -119,7 +121,7 @@ def gene_fidelity(counts, corrected, batch: Sequence, labels: Sequence | None = 
     batch = _check_labels(batch, n_cells, "batch")
     labels = None if labels is None else _check_labels(labels, n_cells, "labels")
     k_markers, k_hvg = min(params.n_markers, n_genes), min(params.n_hvg, n_genes)
-    within = _within_batch(counts, corrected, batch, labels, params, k_hvg)
+    within = _within_batch(counts, corrected, batch, labels, params, k_hvg, library)
     per_label, flat_reference = _label_scores(within, k_markers)
     result = {
         DE_RANK: _mean([v[DE_RANK] for v in per_label.values()]),
@@ -144,12 +146,14 @@ def gene_fidelity(counts, corrected, batch: Sequence, labels: Sequence | None = 
 
 
 def _within_batch(counts, corrected, batch: np.ndarray, labels: np.ndarray | None, params: Thresholds,
-                  k_hvg: int) -> WithinBatch:
+                  k_hvg: int, library: np.ndarray | None = None) -> WithinBatch:
     """One pass over batches: everything is compared within a batch, never across."""
     within = WithinBatch()
     for b in pd.unique(batch):
         rows = np.flatnonzero(batch == b)
-        ref = log_cp10k(_dense_rows(counts, rows))
+        block = _dense_rows(counts, rows)
+        ref = log_cp10k(block) if library is None else np.log1p(
+            block * (LIBRARY_SIZE / np.maximum(np.asarray(library, dtype=np.float64)[rows], 1.0))[:, None])
         cor = _dense_rows(corrected, rows)
         if len(rows) >= 2:
             within.hvg_per_batch[b] = _top_overlap(ref.var(axis=0), cor.var(axis=0), k_hvg)

@@ -250,9 +250,13 @@ def gene_level_scores(
                 "note": f"{counts_layer or 'X'} does not hold raw counts: the gene-level scores, which compare with "
                         "log1p(counts per 10k) of the raw counts, were not computed (set the counts layer)."}
     labels = adata.obs[label_key].to_numpy() if label_key else None
+    over_all = "log_transform" in adata.uns.get(keys.uns, {})  # the counts' log layer: normalize_total, all genes
+    raw = adata.layers[counts_layer] if counts_layer else adata.X
+    library = np.asarray(raw.sum(axis=1), dtype=np.float64).ravel() if over_all else None
     result = fidelity.gene_fidelity(counts, adata.layers[keys.layer][:, genes], adata.obs[batch_key].to_numpy(),
-                                    labels)
-    return {"reference": f"log1p(counts per 10k) of {source}, within each batch", **result}
+                                    labels, library=library)
+    per = "all genes' counts" if over_all else "these genes' counts"
+    return {"reference": f"log1p(counts per 10k of {per}) of {source}, within each batch", **result}
 
 
 def cnv_level_scores(adata: ad.AnnData, keys: OutputKeys, batch_key: str, label_key: str | None,
