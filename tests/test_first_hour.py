@@ -315,11 +315,12 @@ def test_a_corrupt_csr_matrix_is_one_line_and_leaves_no_run_folder(part, small_a
 ])
 def test_what_evaluate_cannot_score_is_one_line_before_the_scoring(change, message, subset):
     from batchfix.errors import InputError
-    from batchfix.eval.metrics import check_obs_keys
+    from batchfix.eval.metrics import check_enough_cells, check_obs_keys
 
     obs = change(subset.obs.copy())
     with pytest.raises(InputError, match=message):
         check_obs_keys(obs, "batch", "cell_type")
+        check_enough_cells(obs)  # evaluate's file route (a benchmark scores smaller balanced subsamples)
 
 
 def test_cnv_scores_without_a_profiled_gene_are_a_note_not_a_traceback(subset):

@@ -273,7 +273,8 @@ def test_keeping_the_regional_shift_keeps_a_confounded_clone(bundled_adata):
     for mode in ("apply", "keep"):
         corrected = batchfix.correct(injected, model, regional_shift=mode, copy=True)
         genes = corrected.var["batchfix_modelled"].to_numpy()
-        matrices[mode] = np.asarray(corrected.layers["batchfix"][:, genes].toarray())
+        # normalised over the modelled genes, as the uncorrected references below are
+        matrices[mode] = np.asarray(log_cp10k(corrected.layers["batchfix_counts"][:, genes]).toarray())
     original, after = (np.asarray(log_cp10k(np.asarray(a.X[:, genes]))) for a in (bundled_adata, injected))
     scores = inject_clones.clone_scores(matrices, original, after, injected.obs, bundled_adata.var[genes], clone,
                                         "confounded", "cell_type", "batch")

@@ -84,13 +84,14 @@ def _temporary(target: Path) -> Path:
 
 
 @contextmanager
-def atomic_output(target: Path, overwrite: bool) -> Iterator[Path]:
+def atomic_output(target: Path, overwrite: bool, finish_on_signal: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside `target`; on success move it to `target`, on any failure delete it.
 
     Without `overwrite` the final step is a hard link, which fails if `target` appeared meanwhile, so an
     existing file is never replaced; with it, an atomic rename replaces the old file in one step. Temporary
     files left by killed writers of the same target are removed first; a write that fails for lack of
-    space or permission raises OutputError.
+    space or permission raises OutputError. A signal pending after the write abandons the output, unless
+    `finish_on_signal` (a checkpoint saved because a stop was asked for).
     """
     made = missing_folders(target.parent)
     tmp = None
@@ -98,7 +99,8 @@ def atomic_output(target: Path, overwrite: bool) -> Iterator[Path]:
         with signals.deferred():  # a signal while the file is made is raised once `tmp` names it
             tmp = _temporary(target)
         yield tmp
-        signals.raise_pending()  # a signal whose exception was lost on the way: never finish this output
+        if not finish_on_signal:
+            signals.raise_pending()  # a signal whose exception was lost on the way: never finish this output
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())  # the data is on disk before the name points at it
         os.chmod(tmp, 0o666 & ~_current_umask())  # mkstemp makes 0600 files; match a plain write

@@ -75,6 +75,7 @@ def evaluate_file(
     adata, subsample = read_for_scoring(path, batch_key, label_key, max_cells, OutputKeys(key_added),
                                         counts_layer)
     metrics.check_obs_keys(adata.obs, batch_key, label_key)
+    metrics.check_enough_cells(adata.obs)
     embeddings, info = metrics.evaluation_embeddings(adata, OutputKeys(key_added), counts_layer)
     neighbors = metrics.resolve_neighbors(neighbors, adata.n_obs)
     log.info("Scoring %d cells (%s neighbours; %s): %s ...", adata.n_obs, neighbors,

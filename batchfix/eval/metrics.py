@@ -341,9 +341,16 @@ def headline(metrics: dict) -> float | None:
 MIN_SCORED_CELLS = 90  # scib-metrics' neighbour graphs hold 90 neighbours per cell
 
 
+def check_enough_cells(obs: pd.DataFrame) -> None:
+    """Refuse a file with too few cells for `evaluate`'s neighbour graphs, before the scoring time."""
+    if len(obs) < MIN_SCORED_CELLS:
+        raise InputError(f"Scoring needs at least {MIN_SCORED_CELLS} cells (scib-metrics' neighbour graphs); the file "
+                         f"has {len(obs)}.")
+
+
 def check_obs_keys(obs: pd.DataFrame, batch_key: str, label_key: str | None) -> None:
-    """Refuse, before the scoring time, what scib-metrics would fail on after it: a missing column or value, too few
-    cells, a single batch, or labels that name single cells."""
+    """Refuse, before the scoring time, what scib-metrics would fail on after it: a missing column or value, a
+    single batch, or labels that name single cells."""
     for what, key in (("batch key", batch_key), ("label key", label_key)):
         if key is not None and key not in obs.columns:
             raise InputError(
@@ -352,9 +359,6 @@ def check_obs_keys(obs: pd.DataFrame, batch_key: str, label_key: str | None) -> 
         if key is not None and obs[key].isna().any():
             raise InputError(f"obs['{key}'] has {int(obs[key].isna().sum())} missing values: scoring needs a "
                              f"{what.split()[0]} for every cell (drop those cells, or fill them in).")
-    if len(obs) < MIN_SCORED_CELLS:
-        raise InputError(f"Scoring needs at least {MIN_SCORED_CELLS} cells (scib-metrics' neighbour graphs); the file "
-                         f"has {len(obs)}.")
     if obs[batch_key].nunique() < 2:
         raise InputError(f"obs['{batch_key}'] holds one batch: batch mixing needs at least two. Is data.batch_key "
                          "the column that names the batches?")

@@ -14,5 +14,5 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """TorchCheckpointIO into a temporary file beside the checkpoint, moved into place once complete."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
-        with atomic_output(Path(path), overwrite=True) as tmp:
+        with atomic_output(Path(path), overwrite=True, finish_on_signal=True) as tmp:  # the stop's own checkpoint
             super().save_checkpoint(checkpoint, tmp, storage_options)
