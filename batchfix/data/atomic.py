@@ -96,8 +96,11 @@ def atomic_output(target: Path, overwrite: bool, finish_on_signal: bool = False)
     made = missing_folders(target.parent)
     tmp = None
     try:
-        with signals.deferred():  # a signal while the file is made is raised once `tmp` names it
+        if finish_on_signal:
             tmp = _temporary(target)
+        else:
+            with signals.deferred():  # a signal while the file is made is raised once `tmp` names it
+                tmp = _temporary(target)
         yield tmp
         if not finish_on_signal:
             signals.raise_pending()  # a signal whose exception was lost on the way: never finish this output
