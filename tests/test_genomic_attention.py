@@ -166,15 +166,16 @@ def test_attention_verb_writes_only_what_is_asked(per_gene_runs, subset_h5ad, tm
 # ---------------------------------------------------------------- INT8 inference
 
 
-def test_int8_correction_is_close_to_float32_and_recorded(per_gene_runs, small_adata, counts_nearly_equal):
+def test_int8_correction_is_close_to_float32_and_recorded(per_gene_runs, small_adata):
     trained = load_trained(per_gene_runs["whole"] / "model.ckpt")
     fp32 = batchfix.correct(small_adata, trained, copy=True)
     int8 = batchfix.correct(small_adata, trained, copy=True, int8=True)
     approximate, exact = int8.layers["batchfix_counts"], fp32.layers["batchfix_counts"]
     modelled = fp32.var["batchfix_modelled"].to_numpy()
-    # The modelled genes: a count on a quantile boundary moves by one (measured 0.4 % of them). The extra genes'
-    # decoder moves more under int8 (measured: 13 % of their counts, some by tens; each cell's total by < 3 %).
-    assert 0 < counts_nearly_equal(approximate[:, modelled], exact[:, modelled])
+    # The modelled genes: a count near a quantile boundary moves by one, a large one (the middle of its interval
+    # moves with the mean) by two; the extra genes' decoder stays in float32.
+    moved = (approximate[:, modelled] - exact[:, modelled]).toarray()
+    assert 0 < np.count_nonzero(moved) / moved.size < 0.02 and np.abs(moved).max() <= 2
     assert (approximate != exact).nnz / np.prod(exact.shape) < 0.2
     totals = np.asarray(approximate.sum(axis=1)).ravel() / np.asarray(exact.sum(axis=1)).ravel()
     np.testing.assert_allclose(totals, 1.0, atol=0.05)
