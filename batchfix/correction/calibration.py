@@ -64,10 +64,10 @@ class ResidualSums:
 
 
 @torch.no_grad()
-def residual(net: BatchfixNet, x: torch.Tensor, own: torch.Tensor | None,
+def residual(net: BatchfixNet, x: torch.Tensor, mu: torch.Tensor, own: torch.Tensor | None,
              present: torch.Tensor | None = None) -> torch.Tensor:
-    """observed - decoded in each cell's own batch ((B,) codes), or in the average batch if own is None."""
-    mu, _ = net.encode(x)
+    """observed - decoded for cells `x` with latents `mu`, in each cell's own batch ((B,) codes), or in the average
+    batch if own is None."""
     return net.log_expression(x) - net.decoded(mu, own, present)
 
 
@@ -106,11 +106,13 @@ def calibrate(net: BatchfixNet, prepared: PreparedData) -> None:
         for x, codes in in_order(prepared, CALIBRATION_BATCH_SIZE, cells):  # (B, G), (B,)
             mu, _ = net.encode(x)
             own = torch.from_numpy(codes)
-            r = (net.log_expression(x) - net.decoded(mu, own)).numpy()
-            mean = (net.mean_fractions(mu, own) * x.sum(-1, keepdim=True)).numpy()  # NB means (B, G)
+            r = residual(net, x, mu, own).numpy()
             for b in np.unique(codes):
                 sums[b].add(r[codes == b])
-                dispersions[b].add(x.numpy()[codes == b], mean[codes == b])
+            if net.cfg.likelihood == "nb":
+                mean = (net.mean_fractions(mu, own) * x.sum(-1, keepdim=True)).numpy()  # NB means (B, G)
+                for b in np.unique(codes):
+                    dispersions[b].add(x.numpy()[codes == b], mean[codes == b])
     net.train(was_training)
     if net.cfg.likelihood == "nb":
         shared = net.decoder.log_theta.detach().double().exp().numpy()

@@ -48,7 +48,7 @@ def estimate_unseen(corrector, rows, n_obs: int) -> None:
     net, present = corrector.net, corrector.present
     for x, inputs, codes in unseen_cells(corrector, rows, n_obs) if sums else ():
         mu, _ = net.encode(x)
-        r = (net.log_expression(x) - net.decoded(mu, None, present)).numpy()
+        r = calibration.residual(net, x, mu, None, present).numpy()
         for code in np.unique(codes):
             sums[code - n_training].add(r[codes == code])
         for genes, values, set_sums in zip(corrector.gene_sets, inputs, count_sums):

@@ -31,7 +31,7 @@ import scipy.sparse as sp
 
 from batchfix.config import CorrectionSettings
 from batchfix.correction.corrector import Corrector, corrected_chunks
-from batchfix.correction.provenance import for_hdf5, provenance
+from batchfix.correction.provenance import for_hdf5, layer_entries, provenance
 from batchfix.data import ondisk
 from batchfix.data.atomic import atomic_output, output_exists
 from batchfix.data.genome import infercnv_columns
@@ -194,14 +194,9 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
         with atomic_output(target, overwrite) as tmp, h5py.File(tmp, "w") as dst:
             write_streamed(src, dst, corrector, rows, n_obs, progress)
     log.info("Wrote %s (%d cells; layers %s (%s) with %d corrected genes, %d missing; reference: %s).", target,
-             n_obs, list(provenance_layers(corrector)), settings.output_mode, corrector.n_out,
+             n_obs, list(layer_entries(corrector)), settings.output_mode, corrector.n_out,
              len(corrector.missing_genes), corrector.reference_name)
     return target
-
-
-def provenance_layers(corrector: Corrector) -> list[str]:
-    keys = OutputKeys(corrector.settings.key_added)
-    return [keys.counts, keys.layer] if corrector.counts_output else [keys.layer]
 
 
 def write_streamed(src: h5py.File, dst: h5py.File, corrector: Corrector, rows, n_obs: int, progress: bool) -> None:
