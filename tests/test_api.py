@@ -14,6 +14,7 @@ import pytest
 
 import batchfix
 from batchfix.api import train_config
+from batchfix.correction import extra_genes
 from batchfix.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,8 +32,9 @@ def readme_example() -> str:
 
 def test_the_readme_example_runs_as_written(tmp_path, monkeypatch):
     """As written, but for the training budget: the example trains the default 500 steps (minutes on a 2-core
-    CPU); here 2 epochs."""
+    CPU); here 2 epochs, and the extra genes' decoder 50 steps."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(extra_genes, "MAX_STEPS", 50)
     train = batchfix.train
     monkeypatch.setattr(batchfix, "train", lambda *args, **options: train(*args, **{"max_epochs": 2, **options}))
     namespace: dict = {}

@@ -70,10 +70,48 @@ def lower_tail(k: np.ndarray, theta: np.ndarray, p: np.ndarray) -> np.ndarray:
     return np.where(k >= 0, special.betainc(theta, np.maximum(k, 0) + 1.0, p), 0.0)
 
 
-def upper_tail(k: np.ndarray, theta: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """S(k) = P(X > k) of NB(theta, p) = I_{1-p}(k + 1, theta), exact in the far upper tail where 1 - F(k)
-    rounds; 1 below k = 0. `p` here is the complement q = mean / (theta + mean), passed exactly."""
-    return np.where(k >= 0, special.betainc(np.maximum(k, 0) + 1.0, theta, p), 1.0)
+def upper_tail(k: np.ndarray, theta: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """S(k) = P(X > k) of NB(theta, p) = I_q(k + 1, theta), exact in the far upper tail where 1 - F(k) rounds;
+    1 below k = 0. q = 1 - p = mean / (theta + mean), passed exactly."""
+    return np.where(k >= 0, special.betainc(np.maximum(k, 0) + 1.0, theta, q), 1.0)
+
+
+def probability(k: np.ndarray, theta: np.ndarray, p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """P(X = k) of NB(theta, p) (q = 1 - p, passed exactly); 0 below k = 0."""
+    kk = np.maximum(k, 0.0)
+    log_pmf = (special.gammaln(kk + theta) - special.gammaln(theta) - special.gammaln(kk + 1.0)
+               + theta * np.log(p) + special.xlogy(kk, q))
+    return np.where(k >= 0, np.exp(log_pmf), 0.0)
+
+
+class Tail:
+    """One tail of NB(theta, p) at counts k, moved one count at a time by adding or taking off P(X = k) (a few
+    arithmetic operations where the incomplete beta function costs far more): F(k) (`survival` False) or S(k)."""
+
+    CANCELLATION = 1e-6  # a difference below this share of the larger term is recomputed exactly
+
+    def __init__(self, k: np.ndarray, theta: np.ndarray, p: np.ndarray, q: np.ndarray, survival: bool):
+        self.k, self.theta, self.p, self.q, self.survival = k, theta, p, q, survival
+        self.value = upper_tail(k, theta, q) if survival else lower_tail(k, theta, p)
+
+    def exact(self, k: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        theta = self.theta[rows]
+        return upper_tail(k, theta, self.q[rows]) if self.survival else lower_tail(k, theta, self.p[rows])
+
+    def reached(self, target: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """F(k) >= target (S(k) <= target with `survival`): k is at or above the target's quantile."""
+        return values <= target if self.survival else values >= target
+
+    def at(self, k: np.ndarray, rows: np.ndarray, values: np.ndarray, step: float) -> np.ndarray:
+        """The tail at k + step (step +1 or -1) of `rows`, from its `values` at k."""
+        moved = k + step
+        mass = probability(np.maximum(k, moved), self.theta[rows], self.p[rows], self.q[rows])
+        grows = (step > 0) != self.survival  # F grows stepping up, S stepping down
+        new = values + mass if grows else values - mass
+        inexact = ~grows & (new < self.CANCELLATION * values)
+        if inexact.any():
+            new[inexact] = self.exact(moved[inexact], rows[inexact])
+        return new
 
 
 def quantile_search(guess: np.ndarray, target: np.ndarray, theta: np.ndarray, p: np.ndarray, q: np.ndarray,
@@ -81,24 +119,27 @@ def quantile_search(guess: np.ndarray, target: np.ndarray, theta: np.ndarray, p:
     """The smallest k >= 0 with F(k) >= target (or, with `survival`, S(k) <= target) under NB(theta, p) (q = 1 - p),
     stepping from `guess` (a count near the answer: a few steps each); entries still moving after SEARCH_STEPS
     steps take scipy's inverse."""
-    def reached(k: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        if survival:
-            return upper_tail(k, theta[rows], q[rows]) <= target[rows]
-        return lower_tail(k, theta[rows], p[rows]) >= target[rows]
-
     k = np.maximum(guess, 0.0)
+    tail = Tail(k, theta, p, q, survival)
+    values = tail.value
     everyone = np.arange(len(k))
-    rows = everyone[~reached(k, everyone)]  # too low: step up
+    up = ~tail.reached(target, values)  # too low: step up
+    rows, current = everyone[up], values[up]
     for _ in range(SEARCH_STEPS):
+        current = tail.at(k[rows], rows, current, +1.0)
         k[rows] += 1.0
-        rows = rows[~reached(k[rows], rows)]
+        still = ~tail.reached(target[rows], current)
+        rows, current = rows[still], current[still]
     unresolved = [rows]
-    rows = everyone[k > 0]
-    rows = rows[reached(k[rows] - 1.0, rows)]  # one lower still reaches: step down
-    for _ in range(SEARCH_STEPS):
+    down = ~up & (k > 0)
+    rows, current = everyone[down], values[down]
+    for _ in range(SEARCH_STEPS + 1):  # while one lower still reaches: step down
+        below = tail.at(k[rows], rows, current, -1.0)
+        lower = tail.reached(target[rows], below)
+        rows, current = rows[lower], below[lower]
         k[rows] -= 1.0
-        rows = rows[k[rows] > 0]
-        rows = rows[reached(k[rows] - 1.0, rows)]
+        keep = k[rows] > 0
+        rows, current = rows[keep], current[keep]
     rows = np.concatenate([*unresolved, rows])
     if len(rows):  # far from the guess: the distribution's own inverse
         nb = stats.nbinom(theta[rows], p[rows])
@@ -117,20 +158,18 @@ def quantile_map(y: np.ndarray, own_mean: np.ndarray, ref_mean: np.ndarray, own_
     if not len(moved):
         return out
     yy, um, theta, p = y[moved], u[moved], own_theta[moved], own_p[moved]
+    q = own_mean[moved] / (theta + own_mean[moved])  # 1 - p, exactly
+    mass = probability(yy, theta, p, q)  # P_b(y)
     low = lower_tail(yy - 1.0, theta, p)  # F_b(y - 1)
     survival = low > 0.5  # the upper tail: work with S = 1 - F, which keeps its digits there
-    target = np.empty_like(yy)
-    lower_rows, upper_rows = np.flatnonzero(~survival), np.flatnonzero(survival)
-    high = lower_tail(yy[lower_rows], theta[lower_rows], p[lower_rows])
-    target[lower_rows] = low[lower_rows] + um[lower_rows] * (high - low[lower_rows])
-    own_q = own_mean[moved][upper_rows] / (theta[upper_rows] + own_mean[moved][upper_rows])  # 1 - p, exactly
-    s_high = upper_tail(yy[upper_rows] - 1.0, theta[upper_rows], own_q)  # S_b(y - 1)
-    s_low = upper_tail(yy[upper_rows], theta[upper_rows], own_q)  # S_b(y)
-    target[upper_rows] = s_high - um[upper_rows] * (s_high - s_low)  # 1 - the lower tail's target
+    target = low + um * mass
+    upper_rows = np.flatnonzero(survival)
+    s_low = upper_tail(yy[upper_rows], theta[upper_rows], q[upper_rows])  # S_b(y)
+    target[upper_rows] = s_low + (1.0 - um[upper_rows]) * mass[upper_rows]  # 1 - the lower tail's target
     guess = np.round(yy * ref_mean[moved] / np.maximum(own_mean[moved], 1e-300))
     result = np.empty_like(yy)
     ref_q = ref_mean[moved] / (ref_theta[moved] + ref_mean[moved])
-    for rows, tail in ((lower_rows, False), (upper_rows, True)):
+    for rows, tail in ((np.flatnonzero(~survival), False), (upper_rows, True)):
         result[rows] = quantile_search(guess[rows], target[rows], ref_theta[moved][rows], ref_p[moved][rows],
                                        ref_q[rows], tail)
     out[moved] = result

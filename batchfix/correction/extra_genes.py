@@ -28,9 +28,14 @@ from batchfix.training.module import BatchfixModel
 log = logging.getLogger(__name__)
 
 MIN_CELLS = 3  # a gene detected in fewer cells of the training file is not corrected
-STEPS = 600  # optimizer steps of the extra decoder's fit (the latents are fixed: a small, convex-ish problem)
+MAX_STEPS = 600  # optimizer steps of the extra decoder's fit at most (the latents are fixed: a small problem)
 BATCH_SIZE = 256
 LEARNING_RATE = 1e-2
+# Early stopping: the fit holds out a share of its cells and keeps the decoder of the lowest held-out NB loss,
+# checked every CHECK_EVERY steps, stopping after PATIENCE checks without a lower one. Measured on the bundled
+# data (1,021 cells): a fixed 600 steps overfits (held-out loss 13,135 per cell against 12,754 at 150 steps).
+HELD_OUT_SHARE, MAX_HELD_OUT_CELLS = 0.1, 2000
+CHECK_EVERY, PATIENCE = 25, 4
 
 
 def detected_cells(rows, n_obs: int, chunk_size: int = 4096) -> np.ndarray:
@@ -55,38 +60,85 @@ def latents_and_codes(model: BatchfixModel, prepared: PreparedData, cells: np.nd
     return torch.cat(latents), torch.cat(codes)
 
 
-def fit_decoder(net, latents: torch.Tensor, codes: torch.Tensor, extra_counts: torch.Tensor, seed: int) -> float:
-    """Fit net.extra_decoder on (latent, batch) -> counts (cells, extra genes); returns the last loss per cell."""
+def held_out_split(n_cells: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fitting rows, held-out rows) of n_cells: HELD_OUT_SHARE of them held out (none below 20 cells)."""
+    order = torch.randperm(n_cells, generator=generator)
+    n_held = min(int(n_cells * HELD_OUT_SHARE), MAX_HELD_OUT_CELLS) if n_cells >= 20 else 0
+    return order[n_held:], order[:n_held]
+
+
+class SparseCounts:
+    """The fitting cells' extra-gene counts, kept sparse (tens of thousands of cells x genes would not fit dense):
+    `matrix` (cells, extra genes) CSR float32 and `library` (cells, 1) each cell's sum."""
+
+    def __init__(self, matrix):
+        self.matrix = sp.csr_matrix(matrix, dtype=np.float32)
+        self.library = torch.from_numpy(np.asarray(self.matrix.sum(axis=1), dtype=np.float32))
+
+    def rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """(len(rows), extra genes) dense counts of the cells at `rows`."""
+        return torch.from_numpy(self.matrix[rows.numpy()].toarray())
+
+
+def nb_loss(decoder, latents: torch.Tensor, codes: torch.Tensor, counts_dense: torch.Tensor,
+            library: torch.Tensor) -> torch.Tensor:
+    """Mean NB negative log-likelihood per cell of the decoder's means at each cell's extra-gene library."""
+    mean = F.softmax(decoder(latents, codes).float(), dim=-1) * library  # (cells, extra genes)
+    return -negative_binomial_log_likelihood(counts_dense, mean, decoder.log_theta).mean()
+
+
+def fit_decoder(net, latents: torch.Tensor, codes: torch.Tensor, extra_counts: SparseCounts,
+                seed: int) -> tuple[float, int]:
+    """Fit net.extra_decoder on (latent, batch) -> counts (cells, extra genes), stopped early on held-out cells;
+    returns the kept decoder's held-out loss per cell (its last training loss where no cell is held out) and the
+    steps taken."""
     generator = torch.Generator().manual_seed(seed)
     decoder = net.extra_decoder
     optimizer = torch.optim.Adam(decoder.parameters(), lr=LEARNING_RATE)
-    library = extra_counts.sum(-1, keepdim=True)  # (cells, 1)
-    loss = torch.zeros(())
-    decoder.train()
+    library = extra_counts.library
+    fitting, held = held_out_split(len(latents), generator)
+    held_counts = extra_counts.rows(held)
+    best, best_state, checks_since_best = float("inf"), None, 0
+    loss, step = torch.zeros(()), 0
     with torch.enable_grad():
-        for _ in range(STEPS):
-            rows = torch.randint(len(latents), (min(BATCH_SIZE, len(latents)),), generator=generator)
-            mean = F.softmax(decoder(latents[rows], codes[rows]).float(), dim=-1) * library[rows]
-            loss = -negative_binomial_log_likelihood(extra_counts[rows], mean, decoder.log_theta).mean()
+        for step in range(1, MAX_STEPS + 1):
+            decoder.train()
+            rows = fitting[torch.randint(len(fitting), (min(BATCH_SIZE, len(fitting)),), generator=generator)]
+            loss = nb_loss(decoder, latents[rows], codes[rows], extra_counts.rows(rows), library[rows])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if len(held) == 0 or step % CHECK_EVERY:
+                continue
+            decoder.eval()
+            with torch.no_grad():
+                held_loss = float(nb_loss(decoder, latents[held], codes[held], held_counts, library[held]))
+            if held_loss < best:
+                best, checks_since_best = held_loss, 0
+                best_state = {name: value.clone() for name, value in decoder.state_dict().items()}
+            else:
+                checks_since_best += 1
+                if checks_since_best >= PATIENCE:
+                    break
     decoder.eval()
-    return float(loss.detach())
+    if best_state is None:
+        return float(loss.detach()), step
+    decoder.load_state_dict(best_state)
+    return best, step
 
 
 @torch.no_grad()
-def calibrate_dispersion(net, latents: torch.Tensor, codes: torch.Tensor, extra_counts: torch.Tensor) -> None:
+def calibrate_dispersion(net, latents: torch.Tensor, codes: torch.Tensor, extra_counts: SparseCounts) -> None:
     """Each training batch's dispersion and ratio of the extra genes around the fitted means (net.extra_count_*)."""
     shared = net.extra_decoder.log_theta.double().exp().numpy()
-    sums = [counts.CountSums(extra_counts.shape[1]) for _ in range(net.n_batches)]
-    library = extra_counts.sum(-1, keepdim=True)
+    sums = [counts.CountSums(extra_counts.matrix.shape[1]) for _ in range(net.n_batches)]
     for start in range(0, len(latents), 1024):
         part = slice(start, start + 1024)
-        mean = (net.mean_fractions(latents[part], codes[part], extra=True) * library[part]).numpy()
+        mean = (net.mean_fractions(latents[part], codes[part], extra=True) * extra_counts.library[part]).numpy()
+        observed = extra_counts.matrix[start:start + 1024].toarray()
         for b in np.unique(codes[part].numpy()):
             chosen = (codes[part] == b).numpy()
-            sums[b].add(extra_counts[part].numpy()[chosen], mean[chosen])
+            sums[b].add(observed[chosen], mean[chosen])
     store_count_tables(net.extra_count_theta, net.extra_count_ratio, sums, shared)
 
 
@@ -109,17 +161,18 @@ def add_extra_genes(model: BatchfixModel, prepared: PreparedData, rows, var_name
         return summary
     cells = calibration_cells(prepared.batch_index, len(prepared.batch_categories), CALIBRATION_CELLS_PER_BATCH)
     taken = rows.take(prepared.file_rows[cells])[:, columns]
-    extra_counts = torch.as_tensor(taken.toarray() if sp.issparse(taken) else np.asarray(taken), dtype=torch.float32)
+    extra_counts = SparseCounts(taken)
     latents, codes = latents_and_codes(model, prepared, cells)
     torch.manual_seed(seed)
     model.net.add_extra_genes(len(columns))
-    loss = fit_decoder(model.net, latents, codes, extra_counts.detach(), seed)
+    loss, steps = fit_decoder(model.net, latents, codes, extra_counts, seed)
     calibrate_dispersion(model.net, latents, codes, extra_counts)
     genes = var_names[columns].tolist()
     model.module.hparams["extra_genes"] = genes
     log.info("Corrected beyond the %d modelled genes: %d more genes detected in >= %d cells, through a second "
-             "decoder fitted on %d cells (final NB loss %.1f per cell); %d genes detected in fewer cells keep their "
-             "counts.", len(model.genes), len(genes), MIN_CELLS, len(cells), loss, summary["uncorrected"])
+             "decoder fitted on %d cells in %d steps (NB loss %.1f per held-out cell); %d genes detected in fewer cells "
+             "keep their counts.", len(model.genes), len(genes), MIN_CELLS, len(cells), steps, loss,
+             summary["uncorrected"])
     return {**summary, "extra": len(genes)}
 
 
