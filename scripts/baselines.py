@@ -5,6 +5,7 @@ import importlib.util
 
 import anndata as ad
 import numpy as np
+import scipy.sparse as sp
 
 BENCH_EXTRA = 'pip install -e ".[bench]"'
 
@@ -23,6 +24,16 @@ def combat(log_values: np.ndarray, obs, batch_key: str) -> np.ndarray:
     holder = ad.AnnData(log_values.copy(), obs=obs[[batch_key]].copy())
     sc.pp.combat(holder, key=batch_key)
     return np.asarray(holder.X)
+
+
+def combat_seq(counts, batches, group=None) -> sp.csr_matrix:
+    """ComBat-seq's adjusted counts (cells x genes) of `counts` (inmoose's pycombat_seq); a biological group is passed
+    as its one categorical covariate (inmoose's `covar_mod`, the `group=` of R's ComBat_seq)."""
+    from inmoose.pycombat import pycombat_seq
+
+    dense = (counts.toarray() if sp.issparse(counts) else np.asarray(counts)).astype(np.float64).T  # genes x cells
+    adjusted = pycombat_seq(dense, list(batches), covar_mod=None if group is None else list(group))
+    return sp.csr_matrix(np.asarray(adjusted, dtype=np.float32).T)
 
 
 def cellanova(log_values: np.ndarray, obs, batch_key: str, seed: int = 0) -> np.ndarray:

@@ -94,7 +94,7 @@ from batchfix.eval import cnv, detection, fidelity, matrix_scores, metrics, repo
 from scripts import baselines
 from scripts.stress_set import contrast_truth_error, group_truth_error, relative_group_truth_error, truth_error
 
-BASELINES = ["unintegrated", "combat", "harmony", "scanorama", "scvi", "sysvi", "cellanova"]
+BASELINES = ["unintegrated", "combat", "combat_seq", "harmony", "scanorama", "scvi", "sysvi", "cellanova"]
 ALL_METHODS = ["batchfix", *BASELINES]
 ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
 STATE_DEPENDENCES = (0.5,)  # correction.state_dependence values corrected beside the default, on the same model
@@ -249,6 +249,16 @@ def fit_combat(data: Prepared) -> MethodResult:
     return measured(fit)
 
 
+def fit_combat_seq(data: Prepared) -> MethodResult:
+    """ComBat-seq's corrected counts, normalised and logged as every other method's input is (log_cp10k)."""
+    def fit():
+        adjusted = baselines.combat_seq(data.counts.X, data.counts.obs[data.batch_key].astype(str).to_numpy())
+        corrected = np.asarray(log_cp10k(adjusted.toarray()), dtype=np.float32)
+        return {"ComBat-seq": metrics.pca_embedding(corrected, seed=data.seed)}, {"ComBat-seq": corrected}
+
+    return measured(fit)
+
+
 def fit_harmony(data: Prepared) -> MethodResult:
     import harmonypy
 
@@ -331,6 +341,7 @@ def fit_batchfix(data: Prepared, overrides: list[str], name: str = "batchfix") -
 BASELINE_FITS = {
     "unintegrated": fit_unintegrated,
     "combat": fit_combat,
+    "combat_seq": fit_combat_seq,
     "harmony": fit_harmony,
     "scanorama": fit_scanorama,
     "scvi": fit_scvi,
@@ -339,6 +350,7 @@ BASELINE_FITS = {
 }
 # by method, what it needs beyond the package's own dependencies (the bench extra): a message if that is missing
 MISSING_PACKAGE = {
+    "combat_seq": lambda: baselines.missing_module("inmoose"),
     "harmony": lambda: baselines.missing_module("harmonypy"),
     "scanorama": lambda: baselines.missing_module("scanorama"),
     "scvi": lambda: baselines.missing_module("scvi"),

@@ -40,6 +40,7 @@ import scanpy as sc
 import scipy.sparse as sp
 
 from batchfix.eval.detection import detection_calibration, false_de, reference_nonzero
+from scripts import baselines
 
 PADJ = 0.05
 BASELINES = ("raw+covariate", "raw", "combat-seq", "combat-seq+group")
@@ -56,15 +57,6 @@ def require(module: str):
         raise SystemExit(f"{module} is needed here; it is in the bench extra: {EXTRA_HINT}") from error
 
 
-def combat_seq(counts: sp.csr_matrix, batches: np.ndarray, group: np.ndarray | None) -> sp.csr_matrix:
-    """ComBat-seq's adjusted counts (cells x genes) of `counts`; a biological group is passed as its one
-    categorical covariate (inmoose's `covar_mod`, the `group=` of R's ComBat_seq)."""
-    pycombat_seq = require("inmoose.pycombat").pycombat_seq
-    dense = counts.toarray().astype(np.float64).T  # genes x cells
-    adjusted = pycombat_seq(dense, list(batches), covar_mod=None if group is None else list(group))
-    return sp.csr_matrix(np.asarray(adjusted, dtype=np.float32).T)
-
-
 def method_counts(adata: ad.AnnData, methods: list[str], layers: list[str]) -> dict[str, tuple]:
     """Method name -> (cells x genes counts, whether the DE design has batch as a covariate)."""
     raw = sp.csr_matrix(adata.X, dtype=np.float32)
@@ -75,7 +67,8 @@ def method_counts(adata: ad.AnnData, methods: list[str], layers: list[str]) -> d
             out[method] = (raw, method == "raw+covariate")
         else:
             group = adata.obs["condition"].astype(str).to_numpy() if method.endswith("+group") else None
-            out[method] = (combat_seq(raw, batches, group), False)
+            require("inmoose.pycombat")
+            out[method] = (baselines.combat_seq(raw, batches, group), False)
     for layer in layers:
         out[layer] = (sp.csr_matrix(adata.layers[layer], dtype=np.float32), False)
     return out
