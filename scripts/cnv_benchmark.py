@@ -11,6 +11,7 @@ regional variants are corrections of that one model. One JSON of records per com
     python -m scripts.cnv_benchmark inject data/cellbench5.h5ad --design confounded --seeds 0 --out ...
     python -m scripts.cnv_benchmark confounded data/cellbench5.h5ad --seeds 0 1 2 --out ...
     python -m scripts.cnv_benchmark oligodendroglioma --seeds 0 1 2 --out ...
+    python -m scripts.cnv_benchmark reference data/cellbench5.h5ad --seeds 0 1 2 --out ...   # reference cells
     python -m scripts.cnv_benchmark report --reports docs/results/cnv_*.json   # the tables of docs/cnv.md
 """
 from __future__ import annotations
@@ -323,7 +324,73 @@ def oligodendroglioma_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
-RUNS = {"profile": profile_run, "inject": inject_run, "confounded": confounded_run,
+REFERENCE_VARIANTS = {
+    "batchfix regional=keep": {"regional_shift": "keep"},
+    "batchfix regional=keep_input": {"regional_shift": "keep_input"},
+    "batchfix keep + reference cells": {"regional_shift": "keep"},  # normal_key / normal_values added per run
+}
+
+
+def label_contrast(values, genes, labels, batch, own, label) -> float:
+    """seg(label, own batch) - seg(label, other batches)."""
+    return cnv.segment_shift(values, genes, (labels == label) & (batch == own), (labels == label) & (batch != own))
+
+
+def reference_run(args) -> list[dict]:
+    """Reference cells (correction.normal_key) on one dataset holding both errors: a clone in every cell but the
+    normal line's of one batch (--clone-batch; gain --gain, loss --loss) and a regional technical effect in every
+    cell of another (--artefact-batch; gain chr3, loss chr12, the normal line's cells included).
+
+    clone kept (per segment): mean over the clone's labels of [seg(L, batch) - seg(L, other batches)] minus the same
+    for the normal line, over the injected shift (1 = kept whole). artefact left: mean over the artefact batch's
+    labels of seg(L, batch) - seg(L, other batches), less the same in the data before injection, over the injected
+    shift (0 = removed). Every matrix on log1p(counts per 10k over all genes), on the modelled genes."""
+    adata = ad.read_h5ad(args.input)
+    labels = adata.obs[args.label_key].astype(str).to_numpy()
+    batch = adata.obs[args.batch_key].astype(str).to_numpy()
+    clone_labels = sorted(set(labels[batch == args.clone_batch]) - {args.normal})
+    artefact_labels = sorted(set(labels[batch == args.artefact_batch]))
+    injected, clone_cells = adata, np.zeros(adata.n_obs, dtype=bool)
+    for i, label in enumerate(clone_labels):
+        injected = inject_clones.inject(injected, inject_clones.Clone(label, [args.clone_batch], args.gain, args.loss),
+                                        args.label_key, args.batch_key, seed=i)
+        clone_cells |= injected.obs["clone"].to_numpy(dtype=bool)
+    for i, label in enumerate(artefact_labels):
+        injected = inject_clones.inject(injected, inject_clones.Clone(label, [args.artefact_batch], "3", "12"),
+                                        args.label_key, args.batch_key, seed=100 + i)
+    original, after = dense(log_cp10k(dense(adata.X))), dense(log_cp10k(dense(injected.X)))
+    records = []
+    for seed in args.seeds:
+        variants = {name: dict(options) for name, options in REFERENCE_VARIANTS.items()}
+        variants["batchfix keep + reference cells"].update(normal_key=args.label_key, normal_values=[args.normal])
+        model = batchfix.train(injected, batch_key=args.batch_key, seed=seed, **TRAIN_OPTIONS)
+        matrices = {"uncorrected": after, "ComBat": combat(after, injected.obs, args.batch_key).astype(np.float32)}
+        for name, options in variants.items():
+            matrices[name] = dense(batchfix.correct(injected, model, copy=True, **options).layers["batchfix"])
+        modelled = np.isin(injected.var_names, model.genes)
+        for name, values in matrices.items():
+            record = {"experiment": "reference", "seed": seed, "method": name}
+            for kind, chromosome in (("clone gain", args.gain), ("clone loss", args.loss)):
+                genes = modelled & inject_clones.segment_genes(adata.var, chromosome)
+                truth = inject_clones.injected_shift(original, after, clone_cells, genes)
+                kept = np.mean([label_contrast(values, genes, labels, batch, args.clone_batch, label)
+                                for label in clone_labels])
+                record[f"{kind} kept"] = float((kept - label_contrast(values, genes, labels, batch, args.clone_batch,
+                                                                      args.normal)) / truth)
+            for kind, chromosome in (("artefact gain", "3"), ("artefact loss", "12")):
+                genes = modelled & inject_clones.segment_genes(adata.var, chromosome)
+                cells = batch == args.artefact_batch
+                truth = inject_clones.injected_shift(original, after, cells, genes)
+                left = [label_contrast(values, genes, labels, batch, args.artefact_batch, label)
+                        - label_contrast(original, genes, labels, batch, args.artefact_batch, label)
+                        for label in artefact_labels]
+                record[f"{kind} left"] = float(np.mean(left) / truth)
+            records.append(record)
+            emit(records)
+    return records
+
+
+RUNS = {"profile": profile_run, "reference": reference_run, "inject": inject_run, "confounded": confounded_run,
         "oligodendroglioma": oligodendroglioma_run}
 
 
@@ -338,6 +405,9 @@ def main(argv=None) -> None:
     parser.add_argument("--loss", default="17")
     parser.add_argument("--batch-key", default="batch")
     parser.add_argument("--label-key", default="cell_type")
+    parser.add_argument("--normal", default="H1975", help="reference: the label of the normal (reference) cells")
+    parser.add_argument("--clone-batch", default="sc_celseq2_5cl_p3", help="reference: the batch of the clone")
+    parser.add_argument("--artefact-batch", default="sc_dropseq", help="reference: the batch of the artefact")
     parser.add_argument("--extra", nargs="*", default=[], choices=["cellanova", "scvi"],
                         help="baselines beside ComBat (scvi: its decoded expression; counts in X only)")
     parser.add_argument("--no-scib", dest="scib", action="store_false", help="skip the scIB Totals")

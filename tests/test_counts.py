@@ -163,3 +163,27 @@ def test_the_output_carries_coordinates_as_infercnvpy_reads_them(trained, subset
     assert placed.mean() > 0.8 and chromosome[placed].astype(str).str.match(r"^chr(\d+|X|Y|M)$").all()
     assert (out.var["end"][placed] >= out.var["start"][placed]).all()
     assert subset.var["chromosome"].dropna().iloc[0] in chromosome.dropna().iloc[0]  # same place, infercnvpy's name
+
+
+def test_a_corrected_file_goes_into_infercnvpy_with_its_reference_from_the_layer(trained, tmp_path):
+    """The corrected file, read back, into infercnvpy.tl.infercnv with no extra step: reference cells named by obs,
+    the expression and the reference both from the log layer (the `cnv` extra's infercnvpy reads the reference
+    from the layer it is given, not from X's raw counts)."""
+    import batchfix
+    import infercnvpy
+    from infercnvpy.tl import _infercnv
+
+    model, path = trained
+    out = tmp_path / "corrected.h5ad"
+    batchfix.correct(ad.read_h5ad(path), model, copy=True).write_h5ad(out)
+    corrected = ad.read_h5ad(out)
+    reference = _infercnv._get_reference(corrected, "cell_type", ["H1975"], None, "batchfix")
+    normal = (corrected.obs["cell_type"] == "H1975").to_numpy()
+    np.testing.assert_allclose(np.ravel(reference), np.ravel(corrected.layers["batchfix"][normal].mean(axis=0)),
+                               rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.ravel(reference), np.ravel(corrected.X[normal].mean(axis=0)))  # not X's raw counts
+    infercnvpy.tl.infercnv(corrected, layer="batchfix", reference_key="cell_type", reference_cat=["H1975"],
+                           window_size=20, step=5)
+    scores = corrected.obsm["X_cnv"]
+    assert scores.shape[0] == corrected.n_obs and scores.shape[1] > 10
+    assert set(corrected.uns["cnv"]["chr_pos"]) <= {f"chr{c}" for c in [*range(1, 23), "X", "Y"]}

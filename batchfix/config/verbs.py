@@ -3,7 +3,7 @@ options they share, and their registration in Hydra's ConfigStore."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import ClassVar, List, Optional
 
 from batchfix.config.choices import (
     NEIGHBOR_METHODS,
@@ -58,6 +58,13 @@ class CorrectionOptions:
     # regional_seed, so "neighbours" are unrelated genes)
     regional_order: str = "genome"
     regional_seed: int = 0  # the random gene order of regional_order=shuffled
+    # Reference (normal) cells for copy number, as infercnv's reference groups: the obs column and its values that
+    # mark cells known to be diploid (set at correct time, no retraining). With regional_shift=keep each batch's
+    # mean shift is then its normal cells' mean: a regional artefact of the batch goes from all its cells, and every
+    # regional deviation beyond its normal cells (a clone all its malignant cells carry) stays. A batch with too few
+    # normal cells is compared with the normal cells of all batches (docs/cnv.md, Reference cells).
+    normal_key: Optional[str] = None
+    normal_values: List[str] = field(default_factory=list)
     # The counterfactual output's residual scale k: batch = one spread per batch | gene = a spread per gene and
     # batch, shrunk toward the batch's level (empirical Bayes, as ComBat's scale; docs/genewise_spread.md)
     spread: str = "batch"
@@ -86,6 +93,16 @@ class CorrectionOptions:
         within(f"{self.PREFIX}residual_weight", self.residual_weight, 0.0, 1.0)
         within(f"{self.PREFIX}regional_seed", self.regional_seed, 0, 2**32 - 1)
         non_empty(f"{self.PREFIX}reference", self.reference)
+        non_empty(f"{self.PREFIX}normal_key", self.normal_key)
+        if (self.normal_key is None) != (not self.normal_values):
+            raise ConfigError(f"{self.PREFIX}normal_key and {self.PREFIX}normal_values go together: the obs column "
+                              f"and its values that mark normal cells (e.g. {self.PREFIX}normal_key=cell_type "
+                              f"{self.PREFIX}normal_values=[T_cell,fibroblast]); got normal_key={self.normal_key!r}, "
+                              f"normal_values={list(self.normal_values)!r}.")
+        if self.normal_key is not None and (self.output_mode != "counterfactual" or self.regional_shift != "keep"):
+            raise ConfigError(f"{self.PREFIX}normal_key works with output_mode=counterfactual and regional_shift=keep "
+                              f"(the mean shift it replaces); got output_mode={self.output_mode}, "
+                              f"regional_shift={self.regional_shift}.")
         if self.key_added is None or not str(self.key_added).strip():
             raise ConfigError(f"{self.PREFIX}key_added must be a non-empty name, got {self.key_added!r}.")
         if "/" in self.key_added:

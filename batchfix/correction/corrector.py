@@ -97,8 +97,9 @@ class Corrector:
 
     def __init__(self, trained: BatchfixModel, var_names: pd.Index, settings: CorrectionSettings,
                  source: str = "X", batch: np.ndarray | None = None, batch_key: str | None = None,
-                 obs_names: pd.Index | None = None):
+                 obs_names: pd.Index | None = None, normal: np.ndarray | None = None):
         self.trained = trained
+        self.normal = normal  # (cells,) bool: reference cells (correction.normal_key), or None
         self.net = int8_network(trained.net) if settings.int8 else trained.net
         self.batch_key = batch_key
         self.settings = settings

@@ -4,7 +4,8 @@
   average decoder and their dispersion (the corrected counts), from one pass over their cells.
 - Every batch's mean shift, for correction.state_dependence < 1 and the regional shift: the mean of the decoder
   term (log output) or of the log-mean shift (counts) over the batch's cells (keep) or over all cells (keep_all;
-  keep_input, whose whole change is on the log output's scale, splits the counts' shift as keep_all does).
+  keep_input, whose whole change is on the log output's scale, splits the counts' shift as keep_all does);
+  with reference cells (correction.normal_key), over each batch's normal cells instead (`normal_mean_shift`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import torch
 
 from batchfix.correction import calibration, counterfactual, counts
 from batchfix.correction.regional import RegionalShift, genome_smoother
+
+MIN_NORMAL_CELLS = 20  # reference cells a batch needs for its own regional mean shift (correction.normal_key)
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +106,9 @@ def estimate_mean_shift(corrector, rows, n_obs: int, regional: bool) -> None:
     whole = mode == "keep_input" and not corrector.counts_output
     term_sums = np.zeros((n_codes, len(corrector.trained.genes)))
     change_sums = np.zeros_like(term_sums)  # keep_input only
+    normal_sums = np.zeros_like(term_sums)  # correction.normal_key only
     n_cells = np.zeros(n_codes, dtype=np.int64)
+    n_normal = np.zeros(n_codes, dtype=np.int64)
     corrector.latents = np.empty((n_obs, corrector.latent_dim), dtype=np.float32)
     for start in range(0, n_obs, corrector.settings.chunk_size):
         stop = min(start + corrector.settings.chunk_size, n_obs)
@@ -114,12 +119,19 @@ def estimate_mean_shift(corrector, rows, n_obs: int, regional: bool) -> None:
             mu, _ = corrector.net.encode(part)  # (B, latent)
             corrector.latents[start + begin:start + begin + len(codes)] = mu.numpy()
             term, change = batch_terms(corrector, part, mu, codes, whole)
+            normal = None if corrector.normal is None else corrector.normal[start + begin:start + begin + len(codes)]
             for code in np.unique(codes[codes >= 0]):
                 term_sums[code] += term[codes == code].sum(axis=0)
                 if change is not None:
                     change_sums[code] += change[codes == code].sum(axis=0)
                 n_cells[code] += int((codes == code).sum())
+                if normal is not None:
+                    normal_sums[code] += term[(codes == code) & normal].sum(axis=0)
+                    n_normal[code] += int(((codes == code) & normal).sum())
     set_mean_shift(corrector, term_sums, change_sums if whole else term_sums, n_cells, mode, regional)
+    if regional and corrector.normal is not None:
+        corrector.regional.mean_shift, corrector.regional.estimated = normal_mean_shift(
+            corrector, normal_sums, n_normal, corrector.regional.mean_shift.numpy())
 
 
 def set_mean_shift(corrector, term_sums: np.ndarray, split_sums: np.ndarray, n_cells: np.ndarray, mode: str,
@@ -150,3 +162,29 @@ def set_mean_shift(corrector, term_sums: np.ndarray, split_sums: np.ndarray, n_c
                                settings.regional_window, settings.regional_seed)
     corrector.regional = RegionalShift(smoother, as_tensor(mean_shift), as_tensor(estimated),
                                        whole=mode == "keep_input" and not corrector.counts_output)
+
+
+def normal_mean_shift(corrector, normal_sums: np.ndarray, n_normal: np.ndarray,
+                      batch_mean: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The regional split's mean shift taken over reference cells (correction.normal_key): each batch code's own
+    normal cells' mean where it has MIN_NORMAL_CELLS of them, else the mean over the normal cells of every batch
+    (its whole regional deviation from normal cells elsewhere is kept: a clone all its cells carry survives, and
+    so would a regional artefact of its own), else (too few normal cells anywhere) its own mean (`batch_mean`).
+    Returns (mean_shift (codes, G), estimated (codes,)) float32 tensors."""
+    own = n_normal >= MIN_NORMAL_CELLS
+    pooled = n_normal.sum() >= MIN_NORMAL_CELLS
+    mean_shift = batch_mean.copy()
+    mean_shift[own] = normal_sums[own] / n_normal[own, None]
+    names = [corrector.batch_name(c) for c in range(len(n_normal))]
+    fallback = [names[c] for c in np.flatnonzero(~own)]
+    if pooled and fallback:
+        mean_shift[~own] = normal_sums.sum(axis=0) / n_normal.sum()
+    log.info("Reference cells (%s in %s): %s", corrector.settings.normal_values, corrector.settings.normal_key,
+             ", ".join(f"{names[c]} {n_normal[c]}" for c in range(len(n_normal))))
+    if fallback:
+        log.warning("Batches with fewer than %d reference cells: %s; %s", MIN_NORMAL_CELLS, fallback,
+                    "compared with the reference cells of every batch (their whole regional deviation is kept)"
+                    if pooled else "too few reference cells anywhere: each keeps its own mean (regional_shift=keep)")
+    estimated = corrector.regional.estimated.clone()
+    estimated[torch.as_tensor(own | pooled)] = 1.0
+    return torch.as_tensor(mean_shift, dtype=torch.float32), estimated

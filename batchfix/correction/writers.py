@@ -81,6 +81,23 @@ def cell_batches(values: pd.Series | None, batch_key: str, columns: list[str], t
     return batch
 
 
+def normal_cells(values: pd.Series | None, settings: CorrectionSettings, columns: list[str]) -> np.ndarray | None:
+    """(cells,) bool: the reference cells named by correction.normal_key / normal_values, None when unset; an
+    error naming the obs columns, or the column's values, when none is found."""
+    key, wanted = settings.normal_key, [str(v) for v in settings.normal_values]
+    if key is None:
+        return None
+    if values is None:
+        raise InputError(f"correction.normal_key={key!r}: obs has no such column. Columns present: {columns}.")
+    labels = values.astype(str).to_numpy()
+    normal = np.isin(labels, wanted)
+    if not normal.any():
+        present = sorted(pd.unique(labels))
+        raise InputError(f"correction.normal_values={wanted}: no cell of obs column '{key}' has one of them. Its "
+                         f"values: {present[:20]}{' ...' if len(present) > 20 else ''}.")
+    return normal
+
+
 def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
                   counts_layer: str | None = None, batch_key: str | None = None, copy: bool = False,
                   progress: bool = False, all_batches_new: bool = False) -> ad.AnnData | None:
@@ -96,8 +113,10 @@ def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: Correctio
     if settings.output_mode == "counterfactual":
         batch = cell_batches(adata.obs[batch_key] if batch_key in adata.obs else None, batch_key,
                              list(map(str, adata.obs.columns)), trained.batch_categories, all_batches_new)
+    normal = normal_cells(adata.obs[settings.normal_key] if settings.normal_key in adata.obs else None, settings,
+                          list(map(str, adata.obs.columns)))
     corrector = Corrector(trained, adata.var_names, settings, source_name(counts_layer), batch, batch_key,
-                          adata.obs_names)
+                          adata.obs_names, normal)
     rows = ondisk.InMemoryRows(matrix)
     n_obs = adata.n_obs
     corrector.prepare(rows, n_obs)
@@ -188,8 +207,10 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
         if settings.output_mode == "counterfactual":
             batch = cell_batches(ondisk.read_obs_column(src, batch_key), batch_key, ondisk.obs_columns(src),
                                  trained.batch_categories, all_batches_new)
+        normal = None if settings.normal_key is None else normal_cells(
+            ondisk.read_obs_column(src, settings.normal_key), settings, ondisk.obs_columns(src))
         corrector = Corrector(trained, var_names, settings, source_name(counts_layer), batch, batch_key,
-                              ondisk.read_obs_names(src))
+                              ondisk.read_obs_names(src), normal)
         corrector.prepare(rows, n_obs)
         with atomic_output(target, overwrite) as tmp, h5py.File(tmp, "w") as dst:
             write_streamed(src, dst, corrector, rows, n_obs, progress)

@@ -1,6 +1,7 @@
 """Benchmark `batchfix correct` on large synthetic files: throughput (cells/s) and peak memory.
 
-For each --cells N, an .h5ad of N cells x the model's genes (2,000 by default) is generated chunk
+For each --cells N, an .h5ad of N cells x the model's genes (2,000 by default; with --all-genes every gene of
+the bundled data, 11,533: the modelled genes and those the extra genes' decoder corrects) is generated chunk
 by chunk (scripts/resampled.py): its cells are resampled (with replacement) from the bundled CellBench
 data and their counts Poisson-resampled, stored as CSR in X, obs batch and cell_type from the sampled cells. The generator holds one chunk
 at a time, so even the 1,000,000-cell file needs little memory.
@@ -19,6 +20,7 @@ input's other groups, memory is flat: every chunk needs the same).
     python -m scripts.bench.bench_correct --cells 100000 1000000 --max-seconds 300 --threads 1
     python -m scripts.bench.bench_correct --cells 100000 --checkpoint RUN/model.ckpt --workdir bench_work
     python -m scripts.bench.bench_correct --cells 20000 --regional-shift apply keep   # the regional option's cost
+    python -m scripts.bench.bench_correct --cells 1000 100000 --all-genes --max-seconds 300
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import time
 from pathlib import Path
 
 from batchfix.config import REGIONAL_SHIFTS, CorrectionSettings
-from scripts.resampled import generate
+from scripts.resampled import bundled_cells, generate
 
 
 def train_checkpoint(workdir: Path, threads: int) -> Path:
@@ -193,6 +195,8 @@ def main() -> None:
                         help="interrupt a correction after this many seconds of its loop and extrapolate")
     parser.add_argument("--regional-shift", nargs="+", default=[CorrectionSettings.regional_shift],
                         choices=REGIONAL_SHIFTS, help="correction.regional_shift: each one given is timed on each file")
+    parser.add_argument("--all-genes", action="store_true",
+                        help="every gene of the bundled data in the input, not only the model's")
     parser.add_argument("--keep", action="store_true", help="keep the generated inputs and outputs")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--child", nargs=3, metavar=("INPUT", "OUTPUT", "CHECKPOINT"), help=argparse.SUPPRESS)
@@ -205,11 +209,12 @@ def main() -> None:
     checkpoint = args.checkpoint or train_checkpoint(args.workdir, args.threads)
     from batchfix.training.module import load_trained
 
-    genes = load_trained(checkpoint).genes
+    genes = None if args.all_genes else load_trained(checkpoint).genes
+    n_genes = bundled_cells().n_vars if genes is None else len(genes)
     rows = []
     for n_cells in args.cells:
-        input_path = args.workdir / f"synthetic_{n_cells}.h5ad"
-        output_path = args.workdir / f"synthetic_{n_cells}.corrected.h5ad"
+        input_path = args.workdir / f"synthetic_{n_cells}x{n_genes}.h5ad"
+        output_path = args.workdir / f"synthetic_{n_cells}x{n_genes}.corrected.h5ad"
         if not input_path.is_file():
             began = time.perf_counter()
             generate(input_path, n_cells, genes)
@@ -220,7 +225,7 @@ def main() -> None:
             records = measure(input_path, output_path, checkpoint, argparse.Namespace(**{**vars(args),
                                                                                        "regional_shift": [shift]}))
             rows.append({"regional_shift": shift,
-                         **report(n_cells, len(genes), input_path, output_path, records, shift)})
+                         **report(n_cells, n_genes, input_path, output_path, records, shift)})
         if not args.keep:
             output_path.unlink(missing_ok=True)
             input_path.unlink(missing_ok=True)
