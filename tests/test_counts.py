@@ -187,3 +187,10 @@ def test_a_corrected_file_goes_into_infercnvpy_with_its_reference_from_the_layer
     scores = corrected.obsm["X_cnv"]
     assert scores.shape[0] == corrected.n_obs and scores.shape[1] > 10
     assert set(corrected.uns["cnv"]["chr_pos"]) <= {f"chr{c}" for c in [*range(1, 23), "X", "Y"]}
+
+
+def test_threads_map_the_same_counts_as_one_call(mapped):
+    m = mapped
+    threaded = counts.quantile_map_threads(m["y"], m["own_mean"], m["ref_mean"], m["own_theta"], m["ref_theta"],
+                                           m["u"], workers=2)
+    np.testing.assert_array_equal(threaded, m["out"])

@@ -2,8 +2,7 @@
 
 The smoother is checked on constructed values; the option on a tiny model trained on the real 200-cell
 subset with an injected clone (scripts/inject_clones.py) in one cell line of one batch. Reference cells
-(correction.normal_key): the decoder patched so that one batch carries a regional shift in every cell (a technical
-artefact, chr3) and, in every cell but the reference line's, another (a clone all its malignant cells carry, chr1).
+(correction.normal_key): tests/test_reference_cells.py.
 """
 from __future__ import annotations
 
@@ -13,10 +12,10 @@ import torch
 
 import batchfix
 from batchfix.api import train_config
-from batchfix.correction import calibration, counterfactual, estimates
+from batchfix.correction import calibration, counterfactual
 from batchfix.correction.regional import GenomeSmoother, genome_smoother
 from batchfix.data.normalize import log_cp10k
-from batchfix.errors import ConfigError, InputError
+from batchfix.errors import ConfigError
 from scripts import inject_clones
 
 TINY = dict(n_top_genes=None, genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8,
@@ -282,80 +281,3 @@ def test_keeping_the_regional_shift_keeps_a_confounded_clone(bundled_adata):
                                         "confounded", "cell_type", "batch")
     kept = {name: np.mean(list(by_segment.values())) for name, by_segment in scores.items()}
     assert kept["keep"] > 0.8 and kept["apply"] < 0.5
-
-
-OWN, NORMAL_LINE = "sc_celseq2", "H1975"
-
-
-def regional_changes(adata, model, monkeypatch, **options) -> dict:
-    """The mean change (output with the patched decoder minus without) over the chr1 and chr3 genes of the own
-    batch's clone cells and reference cells, for `apply` and for `keep` with `options`."""
-    labels, batch = adata.obs["cell_type"].astype(str).to_numpy(), adata.obs["batch"].astype(str).to_numpy()
-    own, normal = batch == OWN, labels == NORMAL_LINE
-    chromosome = np.array([str(c) for c in model.module.hparams.chromosome])
-    clone_shift = torch.as_tensor((chromosome == "1") * 0.5, dtype=torch.float32)
-    artefact = torch.as_tensor((chromosome == "3") * 0.5, dtype=torch.float32)
-    unpatched = counterfactual.decoded_pair
-
-    def shifted(net, mu, codes, reference, present=None):
-        reference_values, own_values = unpatched(net, mu, codes, reference, present)
-        assert len(mu) == len(own)  # one pass over every cell: rows are cells
-        return reference_values, (own_values + torch.as_tensor(own & ~normal)[:, None] * clone_shift
-                                   + torch.as_tensor(own)[:, None] * artefact)
-
-    runs = {"apply": dict(regional_shift="apply"), "keep": dict(regional_shift="keep", **options)}
-    before = {name: in_model_order(adata, model, run.pop("regional_shift"), **run) for name, run in
-              [(k, dict(v)) for k, v in runs.items()]}
-    monkeypatch.setattr(counterfactual, "decoded_pair", shifted)
-    after = {name: in_model_order(adata, model, run.pop("regional_shift"), **run) for name, run in
-             [(k, dict(v)) for k, v in runs.items()]}
-    monkeypatch.setattr(counterfactual, "decoded_pair", unpatched)
-    changes = {}
-    for name in runs:
-        unclipped = (np.minimum(after[name], before[name]) > 0).all(axis=0)
-        for segment in ("1", "3"):
-            genes = unclipped & (chromosome == segment)
-            assert genes.sum() >= 5
-            for cells, group in ((own & ~normal, "clone"), (own & normal, "normal")):
-                changes[name, segment, group] = float((after[name] - before[name])[np.ix_(cells, genes)].mean())
-    changes["scale"] = -changes["apply", "3", "normal"] / 0.5  # the decoder term enters as -k_b decoded_b
-    assert 0.5 < changes["scale"] < 2
-    return changes
-
-
-def test_reference_cells_keep_a_clone_every_malignant_cell_carries_and_remove_the_batch_artefact(
-        subset, tiny_model, monkeypatch):
-    monkeypatch.setattr(estimates, "MIN_NORMAL_CELLS", 5)  # the subset holds 40 cells per batch
-    changes = regional_changes(subset, tiny_model, monkeypatch, normal_key="cell_type",
-                               normal_values=[NORMAL_LINE])
-    removed = -changes["scale"] * 0.5
-    assert changes["keep", "1", "clone"] == pytest.approx(0.0, abs=0.02)  # the clone is kept whole
-    assert changes["keep", "3", "clone"] == pytest.approx(removed, abs=0.02)  # the batch's artefact goes
-    assert changes["keep", "3", "normal"] == pytest.approx(removed, abs=0.02)
-    assert changes["keep", "1", "normal"] == pytest.approx(0.0, abs=0.02)
-    plain = regional_changes(subset, tiny_model, monkeypatch)  # keep against the batch's own mean
-    assert plain["keep", "1", "clone"] < changes["keep", "1", "clone"] - 0.1  # there the clone is partly removed
-
-
-def test_a_batch_without_reference_cells_is_compared_with_those_of_every_batch(subset, tiny_model,
-                                                                                monkeypatch, caplog):
-    """A549 is not in sc_celseq2: that batch's whole regional deviation from the other batches' A549 cells
-    stays (the clone and, by the documented rule, its own artefact), and a warning names it."""
-    monkeypatch.setattr(estimates, "MIN_NORMAL_CELLS", 5)
-    changes = regional_changes(subset, tiny_model, monkeypatch, normal_key="cell_type",
-                               normal_values=["A549"])
-    assert changes["keep", "1", "clone"] == pytest.approx(0.0, abs=0.02)
-    assert changes["keep", "3", "clone"] == pytest.approx(0.0, abs=0.02)
-    assert "Batches with fewer than 5 reference cells: ['sc_celseq2'" in caplog.text
-
-
-def test_reference_cells_are_checked_and_named(subset, tiny_model):
-    with pytest.raises(InputError, match=r"no such column.*cell_type"):
-        batchfix.correct(subset, tiny_model, normal_key="tissue", normal_values=["normal"], copy=True)
-    with pytest.raises(InputError, match=r"Its values: \['A549', 'H1975'"):
-        batchfix.correct(subset, tiny_model, normal_key="cell_type", normal_values=["T cell"], copy=True)
-    with pytest.raises(ConfigError, match="go together"):
-        batchfix.correct(subset, tiny_model, normal_key="cell_type", copy=True)
-    with pytest.raises(ConfigError, match="regional_shift=keep"):
-        batchfix.correct(subset, tiny_model, normal_key="cell_type", normal_values=["A549"],
-                         regional_shift="keep_all", copy=True)

@@ -56,20 +56,31 @@ def gene_set(genes: list[str], var_names: pd.Index, extra: bool) -> GeneSet | No
     return GeneSet(extra, model_index, file_columns, torch.from_numpy(columns >= 0), counts.name_keys(names[file_columns]))
 
 
+def total_log_shift(genes: GeneSet, shift: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """(B, decoder genes) float64: the decoder's log-mean shift plus the batch's ratio shift log(r_ref / r_b) (the
+    counts' analogue of the log output's location; 0 for cells without a batch)."""
+    known, missing = codes.clamp_min(0).numpy(), (codes < 0).numpy()[:, None]
+    ratio_shift = np.where(missing, 0.0, np.log(genes.reference_ratio / genes.ratio[known]))
+    return shift.double() + torch.from_numpy(ratio_shift)
+
+
 @torch.no_grad()
 def mapped_counts(net, genes: GeneSet, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor, cell_keys: np.ndarray,
                   reference: int | None, seed: int, state=None, regional=None) -> tuple[np.ndarray, np.ndarray]:
     """(observed, corrected) counts (B, k) of the set's output genes for cells with input `x` (B, decoder genes),
     latents `mu` and batch `codes`."""
     shift, own = counterfactual.log_mean_shift(net, mu, codes, reference, genes.present, extra=genes.extra)
+    by_reference_cells = not genes.extra and regional is not None and regional.offset is not None
     if not genes.extra:
-        shift = counterfactual.applied_shift(shift, codes, state, regional)
+        shift = counterfactual.applied_shift(shift, codes, state, None if by_reference_cells else regional)
+    total = total_log_shift(genes, shift, codes)
+    if by_reference_cells:
+        total = counterfactual.reference_cell_shift(total, codes, regional)
     index, known, missing = genes.model_index, codes.clamp_min(0).numpy(), (codes < 0).numpy()[:, None]
     ratio = np.where(missing, 1.0, genes.ratio[known][:, index])  # (B, k): the batch's observed / decoded mean
     library = x[:, genes.present].sum(-1, keepdim=True)  # (B, 1): this set's counts in the cell
     own_mean = (own[:, index] * library).double().numpy() * ratio
-    ratio_shift = np.where(missing, 0.0, np.log(genes.reference_ratio[index] / ratio))
-    ref_mean = own_mean * np.exp(shift[:, index].double().numpy() + ratio_shift)
+    ref_mean = own_mean * np.exp(total[:, index].numpy())
     own_theta = genes.theta[known][:, index]
     ref_theta = np.where(missing, own_theta, genes.reference_theta[index])
     observed = x[:, genes.model_index].double().numpy()
@@ -77,6 +88,6 @@ def mapped_counts(net, genes: GeneSet, x: torch.Tensor, mu: torch.Tensor, codes:
     # of its quantile interval, deterministic as ComBat-seq's mapping is: a draw there would only add noise to each
     # cell's own profile (within-type neighbours 0.648 with draws everywhere, ComBat 0.850, bundled data).
     uniform = np.where(observed == 0, counts.counter_uniform(seed, cell_keys, genes.keys), 0.5)
-    mapped = counts.quantile_map(observed.ravel(), own_mean.ravel(), ref_mean.ravel(), own_theta.ravel(),
-                                 ref_theta.ravel(), uniform.ravel())
+    mapped = counts.quantile_map_threads(observed.ravel(), own_mean.ravel(), ref_mean.ravel(), own_theta.ravel(),
+                                         ref_theta.ravel(), uniform.ravel(), torch.get_num_threads())
     return observed, mapped.reshape(observed.shape)

@@ -181,3 +181,11 @@ def applied_shift(shift: torch.Tensor, codes: torch.Tensor, state: StateShrink |
     if regional is not None:
         shift = shift - regional.smoother((shift - regional.mean_shift[known]) * regional.estimated[known, None])
     return torch.where((codes < 0)[:, None], torch.zeros_like(shift), shift)
+
+
+def reference_cell_shift(total: torch.Tensor, codes: torch.Tensor, regional: RegionalShift) -> torch.Tensor:
+    """The counts' whole log-mean shift (B, G) with its regional part replaced by the batch's regional offset from
+    its reference cells (`regional.offset`): a clone is kept, the batch's regional artefact removed."""
+    known = codes.clamp_min(0).long()
+    shift = total - regional.smoother(total) + regional.offset[known].to(total.dtype)
+    return torch.where((codes < 0)[:, None], torch.zeros_like(shift), shift)

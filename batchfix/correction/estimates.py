@@ -5,7 +5,8 @@
 - Every batch's mean shift, for correction.state_dependence < 1 and the regional shift: the mean of the decoder
   term (log output) or of the log-mean shift (counts) over the batch's cells (keep) or over all cells (keep_all;
   keep_input, whose whole change is on the log output's scale, splits the counts' shift as keep_all does);
-  with reference cells (correction.normal_key), over each batch's normal cells instead (`normal_mean_shift`).
+  with reference cells (correction.normal_key), each batch's regional correction from its normal cells instead
+  (`ReferenceCellSums`).
 """
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from functools import partial
 import numpy as np
 import torch
 
-from batchfix.correction import calibration, counterfactual, counts
+from batchfix.correction import calibration, count_output, counterfactual, counts
 from batchfix.correction.regional import RegionalShift, genome_smoother
 
-MIN_NORMAL_CELLS = 20  # reference cells a batch needs for its own regional mean shift (correction.normal_key)
+MIN_NORMAL_CELLS = 20  # reference cells a batch needs for its own regional correction (correction.normal_key)
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +107,8 @@ def estimate_mean_shift(corrector, rows, n_obs: int, regional: bool) -> None:
     whole = mode == "keep_input" and not corrector.counts_output
     term_sums = np.zeros((n_codes, len(corrector.trained.genes)))
     change_sums = np.zeros_like(term_sums)  # keep_input only
-    normal_sums = np.zeros_like(term_sums)  # correction.normal_key only
     n_cells = np.zeros(n_codes, dtype=np.int64)
-    n_normal = np.zeros(n_codes, dtype=np.int64)
+    normal = ReferenceCellSums(corrector, n_codes) if regional and corrector.normal is not None else None
     corrector.latents = np.empty((n_obs, corrector.latent_dim), dtype=np.float32)
     for start in range(0, n_obs, corrector.settings.chunk_size):
         stop = min(start + corrector.settings.chunk_size, n_obs)
@@ -119,19 +119,16 @@ def estimate_mean_shift(corrector, rows, n_obs: int, regional: bool) -> None:
             mu, _ = corrector.net.encode(part)  # (B, latent)
             corrector.latents[start + begin:start + begin + len(codes)] = mu.numpy()
             term, change = batch_terms(corrector, part, mu, codes, whole)
-            normal = None if corrector.normal is None else corrector.normal[start + begin:start + begin + len(codes)]
             for code in np.unique(codes[codes >= 0]):
                 term_sums[code] += term[codes == code].sum(axis=0)
                 if change is not None:
                     change_sums[code] += change[codes == code].sum(axis=0)
                 n_cells[code] += int((codes == code).sum())
-                if normal is not None:
-                    normal_sums[code] += term[(codes == code) & normal].sum(axis=0)
-                    n_normal[code] += int(((codes == code) & normal).sum())
+            if normal is not None:
+                normal.add(part, torch.from_numpy(term), codes, start + begin)
     set_mean_shift(corrector, term_sums, change_sums if whole else term_sums, n_cells, mode, regional)
-    if regional and corrector.normal is not None:
-        corrector.regional.mean_shift, corrector.regional.estimated = normal_mean_shift(
-            corrector, normal_sums, n_normal, corrector.regional.mean_shift.numpy())
+    if normal is not None:
+        corrector.regional.offset = normal.offset()
 
 
 def set_mean_shift(corrector, term_sums: np.ndarray, split_sums: np.ndarray, n_cells: np.ndarray, mode: str,
@@ -164,27 +161,50 @@ def set_mean_shift(corrector, term_sums: np.ndarray, split_sums: np.ndarray, n_c
                                        whole=mode == "keep_input" and not corrector.counts_output)
 
 
-def normal_mean_shift(corrector, normal_sums: np.ndarray, n_normal: np.ndarray,
-                      batch_mean: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """The regional split's mean shift taken over reference cells (correction.normal_key): each batch code's own
-    normal cells' mean where it has MIN_NORMAL_CELLS of them, else the mean over the normal cells of every batch
-    (its whole regional deviation from normal cells elsewhere is kept: a clone all its cells carry survives, and
-    so would a regional artefact of its own), else (too few normal cells anywhere) its own mean (`batch_mean`).
-    Returns (mean_shift (codes, G), estimated (codes,)) float32 tensors."""
-    own = n_normal >= MIN_NORMAL_CELLS
-    pooled = n_normal.sum() >= MIN_NORMAL_CELLS
-    mean_shift = batch_mean.copy()
-    mean_shift[own] = normal_sums[own] / n_normal[own, None]
-    names = [corrector.batch_name(c) for c in range(len(n_normal))]
-    fallback = [names[c] for c in np.flatnonzero(~own)]
-    if pooled and fallback:
-        mean_shift[~own] = normal_sums.sum(axis=0) / n_normal.sum()
-    log.info("Reference cells (%s in %s): %s", corrector.settings.normal_values, corrector.settings.normal_key,
-             ", ".join(f"{names[c]} {n_normal[c]}" for c in range(len(n_normal))))
-    if fallback:
-        log.warning("Batches with fewer than %d reference cells: %s; %s", MIN_NORMAL_CELLS, fallback,
-                    "compared with the reference cells of every batch (their whole regional deviation is kept)"
-                    if pooled else "too few reference cells anywhere: each keeps its own mean (regional_shift=keep)")
-    estimated = corrector.regional.estimated.clone()
-    estimated[torch.as_tensor(own | pooled)] = 1.0
-    return torch.as_tensor(mean_shift, dtype=torch.float32), estimated
+class ReferenceCellSums:
+    """Per batch code, over its reference cells (correction.normal_key; corrected counts): their modelled genes'
+    counts with the non-regional part of the correction applied (count x exp(shift - its running mean along the
+    genome)) and their libraries, from which `offset` gives each batch's regional correction."""
+
+    def __init__(self, corrector, n_codes: int):
+        self.corrector, self.genes = corrector, corrector.gene_sets[0]
+        settings = corrector.settings
+        self.smoother = genome_smoother(list(corrector.trained.module.hparams.chromosome), settings.regional_order,
+                                        settings.regional_window, settings.regional_seed)
+        self.counts = np.zeros((n_codes, len(corrector.trained.genes)))
+        self.library = np.zeros(n_codes)
+        self.n_cells = np.zeros(n_codes, dtype=np.int64)
+
+    def add(self, x: torch.Tensor, shift: torch.Tensor, codes: np.ndarray, first_cell: int) -> None:
+        """One forward batch: its input `x` (B, G), decoder shift (B, G) and codes, its first cell's row."""
+        normal = self.corrector.normal[first_cell:first_cell + len(codes)] & (codes >= 0)
+        if not normal.any():
+            return
+        code_tensor = torch.from_numpy(codes[normal])
+        total = count_output.total_log_shift(self.genes, shift[normal], code_tensor)
+        corrected = x[normal].double() * torch.exp(total - self.smoother(total))  # (normal cells, G)
+        for code in np.unique(codes[normal]):
+            chosen = torch.from_numpy(codes[normal] == code)
+            self.counts[code] += corrected[chosen].sum(0).numpy()
+            self.library[code] += float(x[normal][chosen].sum())
+            self.n_cells[code] += int(chosen.sum())
+
+    def offset(self) -> torch.Tensor:
+        """(codes, G): minus the running mean along the genome of each batch's reference cells' log level (counts
+        per library) less the mean of those levels over the batches with MIN_NORMAL_CELLS reference cells; 0 for a
+        batch with fewer (it keeps its cells' whole regional profile, as keep_input does), logged."""
+        enough = self.n_cells >= MIN_NORMAL_CELLS
+        names = [self.corrector.batch_name(c) for c in range(len(self.n_cells))]
+        settings = self.corrector.settings
+        log.info("Reference cells (%s of obs column %s) per batch: %s", list(settings.normal_values),
+                 settings.normal_key, ", ".join(f"{names[c]} {self.n_cells[c]}" for c in range(len(names))))
+        in_input = np.isin(np.arange(len(names)), self.corrector.batches.codes)
+        fallback = [names[c] for c in np.flatnonzero(~enough & in_input)]
+        if fallback:
+            log.warning("Batches with fewer than %d reference cells: %s; their cells keep their whole regional "
+                        "(copy-number-like) profile, technical or not.", MIN_NORMAL_CELLS, fallback)
+        offset = torch.zeros(len(self.n_cells), self.counts.shape[1], dtype=torch.float64)
+        if enough.any():
+            level = np.log(self.counts[enough] + 0.5) - np.log(np.maximum(self.library[enough], 1.0))[:, None]
+            offset[torch.from_numpy(enough)] = -self.smoother(torch.from_numpy(level - level.mean(axis=0)))
+        return offset

@@ -75,10 +75,13 @@ class RegionalShift:
     mean_shift: (codes, G) mean of the decoder term (`output_terms`) over the batch's input cells (keep) or over
     every input cell (keep_all), or of the whole change over every input cell (keep_input); estimated: (codes,)
     1.0, or 0.0 for a batch with fewer than MIN_UNSEEN_CELLS cells (its cells keep no regional part); whole: the
-    shift split is the output's whole change to the cell (keep_input), not its decoder term.
+    shift split is the output's whole change to the cell (keep_input), not its decoder term. offset: (codes, G)
+    with reference cells (correction.normal_key, corrected counts): the regional part of every cell's shift is
+    replaced by its batch's, taken from its normal cells (`estimates.reference_cell_offset`).
     """
 
     smoother: GenomeSmoother
     mean_shift: torch.Tensor
     estimated: torch.Tensor
     whole: bool = False
+    offset: torch.Tensor | None = None

@@ -1,0 +1,115 @@
+"""correction.normal_key / normal_values: reference (normal) cells set each batch's regional correction.
+
+Real counts of the 200-cell subset with two injected regional changes (scripts/inject_clones.py): a clone in every
+cell but the reference line's of one batch (chr1 gained, chr2 lost: a patient whose malignant cells all carry
+it) and a technical artefact in every cell of another batch (chr3 gained, chr6 lost), then a tiny NB model.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import batchfix
+from batchfix.correction import estimates
+from batchfix.data.normalize import log_cp10k
+from batchfix.errors import ConfigError, InputError
+from batchfix.eval.cnv import segment_shift
+from scripts import inject_clones
+
+NORMAL_LINE, CLONE_BATCH, ARTEFACT_BATCH = "H1975", "sc_celseq2", "sc_dropseq"
+TINY = dict(genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8, decoder_hidden=32, batch_size=64,
+            max_epochs=20, threads=1, enable_progress_bar=False, n_top_genes=None)
+
+
+@pytest.fixture(scope="module")
+def injected(subset):
+    """(injected AnnData, clone cells): the clone and the artefact injected into the subset's counts."""
+    labels, batch = subset.obs["cell_type"].astype(str).to_numpy(), subset.obs["batch"].astype(str).to_numpy()
+    adata, clone = subset, np.zeros(subset.n_obs, dtype=bool)
+    for i, label in enumerate(sorted(set(labels[batch == CLONE_BATCH]) - {NORMAL_LINE})):
+        adata = inject_clones.inject(adata, inject_clones.Clone(label, [CLONE_BATCH], "1", "2"), "cell_type", "batch", i)
+        clone |= adata.obs["clone"].to_numpy(dtype=bool)
+    for i, label in enumerate(sorted(set(labels[batch == ARTEFACT_BATCH]))):
+        adata = inject_clones.inject(adata, inject_clones.Clone(label, [ARTEFACT_BATCH], "3", "6"), "cell_type",
+                                     "batch", 10 + i)
+    return adata, clone
+
+
+@pytest.fixture(scope="module")
+def model(injected):
+    torch.set_num_threads(1)
+    return batchfix.train(injected[0], batch_key="batch", seed=0, **TINY)
+
+
+def contrasts(adata, values, chromosome: str, own: str) -> dict:
+    """seg(cells of a label in batch `own`) - seg(same label elsewhere) on the chromosome's genes, by label."""
+    labels, batch = adata.obs["cell_type"].astype(str).to_numpy(), adata.obs["batch"].astype(str).to_numpy()
+    genes = inject_clones.segment_genes(adata.var, chromosome)
+    return {label: segment_shift(values, genes, (labels == label) & (batch == own), (labels == label) & (batch != own))
+        for label in sorted(set(labels[batch == own])) if ((labels == label) & (batch != own)).sum() >= 5}
+
+
+def scores(adata, clone, values, before) -> dict:
+    """Clone kept (its cells' cross-batch contrast over the injected shift, mean of gain and loss), the reference
+    line's cells moved there, and the artefact left (the artefact batch's contrast over the injected one)."""
+    after = np.asarray(log_cp10k(np.asarray(adata.X)))
+    labels = adata.obs["cell_type"].astype(str).to_numpy()
+    out = {"clone kept": [], "normal moved": [], "artefact left": []}
+    for chromosome in ("1", "2"):
+        genes = inject_clones.segment_genes(adata.var, chromosome)
+        truth = inject_clones.injected_shift(before, after, clone, genes)
+        by_label = contrasts(adata, values, chromosome, CLONE_BATCH)
+        out["clone kept"].append(np.mean([v for k, v in by_label.items() if k != NORMAL_LINE]) / truth)
+        out["normal moved"].append(by_label[NORMAL_LINE] / truth)
+    for chromosome in ("3", "6"):
+        genes = inject_clones.segment_genes(adata.var, chromosome)
+        cells = adata.obs["batch"].to_numpy() == ARTEFACT_BATCH
+        truth = inject_clones.injected_shift(before, after, cells, genes)
+        out["artefact left"].append(np.mean(list(contrasts(adata, values, chromosome, ARTEFACT_BATCH).values())) / truth)
+    return {name: float(np.mean(v)) for name, v in out.items()}
+
+
+def test_reference_cells_keep_a_clone_every_malignant_cell_carries_and_remove_a_batch_artefact(
+        subset, injected, model, monkeypatch):
+    monkeypatch.setattr(estimates, "MIN_NORMAL_CELLS", 5)  # the subset holds 40 cells per batch
+    adata, clone = injected
+    before = np.asarray(log_cp10k(np.asarray(subset.X)))
+    runs = {name: scores(adata, clone, batchfix.correct(adata, model, copy=True, **options).layers["batchfix"].toarray(),
+                         before)
+            for name, options in {"keep": {}, "reference cells": dict(normal_key="cell_type",
+                                                                       normal_values=[NORMAL_LINE])}.items()}
+    uncorrected = scores(adata, clone, np.asarray(log_cp10k(np.asarray(adata.X))), before)
+    assert runs["reference cells"]["clone kept"] > 0.8  # batch-wide against the other batches, yet kept
+    assert runs["reference cells"]["clone kept"] > runs["keep"]["clone kept"] + 0.2
+    assert abs(runs["reference cells"]["artefact left"]) < 0.3 < uncorrected["artefact left"]
+    assert abs(runs["reference cells"]["normal moved"]) < 0.3
+
+
+def test_a_batch_without_reference_cells_keeps_its_regional_profile_and_is_named(injected, model, monkeypatch,
+                                                                                  caplog):
+    """A549 is not in sc_celseq2 nor sc_dropseq: by the documented rule those batches' cells keep their regional
+    profile (the artefact too), and a warning names them."""
+    monkeypatch.setattr(estimates, "MIN_NORMAL_CELLS", 5)
+    adata, clone = injected
+    out = batchfix.correct(adata, model, copy=True, normal_key="cell_type", normal_values=["A549"])
+    assert "fewer than 5 reference cells: ['sc_celseq2', 'sc_dropseq']" in caplog.text
+    assert out.uns["batchfix"]["params"]["normal_key"] == "cell_type"
+    assert list(out.uns["batchfix"]["params"]["normal_values"]) == ["A549"]
+
+
+def test_reference_cells_are_checked_and_named(injected, model, log_scale_subset):
+    adata = injected[0]
+    with pytest.raises(InputError, match=r"no such column.*cell_type"):
+        batchfix.correct(adata, model, normal_key="tissue", normal_values=["normal"], copy=True)
+    with pytest.raises(InputError, match=r"Its values: \['A549', 'H1975'"):
+        batchfix.correct(adata, model, normal_key="cell_type", normal_values=["T cell"], copy=True)
+    with pytest.raises(ConfigError, match="go together"):
+        batchfix.correct(adata, model, normal_key="cell_type", copy=True)
+    with pytest.raises(ConfigError, match="regional_shift=keep"):
+        batchfix.correct(adata, model, normal_key="cell_type", normal_values=["A549"], regional_shift="keep_all",
+                         copy=True)
+    log_model = batchfix.train(log_scale_subset, batch_key="batch", seed=0, scale="log", likelihood="gaussian",
+                               **{**TINY, "max_epochs": 1})
+    with pytest.raises(ConfigError, match="works on corrected counts"):
+        batchfix.correct(log_scale_subset, log_model, normal_key="cell_type", normal_values=["A549"], copy=True)
