@@ -346,7 +346,9 @@ def reference_run(args) -> list[dict]:
     `normal moved` = the same contrast of the normal line's cells there, over the injected shift (0 = the normal
     cells at the other batches' level); `artefact left` = mean over the artefact batch's labels of the contrast,
     over the injected shift (0 = removed; the uncorrected data's includes the batch's own regional difference).
-    Every matrix on log1p(counts per 10k over all genes), on the modelled genes."""
+    `artefact above floor`: cnv.regional_artefact on the cells outside the clone batch, sqrt(A^2 - F^2), beside
+    `floor` F (the uncorrected data's floor is the line to meet, times 1.2). Every matrix on log1p(counts per 10k
+    over all genes), on the modelled genes."""
     adata = ad.read_h5ad(args.input)
     labels = adata.obs[args.label_key].astype(str).to_numpy()
     batch = adata.obs[args.batch_key].astype(str).to_numpy()
@@ -386,6 +388,10 @@ def reference_run(args) -> list[dict]:
                 record[f"artefact {kind} left"] = float(np.mean([
                     label_contrast(values, genes, labels, batch, args.artefact_batch, label)
                     for label in artefact_labels]) / truth)
+            outside = batch != args.clone_batch
+            regional = cnv.regional_artefact(values[outside][:, modelled], batch[outside], labels[outside],
+                                             cnv.windows_of(adata.var[modelled]), seed=seed)
+            record.update({"artefact above floor": regional["above_floor"], "floor": regional["floor"]})
             records.append(record)
             emit(records)
     return records

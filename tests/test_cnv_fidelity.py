@@ -91,3 +91,19 @@ def test_segment_mask_names_the_chromosomes_there_are(placed):
     windows = cnv.windows_of(placed[0].var, window=30, step=10)
     with pytest.raises(ValueError, match="windows exist on"):
         cnv.segment_mask(windows, "Y")
+
+
+def test_regional_artefact_sees_a_batchs_regional_shift_above_the_floor(placed):
+    """On the real subset's log values: a chromosome raised in every cell of one batch is an artefact above the
+    floor; the halves' floor does not move with it."""
+    adata, values, batch, labels = placed
+    windows = cnv.windows_of(adata.var, window=30, step=10)
+    values, batch, labels = np.asarray(values, dtype=np.float64), batch.astype(str), labels.astype(str)
+    before = cnv.regional_artefact(values, batch, labels, windows, min_cells=6)
+    shifted = values.copy()
+    on_chr1 = adata.var["chromosome"].astype(str).str.replace("chr", "").to_numpy() == "1"
+    shifted[np.ix_(batch == batch[0], on_chr1)] += 0.5
+    after = cnv.regional_artefact(shifted, batch, labels, windows, min_cells=6)
+    assert before["n_groups"] >= 5 and after["n_groups"] == before["n_groups"]
+    assert after["floor"] == pytest.approx(before["floor"])
+    assert after["above_floor"] > before["above_floor"] + 0.01 and after["artefact"] > after["floor"]

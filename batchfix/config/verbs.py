@@ -59,10 +59,10 @@ class CorrectionOptions:
     regional_order: str = "genome"
     regional_seed: int = 0  # the random gene order of regional_order=shuffled
     # Reference (normal) cells for copy number, as infercnv's reference groups: the obs column and its values that
-    # mark cells known to be diploid (set at correct time, no retraining). With regional_shift=keep each batch's
-    # mean shift is then its normal cells' mean: a regional artefact of the batch goes from all its cells, and every
-    # regional deviation beyond its normal cells (a clone all its malignant cells carry) stays. A batch with too few
-    # normal cells is compared with the normal cells of all batches (docs/cnv.md, Reference cells).
+    # mark cells known to be diploid (set at correct time, no retraining; corrected counts only). The regional part
+    # of each batch's correction is then taken from its normal cells (their regional level brought to every batch's):
+    # a batch's regional artefact leaves all its cells, a clone all its malignant cells carry stays. A batch with
+    # fewer than 20 normal cells keeps its cells' regional profile (docs/cnv.md, Reference cells).
     normal_key: Optional[str] = None
     normal_values: List[str] = field(default_factory=list)
     # The counterfactual output's residual scale k: batch = one spread per batch | gene = a spread per gene and

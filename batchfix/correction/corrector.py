@@ -310,5 +310,5 @@ def corrected_chunks(corrector: Corrector, rows, n_obs: int, chunk_size: int,
             yield start, stop, latent, chunk_layers
             bar.update(stop - start)
     seconds = time.perf_counter() - started
-    log.info("Corrected %d cells x %d genes in %.1f s (%.0f cells/s).", n_obs, corrector.n_out, seconds,
-             n_obs / max(seconds, 1e-9))
+    log.info("Corrected %d cells x %d genes in %.1f s (%.0f cells/s).", n_obs, int(corrector.corrected_mask.sum()),
+             seconds, n_obs / max(seconds, 1e-9))

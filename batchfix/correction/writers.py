@@ -215,7 +215,7 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
         with atomic_output(target, overwrite) as tmp, h5py.File(tmp, "w") as dst:
             write_streamed(src, dst, corrector, rows, n_obs, progress)
     log.info("Wrote %s (%d cells; layers %s (%s) with %d corrected genes, %d missing; reference: %s).", target,
-             n_obs, list(layer_entries(corrector)), settings.output_mode, corrector.n_out,
+             n_obs, list(layer_entries(corrector)), settings.output_mode, int(corrector.corrected_mask.sum()),
              len(corrector.missing_genes), corrector.reference_name)
     return target
 

@@ -21,6 +21,10 @@ effect erases biology, so corrected matrices are also scored on their **CNV prof
 - **Segment depth** (`segment_depths`): a group's profile averaged over the windows whose centre
   lies in a segment (a chromosome, or an arm given as a base-pair range): what a known loss or
   gain should show; normal cells' depth should stay near 0 (the flat-normal check).
+- **Regional artefact and its floor** (`regional_artefact`): for each label in >= 2 batches, each (label, batch)
+  profile minus the label's mean profile over its batches, centred over windows; its sd over windows, mean over
+  groups (A). The floor (F): the same between two random halves of each (label, batch) group (each half minus
+  the halves' mean): the regional noise the matrix holds within one group. `above_floor` = sqrt(max(A^2 - F^2, 0)).
 - **Segment shift** (`segment_shift`): mean log-expression over a segment's genes, contrasted
   between groups; the injected-clone score of scripts/inject_clones.py.
 
@@ -199,3 +203,36 @@ def segment_shift(log_values, genes: np.ndarray, cells: np.ndarray, versus: np.n
     if not cells.any() or not versus.any():
         raise ValueError("segment_shift needs cells on both sides of the contrast.")
     return float(values[cells].mean() - values[versus].mean())
+
+
+def _centred_sd(deviations: np.ndarray) -> np.ndarray:
+    """(groups, windows) -> (groups,): each row's sd over windows after removing its mean."""
+    return (deviations - deviations.mean(axis=1, keepdims=True)).std(axis=1)
+
+
+def regional_artefact(log_values, batch: Sequence, labels: Sequence, windows: GenomicWindows, seed: int = 0,
+                      min_cells: int = MIN_CELLS) -> dict:
+    """{'artefact': A, 'floor': F, 'above_floor': sqrt(max(A^2 - F^2, 0)), 'n_groups'} (module docstring) of a
+    log-scale matrix; halves of a group are drawn with `seed`; groups need min_cells cells (each half half)."""
+    values = dense(log_values)
+    batch, labels = np.asarray(batch).astype(str), np.asarray(labels).astype(str)
+    group = np.char.add(np.char.add(labels, "\t"), batch)
+    profiles = group_profiles(values, group, windows, min_cells=min_cells)
+    label_of = np.array([name.split("\t")[0] for name in profiles.index])
+    shared = [label for label in np.unique(label_of) if (label_of == label).sum() >= 2]
+    artefact = [_centred_sd(profiles[label_of == label].to_numpy() - profiles[label_of == label].to_numpy().mean(0))
+                for label in shared]
+    rng = np.random.default_rng(seed)
+    half = np.full(len(group), "", dtype=object)
+    for name in profiles.index:
+        cells = rng.permutation(np.flatnonzero(group == name))
+        half[cells[: len(cells) // 2]], half[cells[len(cells) // 2:]] = name + "\ta", name + "\tb"
+    halves = group_profiles(values, half.astype(str), windows, reference=values.mean(axis=0),
+                            min_cells=min_cells // 2)
+    pairs = [(f"{name}\ta", f"{name}\tb") for name in profiles.index
+             if f"{name}\ta" in halves.index and f"{name}\tb" in halves.index]
+    floor = [_centred_sd((halves.loc[[a]].to_numpy() - halves.loc[[b]].to_numpy()) / 2.0) for a, b in pairs]
+    a = float(np.mean(np.concatenate(artefact))) if artefact else float("nan")
+    f = float(np.mean(np.concatenate(floor))) if floor else float("nan")
+    return {"artefact": a, "floor": f, "above_floor": float(np.sqrt(max(a * a - f * f, 0.0))),
+            "n_groups": int(sum(len(x) for x in artefact))}
