@@ -64,7 +64,7 @@ def provenance(corrector) -> dict:
     names = [f.name for schema in (CorrectionOptions, InferenceOptions) for f in dataclasses.fields(schema)]
     skipped = {name: why for name, why in NOT_APPLIED[kind].items() if name in names}
     params = {name: (float(v) if isinstance(v, float) else v) for name in names
-              if name not in skipped and (v := getattr(settings, name)) is not None}
+              if name not in skipped and (v := getattr(settings, name)) is not None and v != []}
     info = {
         "version": batchfix.__version__,
         "checkpoint": str(trained.path.resolve()) if trained.path else "(in memory, not saved)",
