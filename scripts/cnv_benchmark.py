@@ -12,6 +12,7 @@ regional variants are corrections of that one model. One JSON of records per com
     python -m scripts.cnv_benchmark confounded data/cellbench5.h5ad --seeds 0 1 2 --out ...
     python -m scripts.cnv_benchmark oligodendroglioma --seeds 0 1 2 --out ...
     python -m scripts.cnv_benchmark reference data/cellbench5.h5ad --seeds 0 1 2 --out ...   # reference cells
+    python -m scripts.cnv_benchmark floor data/cellbench5.h5ad --seeds 0 1 2 --out ...   # regional noise and floor
     python -m scripts.cnv_benchmark report --reports docs/results/cnv_*.json   # the tables of docs/cnv.md
 """
 from __future__ import annotations
@@ -212,6 +213,21 @@ def oligodendroglioma_run(args) -> list[dict]:
     return records
 
 
+def reference_rows(records: list[dict]) -> list[list[str]]:
+    """The reference and floor experiments' table: per method, the mean over seeds of each score (4 decimals for
+    the regional statistics, whose line is a ratio of small numbers)."""
+    frame = pd.DataFrame(records)
+    columns = [c for c in frame.columns if c not in ("experiment", "method", "seed")]
+    mean = frame.groupby("method", sort=False)[columns].mean()
+    rows = [["method", "seeds", *columns]]
+    for name in mean.index:
+        rows.append([name, str(int((frame["method"] == name).sum())), *(
+            f"{mean.loc[name, c]:.4f}" if c in ("artefact above floor", "floor", "artefact", "above_floor")
+            else f"{mean.loc[name, c]:.2f}"
+            for c in columns)])
+    return rows
+
+
 def summary_rows(records: list[dict], columns: list[str], by: str = "method") -> list[list[str]]:
     """Table rows (header first): per `by` value, mean, sd and standard error (over every record) of each column."""
     frame = pd.DataFrame(records)
@@ -279,11 +295,13 @@ def report(paths: list[str], csv_dir: Path | None = None) -> str:
         elif kind == "oligodendroglioma":
             records = oligodendroglioma_rows(records)
             columns = [c for c in records[0] if c not in ("method", "seed")]
+        elif kind in ("reference", "floor"):
+            columns = []
         else:
             columns = [c for c in records[0] if c.startswith(("gain", "loss")) or c == "mean"]
         paired = {"profile": ["retention_r", "Total"], "confounded": ["r", "amplitude_ratio", "amplitude_error"],
                   "oligodendroglioma": ["malignant kept (mean)"], "inject/confounded": ["mean"]}.get(kind, [])
-        tables = {"": summary_rows(records, columns)}
+        tables = {"": reference_rows(records) if kind in ("reference", "floor") else summary_rows(records, columns)}
         if paired:  # the designs where keeping a regional shift is at stake (shared and none: every row alike)
             tables["-paired"] = paired_rows(records, [c for c in paired if c in records[0]])
         if csv_dir is not None:
@@ -397,7 +415,35 @@ def reference_run(args) -> list[dict]:
     return records
 
 
-RUNS = {"profile": profile_run, "reference": reference_run, "inject": inject_run, "confounded": confounded_run,
+def floor_run(args) -> list[dict]:
+    """The regional artefact between batches and its floor within groups (cnv.regional_artefact) of the whole
+    file's layer, all genes: uncorrected log1p(counts per 10k over all genes), ComBat on them, batchfix's layer with
+    regional_shift keep (the default) and keep_input."""
+    adata = ad.read_h5ad(args.input)
+    labels, batch = adata.obs[args.label_key].to_numpy(), adata.obs[args.batch_key].to_numpy()
+    windows = cnv.windows_of(adata.var)
+    uncorrected = dense(log_cp10k(dense(adata.X)))
+    records = []
+    for seed in args.seeds:
+        model = batchfix.train(adata, batch_key=args.batch_key, seed=seed, **TRAIN_OPTIONS)
+        matrices = {"uncorrected": uncorrected,
+                    "ComBat": combat(uncorrected, adata.obs, args.batch_key).astype(np.float32)}
+        for mode in ("keep", "keep_input"):
+            corrected = batchfix.correct(adata, model, copy=True, regional_shift=mode)
+            matrices[f"batchfix regional={mode}"] = dense(corrected.layers["batchfix"])
+        for name, values in matrices.items():
+            scores = cnv.regional_artefact(values, batch, labels, windows, seed=seed)
+            records.append({"experiment": "floor", "seed": seed, "method": name, **scores,
+                            "floor / uncorrected floor": None})
+        base = next(r["floor"] for r in records if r["seed"] == seed and r["method"] == "uncorrected")
+        for record in records:
+            if record["seed"] == seed:
+                record["floor / uncorrected floor"] = record["floor"] / base
+        emit(records)
+    return records
+
+
+RUNS = {"profile": profile_run, "reference": reference_run, "floor": floor_run, "inject": inject_run, "confounded": confounded_run,
         "oligodendroglioma": oligodendroglioma_run}
 
 
