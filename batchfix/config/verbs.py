@@ -64,7 +64,7 @@ class CorrectionOptions:
     # a batch's regional artefact leaves all its cells, a clone all its malignant cells carry stays. A batch with
     # fewer than 20 normal cells keeps its cells' regional profile (docs/cnv.md, Reference cells).
     normal_key: Optional[str] = None
-    normal_values: List[str] = field(default_factory=list)
+    normal_values: List[str] = field(default_factory=list)  # normal_key's values marking normal cells
     # The counterfactual output's residual scale k: batch = one spread per batch | gene = a spread per gene and
     # batch, shrunk toward the batch's level (empirical Bayes, as ComBat's scale; docs/genewise_spread.md)
     spread: str = "batch"
