@@ -119,7 +119,7 @@ def test_counts_layer_log_layer_and_flags_of_a_real_correction(trained, subset, 
     info = out.uns["batchfix"]
     assert info["n_corrected_genes"] == corrected.sum() and 0 <= info["n_zeros_made_positive"] <= info[
         "n_observed_zeros"]
-    assert set(info["options_not_applied"]) == {"spread", "residual_weight"}
+    assert set(info["options_not_applied"]) == {"residual_weight"}
 
 
 def test_streamed_in_memory_repeated_and_reordered_runs_give_the_same_counts(trained, subset, tmp_path):
@@ -194,3 +194,24 @@ def test_threads_map_the_same_counts_as_one_call(mapped):
     threaded = counts.quantile_map_threads(m["y"], m["own_mean"], m["ref_mean"], m["own_theta"], m["ref_theta"],
                                            m["u"], workers=2)
     np.testing.assert_array_equal(threaded, m["out"])
+
+
+def test_spread_batch_keeps_each_batchs_dispersion_and_spread_gene_maps_to_the_references(trained, subset,
+                                                                                        monkeypatch):
+    """correction.spread on counts: batch (the default) moves only the mean, each count keeping its batch's NB
+    dispersion; gene maps it to the reference's per-gene dispersion (theta_g for the average reference)."""
+    import batchfix
+
+    model, _ = trained
+    seen = {}
+    original = counts.quantile_map_threads
+
+    def recording(y, own_mean, ref_mean, own_theta, ref_theta, u, workers):
+        seen.setdefault("same", []).append(np.array_equal(own_theta, ref_theta))
+        return original(y, own_mean, ref_mean, own_theta, ref_theta, u, workers)
+
+    monkeypatch.setattr(counts, "quantile_map_threads", recording)
+    batchfix.correct(subset, model, copy=True)
+    assert all(seen.pop("same"))
+    batchfix.correct(subset, model, copy=True, spread="gene")
+    assert not any(seen["same"])

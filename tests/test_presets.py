@@ -92,7 +92,7 @@ def test_train_with_a_preset_then_correct_applies_it(run, subset_h5ad, tmp_path)
     info = ad.read_h5ad(tmp_path / "out.h5ad").uns["batchfix"]
     assert info["correction_preset"] == TRAINED_WITH
     assert info["params"]["state_dependence"] == 0.5 and info["params"]["regional_shift"] == "keep"
-    assert info["options_not_applied"]["spread"]  # the counts output keeps each batch's dispersion
+    assert info["params"]["spread"] == "gene"  # on counts: the reference's per-gene dispersion
 
 
 @pytest.mark.parametrize("name", preset_names())

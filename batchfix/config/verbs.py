@@ -65,8 +65,9 @@ class CorrectionOptions:
     # fewer than 20 normal cells keeps its cells' regional profile (docs/cnv.md, Reference cells).
     normal_key: Optional[str] = None
     normal_values: List[str] = field(default_factory=list)  # normal_key's values marking normal cells
-    # The counterfactual output's residual scale k: batch = one spread per batch | gene = a spread per gene and
-    # batch, shrunk toward the batch's level (empirical Bayes, as ComBat's scale; docs/genewise_spread.md)
+    # Spread. Corrected counts: batch = each count keeps its batch's NB dispersion, only the mean moves | gene = mapped
+    # to the reference's per-gene dispersion (more mixing, fewer genes kept; docs/results.md). Log-scale output: the
+    # residual scale k, one per batch | per gene and batch, shrunk toward the batch's (docs/genewise_spread.md)
     spread: str = "batch"
     # Counterfactual output: the share of the decoder's state dependence of the batch shift that is applied.
     # 1 = all of it (each cell's own shift decoded_ref(z) - decoded_b(z)); 0 = its mean over the batch's cells

@@ -23,7 +23,8 @@ class GeneSet:
     """Output genes of one decoder: `model_index` (k,) their index among the decoder's genes and `columns` (k,)
     their input columns (ascending); `present` (decoder genes,) bool: held by the input; `keys` (k,) their names'
     keys for the draws. `estimates` fills theta and ratio (codes, decoder genes: the training batches', then the
-    unseen batches' estimated from their cells) and reference_theta and reference_ratio (decoder genes,)."""
+    unseen batches' estimated from their cells) and reference_theta (decoder genes,; None: each batch keeps its own,
+    correction.spread=batch) and reference_ratio (decoder genes,)."""
 
     extra: bool
     model_index: np.ndarray
@@ -82,7 +83,8 @@ def mapped_counts(net, genes: GeneSet, x: torch.Tensor, mu: torch.Tensor, codes:
     own_mean = (own[:, index] * library).double().numpy() * ratio
     ref_mean = own_mean * np.exp(total[:, index].numpy())
     own_theta = genes.theta[known][:, index]
-    ref_theta = np.where(missing, own_theta, genes.reference_theta[index])
+    ref_theta = own_theta if genes.reference_theta is None else np.where(missing, own_theta,
+                                                                          genes.reference_theta[index])
     observed = x[:, genes.model_index].double().numpy()
     # A zero's quantile is drawn (its share of positives is then the reference's); a positive count takes the middle
     # of its quantile interval, deterministic as ComBat-seq's mapping is: a draw there would only add noise to each

@@ -64,12 +64,13 @@ def estimate_unseen(corrector, rows, n_obs: int) -> None:
     corrector.statistics = calibration.Statistics(corrector.trained.net, corrector.reference, sums, present.numpy(),
                                                   settings.spread, settings.residual_weight)
     for genes, set_sums in zip(corrector.gene_sets, count_sums):
-        set_count_tables(corrector.trained.net, genes, set_sums, corrector.reference)
+        set_count_tables(corrector.trained.net, genes, set_sums, corrector.reference, settings.spread)
 
 
-def set_count_tables(net, genes, count_sums: list[counts.CountSums], reference: int | None) -> None:
+def set_count_tables(net, genes, count_sums: list[counts.CountSums], reference: int | None, spread: str) -> None:
     """The gene set's theta and ratio (codes, G: the training batches', then the unseen batches' from `count_sums`)
-    and the reference's (G,), float64."""
+    and the reference's ratio (G,), float64; the reference's theta (G,) with spread=gene, None with spread=batch
+    (each count keeps its own batch's dispersion: only the mean moves)."""
     decoder = net.extra_decoder if genes.extra else net.decoder
     shared = decoder.log_theta.detach().double().exp().numpy()
     trained_theta = (net.extra_count_theta if genes.extra else net.count_theta).double().numpy()
@@ -82,6 +83,8 @@ def set_count_tables(net, genes, count_sums: list[counts.CountSums], reference: 
         genes.reference_ratio = np.exp(np.log(np.maximum(trained_ratio, tiny)).mean(axis=0))
     else:
         genes.reference_theta, genes.reference_ratio = trained_theta[reference], trained_ratio[reference]
+    if spread == "batch":
+        genes.reference_theta = None
 
 
 def batch_terms(corrector, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, whole: bool):

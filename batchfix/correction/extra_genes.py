@@ -170,8 +170,8 @@ def add_extra_genes(model: BatchfixModel, prepared: PreparedData, rows, var_name
     genes = var_names[columns].tolist()
     model.module.hparams["extra_genes"] = genes
     log.info("Corrected beyond the %d modelled genes: %d more genes detected in >= %d cells, through a second "
-             "decoder fitted on %d cells in %d steps (NB loss %.1f per held-out cell); %d genes detected in fewer cells "
-             "keep their counts.", len(model.genes), len(genes), MIN_CELLS, len(cells), steps, loss,
+             "decoder fitted on %d cells in %d steps (NB loss %.1f per held-out cell); %d genes detected in fewer "
+             "cells keep their counts.", len(model.genes), len(genes), MIN_CELLS, len(cells), steps, loss,
              summary["uncorrected"])
     return {**summary, "extra": len(genes)}
 
