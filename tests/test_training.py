@@ -137,7 +137,7 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, co
     shift += np.log(np.exp(np.log(ratio).mean(axis=0)) / ratio[codes.numpy()])
     own_mean = (own * x.sum(-1, keepdim=True)).double().numpy() * ratio[codes.numpy()]
     own_theta = net.count_theta.double().numpy()[codes.numpy()]
-    reference_theta = np.broadcast_to(net.decoder.log_theta.detach().double().exp().numpy(), own_theta.shape)
+    reference_theta = own_theta  # correction.spread=batch (the default): each count keeps its batch's dispersion
     drawn = counts.counter_uniform(CorrectionSettings().quantile_seed, counts.name_keys(source.obs_names),
                                    counts.name_keys(trained.genes))
     uniform = np.where(x.numpy() == 0, drawn, 0.5)  # a zero's quantile drawn, a positive count's the middle
