@@ -357,7 +357,8 @@ def label_contrast(values, genes, labels, batch, own, label) -> float:
 def reference_run(args) -> list[dict]:
     """Reference cells (correction.normal_key) on one dataset holding both errors: a clone in every cell but the
     normal line's of one batch (--clone-batch; gain --gain, loss --loss) and a regional technical effect in every
-    cell of another (--artefact-batch; gain chr3, loss chr12, the normal line's cells included).
+    cell of another (--artefact-batch; gain chr3, loss chr12, the normal line's cells included). --mislabelled S:
+    tumour cells of the clone batch are named normal too, S of the cells named normal there.
 
     Per segment, on the segment's modelled genes: `clone kept` = mean over the clone's labels of seg(L, batch) -
     seg(L, other batches), over the injected shift (1 = the clone kept whole, 0 = taken for batch effect);
@@ -382,9 +383,15 @@ def reference_run(args) -> list[dict]:
                                         args.label_key, args.batch_key, seed=100 + i)
     original, after = dense(log_cp10k(dense(adata.X))), dense(log_cp10k(dense(injected.X)))
     records = []
+    reference = labels == args.normal  # the cells named normal; --mislabelled adds tumour cells of the clone batch
+    own_normal = int((reference & (batch == args.clone_batch)).sum())
+    extra = int(round(args.mislabelled * own_normal / (1.0 - args.mislabelled)))
+    tumour = np.flatnonzero(clone_cells)
+    reference[np.random.default_rng(0).choice(tumour, min(extra, len(tumour)), replace=False)] = True
+    injected.obs["reference"] = np.where(reference, "normal", "other")
     for seed in args.seeds:
         variants = {name: dict(options) for name, options in REFERENCE_VARIANTS.items()}
-        variants["batchfix keep + reference cells"].update(normal_key=args.label_key, normal_values=[args.normal])
+        variants["batchfix keep + reference cells"].update(normal_key="reference", normal_values=["normal"])
         model = batchfix.train(injected, batch_key=args.batch_key, seed=seed, **TRAIN_OPTIONS)
         matrices = {"uncorrected": after, "ComBat": combat(after, injected.obs, args.batch_key).astype(np.float32)}
         for name, options in variants.items():
@@ -461,6 +468,8 @@ def main(argv=None) -> None:
     parser.add_argument("--normal", default="H1975", help="reference: the label of the normal (reference) cells")
     parser.add_argument("--clone-batch", default="sc_celseq2_5cl_p3", help="reference: the batch of the clone")
     parser.add_argument("--artefact-batch", default="sc_dropseq", help="reference: the batch of the artefact")
+    parser.add_argument("--mislabelled", type=float, default=0.0,
+                        help="reference: share of the clone batch's cells named normal that are tumour cells")
     parser.add_argument("--extra", nargs="*", default=[], choices=["cellanova", "scvi"],
                         help="baselines beside ComBat (scvi: its decoded expression; counts in X only)")
     parser.add_argument("--no-scib", dest="scib", action="store_false", help="skip the scIB Totals")
