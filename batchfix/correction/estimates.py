@@ -79,12 +79,11 @@ def set_count_tables(net, genes, count_sums: list[counts.CountSums], reference: 
     genes.ratio = np.vstack([trained_ratio, *[s.ratio() for s in count_sums]])
     tiny = np.finfo(np.float64).tiny
     if reference is None:  # the average reference: theta_g, and the geometric mean of the batches' ratios
-        genes.reference_theta = shared
+        reference_theta = shared
         genes.reference_ratio = np.exp(np.log(np.maximum(trained_ratio, tiny)).mean(axis=0))
     else:
-        genes.reference_theta, genes.reference_ratio = trained_theta[reference], trained_ratio[reference]
-    if spread == "batch":
-        genes.reference_theta = None
+        reference_theta, genes.reference_ratio = trained_theta[reference], trained_ratio[reference]
+    genes.reference_theta = None if spread == "batch" else reference_theta
 
 
 def batch_terms(corrector, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, whole: bool):
