@@ -161,12 +161,14 @@ def log_mean_shift(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, refe
     (batchfix.correction.counts). A batch the model never saw (code >= n_batches) has the average decoder as its
     own; cells of code -1 have no shift. `extra`: of the extra genes' decoder."""
     tiny = torch.finfo(torch.float32).tiny
-    reference_fractions = net.mean_fractions(mu, reference, present, extra)
-    own = reference_fractions if reference is None else net.mean_fractions(mu, None, present, extra)
-    seen = (codes >= 0) & (codes < net.n_batches)
-    if seen.any():
-        own = own.clone()
-        own[seen] = net.mean_fractions(mu[seen], codes[seen].long(), present, extra)
+    if reference is None:
+        reference_fractions, own = net.average_and_own_fractions(mu, codes.long(), present, extra)
+    else:
+        reference_fractions = net.mean_fractions(mu, reference, present, extra)
+        own = net.mean_fractions(mu, None, present, extra)
+        seen = (codes >= 0) & (codes < net.n_batches)
+        if seen.any():
+            own[seen] = net.mean_fractions(mu[seen], codes[seen].long(), present, extra)
     shift = reference_fractions.clamp_min(tiny).log() - own.clamp_min(tiny).log()
     return torch.where((codes < 0)[:, None], torch.zeros_like(shift), shift), own
 

@@ -41,7 +41,12 @@ DISPERSION_PRIOR_CELLS = 20.0
 MIN_THETA, MAX_THETA = 1e-3, 1e4  # theta above MAX_THETA is Poisson for any count a cell holds
 RATIO_PRIOR_COUNTS = 0.5  # pseudo-counts of a batch's observed / decoded mean ratio (CountSums.ratio)
 SEARCH_STEPS = 8  # steps from the guess before the quantile search hands over to scipy's inverse
-MIN_ENTRIES_PER_THREAD = 100_000  # a smaller part is not worth a thread of its own
+MIN_ENTRIES_PER_THREAD = 100_000
+# The pmf walk (`walk_tails`, `walk_quantile`): counts up to WALK_STEPS, P(0) above exp(LOG_PMF_FLOOR) (no
+# underflow on the way), and 1 - F_b(y) at least WALK_TAIL_FLOOR (its digits kept in the lower tail's arithmetic)
+WALK_STEPS = 64
+LOG_PMF_FLOOR = -600.0
+WALK_TAIL_FLOOR = 1e-6  # a smaller part is not worth a thread of its own
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -149,33 +154,96 @@ def quantile_search(guess: np.ndarray, target: np.ndarray, theta: np.ndarray, p:
     return k
 
 
+def walk_tails(y: np.ndarray, theta: np.ndarray, p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(F(y - 1), P(y)) of NB(theta, p) (q = 1 - p) at counts y, by the pmf's recurrence from 0,
+    P(k + 1) = P(k) q (k + theta) / (k + 1): a few arithmetic operations per count where the incomplete beta
+    function costs far more. For counts up to WALK_STEPS and P(0) above LOG_PMF_FLOOR (callers check)."""
+    below, mass = np.zeros_like(y), np.exp(theta * np.log(p))  # F(-1) = 0, P(0)
+    rows = np.flatnonzero(y > 0)
+    current, tail, theta_rows, q_rows = mass[rows], np.zeros(len(rows)), theta[rows], q[rows]
+    k = 0
+    while len(rows):
+        tail = tail + current  # F(k)
+        current = current * q_rows * (k + theta_rows) / (k + 1)  # P(k + 1)
+        k += 1
+        done = y[rows] == k
+        if done.any():
+            below[rows[done]], mass[rows[done]] = tail[done], current[done]
+            keep = ~done
+            rows, current, tail = rows[keep], current[keep], tail[keep]
+            theta_rows, q_rows = theta_rows[keep], q_rows[keep]
+    return below, mass
+
+
+def walk_quantile(target: np.ndarray, theta: np.ndarray, p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """The smallest k with F(k) >= target under NB(theta, p), by the recurrence of `walk_tails` (the same
+    arithmetic, so a distribution mapped to itself gives every count back); NaN where that k is above WALK_STEPS."""
+    result = np.full(len(target), np.nan)
+    rows = np.arange(len(target))
+    current = np.exp(theta * np.log(p))
+    tail, theta_rows, q_rows, target_rows = np.zeros(len(rows)), theta, q, target
+    for k in range(WALK_STEPS + 1):
+        tail = tail + current  # F(k)
+        done = tail >= target_rows
+        result[rows[done]] = k
+        keep = ~done
+        rows, tail, target_rows = rows[keep], tail[keep], target_rows[keep]
+        theta_rows, q_rows = theta_rows[keep], q_rows[keep]
+        if not len(rows):
+            break
+        current = current[keep] * q_rows * (k + theta_rows) / (k + 1)  # P(k + 1)
+    return result
+
+
 def quantile_map(y: np.ndarray, own_mean: np.ndarray, ref_mean: np.ndarray, own_theta: np.ndarray,
                  ref_theta: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Counts y (flat float64) moved from NB(own_mean, own_theta) to the same randomised quantile of
-    NB(ref_mean, ref_theta); u: the uniforms (flat). Entries that stay 0 are settled without the NB's inverse."""
+    NB(ref_mean, ref_theta); u: the uniforms (flat). Entries that stay 0 are settled without the NB's inverse;
+    small counts away from the far upper tail by walking the pmf (`walk_tails`, `walk_quantile`), the rest by
+    the incomplete beta function and its survival form (`exact_quantile_map`)."""
     out = np.zeros_like(y)
     own_p, ref_p = own_theta / (own_theta + own_mean), ref_theta / (ref_theta + ref_mean)
     # A zero's PIT is u * F_b(0); it stays 0 where that is within F_ref(0).
     moved = np.flatnonzero((y > 0) | (u * np.power(own_p, own_theta) > np.power(ref_p, ref_theta)))
     if not len(moved):
         return out
-    yy, um, theta, p = y[moved], u[moved], own_theta[moved], own_p[moved]
-    q = own_mean[moved] / (theta + own_mean[moved])  # 1 - p, exactly
-    mass = probability(yy, theta, p, q)  # P_b(y)
-    low = lower_tail(yy - 1.0, theta, p)  # F_b(y - 1)
-    survival = low > 0.5  # the upper tail: work with S = 1 - F, which keeps its digits there
-    target = low + um * mass
-    upper_rows = np.flatnonzero(survival)
-    s_low = upper_tail(yy[upper_rows], theta[upper_rows], q[upper_rows])  # S_b(y)
-    target[upper_rows] = s_low + (1.0 - um[upper_rows]) * mass[upper_rows]  # 1 - the lower tail's target
-    guess = np.round(yy * ref_mean[moved] / np.maximum(own_mean[moved], 1e-300))
-    result = np.empty_like(yy)
+    own_q = own_mean[moved] / (own_theta[moved] + own_mean[moved])  # 1 - p, exactly
     ref_q = ref_mean[moved] / (ref_theta[moved] + ref_mean[moved])
-    for rows, tail in ((np.flatnonzero(~survival), False), (upper_rows, True)):
-        result[rows] = quantile_search(guess[rows], target[rows], ref_theta[moved][rows], ref_p[moved][rows],
-                                       ref_q[rows], tail)
+    yy, theta, p = y[moved], own_theta[moved], own_p[moved]
+    walk = np.flatnonzero((yy <= WALK_STEPS) & (theta * np.log(p) > LOG_PMF_FLOOR)
+                          & (ref_theta[moved] * np.log(ref_p[moved]) > LOG_PMF_FLOOR))
+    below, mass = walk_tails(yy[walk], theta[walk], p[walk], own_q[walk])
+    result = np.full(len(moved), np.nan)
+    inner = 1.0 - (below + mass) >= WALK_TAIL_FLOOR  # away from the far upper tail, where 1 - F loses its digits
+    walk = walk[inner]
+    result[walk] = walk_quantile(below[inner] + u[moved][walk] * mass[inner], ref_theta[moved][walk],
+                                 ref_p[moved][walk], ref_q[walk])
+    exact = np.flatnonzero(np.isnan(result))
+    if len(exact):
+        index = moved[exact]
+        result[exact] = exact_quantile_map(y[index], own_mean[index], own_theta[index], own_p[index], own_q[exact],
+                                           ref_mean[index], ref_theta[index], ref_p[index], ref_q[exact], u[index])
     out[moved] = result
     return out
+
+
+def exact_quantile_map(y: np.ndarray, own_mean: np.ndarray, theta: np.ndarray, p: np.ndarray, q: np.ndarray,
+                       ref_mean: np.ndarray, ref_theta: np.ndarray, ref_p: np.ndarray, ref_q: np.ndarray,
+                       u: np.ndarray) -> np.ndarray:
+    """`quantile_map` for entries to be moved, by the incomplete beta function; where F_b(y - 1) passes one half
+    the survival functions are used instead (a large count's quantile is not lost to rounding 1 - F near 1)."""
+    mass = probability(y, theta, p, q)  # P_b(y)
+    low = lower_tail(y - 1.0, theta, p)  # F_b(y - 1)
+    survival = low > 0.5
+    target = low + u * mass
+    upper_rows = np.flatnonzero(survival)
+    s_low = upper_tail(y[upper_rows], theta[upper_rows], q[upper_rows])  # S_b(y)
+    target[upper_rows] = s_low + (1.0 - u[upper_rows]) * mass[upper_rows]  # 1 - the lower tail's target
+    guess = np.round(y * ref_mean / np.maximum(own_mean, 1e-300))
+    result = np.empty_like(y)
+    for rows, tail in ((np.flatnonzero(~survival), False), (upper_rows, True)):
+        result[rows] = quantile_search(guess[rows], target[rows], ref_theta[rows], ref_p[rows], ref_q[rows], tail)
+    return result
 
 
 def quantile_map_threads(y: np.ndarray, own_mean: np.ndarray, ref_mean: np.ndarray, own_theta: np.ndarray,

@@ -222,21 +222,42 @@ class BatchfixNet(nn.Module):
         """(B, G) the decoder's NB mean fractions (each cell's expected share of its library per gene; of the
         `present` genes' library when given) as in `decoded`; the Gaussian model's standardized means. With
         `extra`, the extra genes' decoder's fractions of their own library."""
-        decoder = self.extra_decoder if extra else self.decoder
         n_cells = mu.shape[0]
         if batch is None:
-            codes = [torch.full((n_cells,), b, dtype=torch.long, device=mu.device) for b in range(self.n_batches)]
-        elif isinstance(batch, int):
-            codes = [torch.full((n_cells,), batch, dtype=torch.long, device=mu.device)]
-        else:
-            codes = [batch]
-        total = 0.0
-        for code in codes:
-            out = decoder(mu, code).float()  # (B, G)
-            total = total + (torch.softmax(out, -1) if extra or self.cfg.likelihood == "nb" else out)
-        mean = total / len(codes)
+            return self.average_and_own_fractions(mu, None, present, extra)[0]
+        if isinstance(batch, int):
+            batch = torch.full((n_cells,), batch, dtype=torch.long, device=mu.device)
+        return self._of_present(self._decoder_means(mu, batch, extra), present, extra)
+
+    def average_and_own_fractions(self, mu: torch.Tensor, codes: torch.Tensor | None, present: torch.Tensor | None,
+                                  extra: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(mean fractions averaged over the training batches, each cell's own batch's; None without `codes`),
+        each (B, G) as `mean_fractions` gives them, from one decoder pass per training batch: a cell's own batch is
+        one of those passes. Cells whose code is not a training batch get the average as their own."""
+        total, own = 0.0, None
+        for b in range(self.n_batches):
+            out = self._decoder_means(mu, torch.full((mu.shape[0],), b, dtype=torch.long, device=mu.device), extra)
+            total = total + out
+            if codes is not None:
+                own = out.clone() if own is None else own
+                own[codes == b] = out[codes == b]
+        average = total / self.n_batches
+        if codes is not None:
+            unknown = (codes < 0) | (codes >= self.n_batches)
+            own[unknown] = average[unknown]
+            own = self._of_present(own, present, extra)
+        return self._of_present(average, present, extra), own
+
+    def _decoder_means(self, mu: torch.Tensor, codes: torch.Tensor, extra: bool) -> torch.Tensor:
+        """(B, G) the decoder's means for batch `codes`: softmax fractions (NB, extra genes) or standardized means."""
+        decoder = self.extra_decoder if extra else self.decoder
+        out = decoder(mu, codes).float()  # (B, G)
+        return torch.softmax(out, -1) if extra or self.cfg.likelihood == "nb" else out
+
+    def _of_present(self, mean: torch.Tensor, present: torch.Tensor | None, extra: bool) -> torch.Tensor:
+        """NB fractions renormalised to the `present` genes' library (the Gaussian model's means as they are)."""
         if present is not None and (extra or self.cfg.likelihood == "nb"):
-            mean = mean / mean[:, present].sum(-1, keepdim=True)
+            return mean / mean[:, present].sum(-1, keepdim=True)
         return mean
 
     @torch.no_grad()
