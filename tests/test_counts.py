@@ -57,6 +57,25 @@ def test_same_distribution_is_the_identity_and_zeros_stay_where_the_reference_ex
     assert not lower[m["y"] == 0].any(), "a zero became positive where the reference expects the gene less"
 
 
+def test_the_pmf_walk_gives_scipys_tails_and_quantiles():
+    """The small-count path (walk_tails, walk_quantile) against scipy's cdf, pmf and ppf."""
+    n = 50_000
+    mean, theta = RNG.gamma(0.5, 6.0, n), RNG.uniform(0.2, 20.0, n)
+    p, q = theta / (theta + mean), mean / (theta + mean)
+    y = np.minimum(nb_sample(mean, theta, seed=5), counts.WALK_STEPS)
+    nb = stats.nbinom(theta, p)
+    below, mass = counts.walk_tails(y, theta, p, q)
+    np.testing.assert_allclose(below, np.where(y > 0, nb.cdf(y - 1), 0.0), rtol=1e-10, atol=1e-300)
+    np.testing.assert_allclose(mass, nb.pmf(y), rtol=1e-10, atol=1e-300)
+    target = RNG.uniform(0.0, 0.999, n)
+    walked = counts.walk_quantile(target, theta, p, q)
+    reached = ~np.isnan(walked)
+    assert reached.mean() > 0.95
+    quantiles = nb.ppf(target)
+    np.testing.assert_array_equal(walked[reached], quantiles[reached])
+    assert (quantiles[~reached] > counts.WALK_STEPS).all()
+
+
 def test_large_counts_keep_their_quantile_through_the_survival_function():
     """Counts far in the upper tail (1 - F rounds to 0 in float64 there) still move by the mean's ratio."""
     y = np.array([100_000.0, 50_000.0, 2_000.0])
