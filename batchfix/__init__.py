@@ -16,7 +16,7 @@ from batchfix.console import settings  # noqa: E402 - batchfix.settings.verbosit
 
 # The API pulls in torch and Lightning: imported on first use, so `python -m batchfix --help` stays quick.
 _LAZY = {"train": "batchfix.api", "correct": "batchfix.api", "evaluate": "batchfix.api",
-         "BatchfixModel": "batchfix.training.module", "bundled_dataset": "batchfix.data.io"}
+         "BatchfixModel": "batchfix.training.trained", "bundled_dataset": "batchfix.data.io"}
 
 
 def __getattr__(name: str):

@@ -41,7 +41,7 @@ from batchfix.correction.extra_genes import add_extra_genes_from
 from batchfix.correction.writers import correct_adata
 from batchfix.errors import ConfigError
 from batchfix.training import fitting
-from batchfix.training.module import BatchfixModel, load_trained
+from batchfix.training.trained import BatchfixModel, load_trained
 
 # Options of the command line that have no meaning for an in-memory AnnData.
 NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a run folder: use the command line",

@@ -168,7 +168,7 @@ def run_batchfix(
     from batchfix import tasks
     from batchfix.config import TrainConfig, validated
     from batchfix.correction.writers import correct_file
-    from batchfix.training.module import load_trained
+    from batchfix.training.trained import load_trained
 
     with tempfile.TemporaryDirectory(prefix="batchfix-bench-") as tmp:
         source, run_dir = Path(tmp) / "input.h5ad", Path(tmp) / "run"

@@ -31,7 +31,7 @@ from batchfix.correction.writers import correct_file
 from batchfix.data import ondisk
 from batchfix.data.normalize import log_cp10k
 from batchfix.errors import CheckpointError, InputError
-from batchfix.training.module import load_trained
+from batchfix.training.trained import load_trained
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINING_BATCHES = 3

@@ -158,7 +158,7 @@ def test_streamed_in_memory_repeated_and_reordered_runs_give_the_same_counts(tra
 
 def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line(trained, tmp_path):
     from batchfix.errors import CheckpointFormatError
-    from batchfix.training.module import load_trained
+    from batchfix.training.trained import load_trained
 
     model, _ = trained
     path = model.save(tmp_path / "model.ckpt")
@@ -188,9 +188,10 @@ def test_a_corrected_file_goes_into_infercnvpy_with_its_reference_from_the_layer
     """The corrected file, read back, into infercnvpy.tl.infercnv with no extra step: reference cells named by obs,
     the expression and the reference both from the log layer (the `cnv` extra's infercnvpy reads the reference
     from the layer it is given, not from X's raw counts)."""
-    import batchfix
     import infercnvpy
     from infercnvpy.tl import _infercnv
+
+    import batchfix
 
     model, path = trained
     out = tmp_path / "corrected.h5ad"

@@ -21,7 +21,8 @@ from batchfix import tasks
 from batchfix.config import AttentionConfig, CorrectionSettings, TrainConfig, validated
 from batchfix.errors import InputError, OutputExistsError
 from batchfix.eval.attention_maps import attention_maps
-from batchfix.training.module import ENTROPY_PREFIX, load_trained
+from batchfix.training.module import ENTROPY_PREFIX
+from batchfix.training.trained import load_trained
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(n_top_genes=200, genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8, decoder_hidden=32,

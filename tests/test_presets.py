@@ -25,7 +25,7 @@ from batchfix.config import (
     validated,
 )
 from batchfix.errors import ConfigError
-from batchfix.training.module import load_trained
+from batchfix.training.trained import load_trained
 
 TINY_CLI = ["data.n_top_genes=200", "model.genes_per_token=16", "model.d_model=16", "model.n_layers=1",
             "model.latent_dim=8", "model.decoder_hidden=32", "fit.batch_size=64", "threads=1",

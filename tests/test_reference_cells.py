@@ -54,7 +54,6 @@ def scores(adata, clone, values, before) -> dict:
     """Clone kept (its cells' cross-batch contrast over the injected shift, mean of gain and loss), the reference
     line's cells moved there, and the artefact left (the artefact batch's contrast over the injected one)."""
     after = np.asarray(log_cp10k(np.asarray(adata.X)))
-    labels = adata.obs["cell_type"].astype(str).to_numpy()
     out = {"clone kept": [], "normal moved": [], "artefact left": []}
     for chromosome in ("1", "2"):
         genes = inject_clones.segment_genes(adata.var, chromosome)

@@ -41,7 +41,6 @@ from batchfix.cli import folder_check
 from batchfix.config import CorrectConfig, CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
 from batchfix.correction.writers import correct_file
 from batchfix.data import atomic, ondisk
-from batchfix.data.prepare import CellDataModule
 from batchfix.errors import (
     CheckpointError,
     ConfigError,
@@ -52,7 +51,8 @@ from batchfix.errors import (
     TrainingError,
 )
 from batchfix.training import fitting
-from batchfix.training.module import load_trained
+from batchfix.training.fitting import CellDataModule
+from batchfix.training.trained import load_trained
 
 TINY = ["data.n_top_genes=200", "model.genes_per_token=16", "model.d_model=16", "model.n_heads=2", "model.n_layers=1",
         "model.latent_dim=8", "model.decoder_hidden=32", "fit.batch_size=64", "evaluate=false", "threads=1",

@@ -17,11 +17,11 @@ from hydra import compose, initialize_config_module
 
 from batchfix import tasks
 from batchfix.config import DataConfig, TrainConfig, validated
-from batchfix.data.prepare import CellDataModule, StreamedCells, in_order
+from batchfix.data.prepare import StreamedCells, in_order
 from batchfix.data.streaming import prepare_streamed, use_streaming
 from batchfix.errors import ConfigError
-from batchfix.training.fitting import load_training_data
-from batchfix.training.module import load_trained
+from batchfix.training.fitting import CellDataModule, load_training_data
+from batchfix.training.trained import load_trained
 
 N_TOP_GENES = 200
 

@@ -25,7 +25,8 @@ from batchfix.correction import calibration, counterfactual, counts
 from batchfix.correction.regional import GenomeSmoother, RegionalShift
 from batchfix.errors import InputError
 from batchfix.training import fitting
-from batchfix.training.module import BatchfixModule, load_trained
+from batchfix.training.module import BatchfixModule
+from batchfix.training.trained import load_trained
 
 N_TOP_GENES = 200
 BATCH_SIZE = 64

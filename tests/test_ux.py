@@ -24,7 +24,7 @@ import batchfix
 from batchfix import config
 from batchfix.config import TrainConfig, validated
 from batchfix.errors import ConfigError, InputError
-from batchfix.training.module import LEGACY_DATA_OPTIONS, load_trained
+from batchfix.training.trained import LEGACY_DATA_OPTIONS, load_trained
 
 TINY = dict(n_top_genes=200, genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8, decoder_hidden=32,
             batch_size=64, threads=1, enable_progress_bar=False, max_epochs=1, seed=0)

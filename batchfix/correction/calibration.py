@@ -21,7 +21,7 @@ from batchfix.data.prepare import PreparedData, in_order
 from batchfix.errors import CheckpointError
 from batchfix.nn.attention import fused_attention
 from batchfix.nn.network import BatchfixNet
-from batchfix.training.module import BatchfixModel, load_trained
+from batchfix.training.trained import BatchfixModel, load_trained
 
 log = logging.getLogger(__name__)
 

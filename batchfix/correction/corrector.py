@@ -36,7 +36,7 @@ from batchfix.data.io import (
 )
 from batchfix.errors import ConfigError, InputError
 from batchfix.nn.attention import fused_attention
-from batchfix.training.module import BatchfixModel
+from batchfix.training.trained import BatchfixModel
 
 log = logging.getLogger(__name__)
 

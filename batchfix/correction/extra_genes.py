@@ -23,7 +23,7 @@ from batchfix.data.io import input_path, select_matrix
 from batchfix.data.prepare import PreparedData, in_order
 from batchfix.nn.attention import fused_attention
 from batchfix.nn.network import negative_binomial_log_likelihood
-from batchfix.training.module import BatchfixModel
+from batchfix.training.trained import BatchfixModel
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from batchfix.data.atomic import atomic_output, output_exists
 from batchfix.data.genome import infercnv_columns
 from batchfix.data.io import OutputKeys, check_h5ad_path, select_matrix
 from batchfix.errors import InputError
-from batchfix.training.module import BatchfixModel
+from batchfix.training.trained import BatchfixModel
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import h5py
 import numpy as np
 import pandas as pd
-import pytorch_lightning as pl
 import scipy.sparse as sp
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
@@ -242,39 +241,3 @@ def validation_size(n_cells: int, validation_fraction: float, max_validation_cel
                  "are trained on.", max_validation_cells, n_validation)
         n_validation = max_validation_cells
     return n_validation
-
-
-class CellDataModule(pl.LightningDataModule):
-    """Train/validation split of the prepared cells (validation drives early stopping).
-
-    The cells are served from memory, or streamed from disk (`StreamedCells`) when the prepared data
-    stayed there.
-    """
-
-    def __init__(self, prepared: PreparedData, batch_size: int, validation_fraction: float, seed: int = 0,
-                 max_validation_cells: int | None = None, chunk_cells: int | None = None):
-        super().__init__()
-        self.prepared, self.batch_size, self.seed, self.chunk_cells = prepared, batch_size, seed, chunk_cells
-        n_cells = prepared.n_cells
-        permutation = np.random.default_rng(seed).permutation(n_cells)
-        n_validation = validation_size(n_cells, validation_fraction, max_validation_cells)
-        self.validation_rows = np.sort(permutation[:n_validation])
-        self.train_rows = np.sort(permutation[n_validation:])
-
-    def loader(self, rows: np.ndarray, shuffle: bool) -> DataLoader:
-        prepared = self.prepared
-        if prepared.disk is None:
-            dataset = CellBatches(prepared.counts[rows], prepared.batch_index[rows])
-            return minibatches(dataset, self.batch_size, shuffle=shuffle, seed=self.seed)
-        trainer = self.trainer
-        streamed = StreamedCells(prepared.disk, rows, prepared.batch_index, self.batch_size, self.chunk_cells,
-                                 shuffle, self.seed, trainer.global_rank if trainer else 0,
-                                 trainer.world_size if trainer else 1)
-        streamed.epoch = trainer.current_epoch if trainer and shuffle else 0  # a resumed run goes on from there
-        return DataLoader(streamed, batch_size=None)
-
-    def train_dataloader(self) -> DataLoader:
-        return self.loader(self.train_rows, shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self.loader(self.validation_rows, shuffle=False)

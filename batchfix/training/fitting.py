@@ -1,6 +1,6 @@
 """Fitting: validated options and data in, a trained model out.
 
-The steps `python -m batchfix train` (batchfix.tasks) and the Python API (batchfix.api) share:
+The steps `python -m batchfix train` (batchfix.tasks.training) and the Python API (batchfix.api) share:
 read and prepare the data, plan the epochs, build the Lightning Trainer and module, fit.
 """
 from __future__ import annotations
@@ -14,22 +14,25 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import anndata as ad
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.utilities.exceptions import MisconfigurationException, SIGTERMException
+from torch.utils.data import DataLoader
 
 from batchfix import runfolder, signals
 from batchfix.config import DataConfig, FitConfig, ModelConfig, TrainConfig, TrainerConfig
 from batchfix.console import quiet_lightning_logs, quiet_warnings
 from batchfix.data.genome import chromosome_runs
 from batchfix.data.io import expression_input, input_path, read_h5ad
-from batchfix.data.prepare import CellDataModule, PreparedData, prepare
+from batchfix.data.prepare import CellBatches, PreparedData, StreamedCells, minibatches, prepare, validation_size
 from batchfix.data.streaming import prepare_streamed, use_streaming
 from batchfix.errors import ConfigError, InputError, Interrupted
 from batchfix.training.checkpoint_io import AtomicCheckpointIO
-from batchfix.training.module import TRAINED_DATA_OPTIONS, BatchfixModule, load_trained
+from batchfix.training.module import BatchfixModule
+from batchfix.training.trained import TRAINED_DATA_OPTIONS, load_trained
 
 log = logging.getLogger(__name__)
 
@@ -241,3 +244,39 @@ def interruption_note(trainer: pl.Trainer, run_dir: Path) -> str:
     if trainer.global_step == 0 or not last.is_file():
         return " before a training step: no checkpoint saved"
     return f" after {trainer.global_step} training steps; saved {last} (resume={run_dir} continues it)"
+
+
+class CellDataModule(pl.LightningDataModule):
+    """Train/validation split of the prepared cells (validation drives early stopping).
+
+    The cells are served from memory, or streamed from disk (`StreamedCells`) when the prepared data
+    stayed there.
+    """
+
+    def __init__(self, prepared: PreparedData, batch_size: int, validation_fraction: float, seed: int = 0,
+                 max_validation_cells: int | None = None, chunk_cells: int | None = None):
+        super().__init__()
+        self.prepared, self.batch_size, self.seed, self.chunk_cells = prepared, batch_size, seed, chunk_cells
+        n_cells = prepared.n_cells
+        permutation = np.random.default_rng(seed).permutation(n_cells)
+        n_validation = validation_size(n_cells, validation_fraction, max_validation_cells)
+        self.validation_rows = np.sort(permutation[:n_validation])
+        self.train_rows = np.sort(permutation[n_validation:])
+
+    def loader(self, rows: np.ndarray, shuffle: bool) -> DataLoader:
+        prepared = self.prepared
+        if prepared.disk is None:
+            dataset = CellBatches(prepared.counts[rows], prepared.batch_index[rows])
+            return minibatches(dataset, self.batch_size, shuffle=shuffle, seed=self.seed)
+        trainer = self.trainer
+        streamed = StreamedCells(prepared.disk, rows, prepared.batch_index, self.batch_size, self.chunk_cells,
+                                 shuffle, self.seed, trainer.global_rank if trainer else 0,
+                                 trainer.world_size if trainer else 1)
+        streamed.epoch = trainer.current_epoch if trainer and shuffle else 0  # a resumed run goes on from there
+        return DataLoader(streamed, batch_size=None)
+
+    def train_dataloader(self) -> DataLoader:
+        return self.loader(self.train_rows, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.loader(self.validation_rows, shuffle=False)

@@ -59,7 +59,7 @@ def child(args) -> None:
     import torch
 
     from batchfix.correction import writers
-    from batchfix.training.module import load_trained
+    from batchfix.training.trained import load_trained
 
     torch.set_num_threads(args.threads)
     print(f"IMPORTS {time.time() - args.launched:.3f}", flush=True)
@@ -207,7 +207,7 @@ def main() -> None:
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     checkpoint = args.checkpoint or train_checkpoint(args.workdir, args.threads)
-    from batchfix.training.module import load_trained
+    from batchfix.training.trained import load_trained
 
     genes = None if args.all_genes else load_trained(checkpoint).genes
     n_genes = bundled_cells().n_vars if genes is None else len(genes)

@@ -1,22 +1,18 @@
-"""The verbs as plain functions of validated options: train, correct, attention (the CLI and tests call these;
-evaluate's is batchfix.eval.evaluate.evaluate, which needs neither torch nor Lightning)."""
+"""The train verb as plain functions of validated options: fit, calibrate, save, correct the training file,
+draw the attention picture, evaluate."""
 from __future__ import annotations
 
 import json
 import logging
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import anndata as ad
-import torch
 
 from batchfix import runfolder, signals
 from batchfix.config import (
     DEFAULT_PRESET,
     AttentionConfig,
-    CorrectConfig,
-    CorrectionChoice,
     CorrectionSettings,
     TrainConfig,
     remembered_correction,
@@ -25,12 +21,13 @@ from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.corrector import reference_index
 from batchfix.correction.extra_genes import add_extra_genes_from
 from batchfix.correction.writers import correct_adata, correct_file
-from batchfix.data.atomic import CORRECTED_SUFFIX, atomic_output, default_output
+from batchfix.data.atomic import atomic_output
 from batchfix.data.io import input_path
 from batchfix.data.prepare import PreparedData
 from batchfix.errors import Interrupted
 from batchfix.training import fitting
-from batchfix.training.module import ENTROPY_PREFIX, BatchfixModel, load_trained
+from batchfix.training.module import ENTROPY_PREFIX
+from batchfix.training.trained import BatchfixModel
 
 log = logging.getLogger(__name__)
 
@@ -146,33 +143,6 @@ def fit_metrics(result: fitting.FitResult, prepared: PreparedData) -> dict:
     }
 
 
-def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
-    """Correct cfg.input with cfg.checkpoint into cfg.output (streamed, inference.chunk_size cells at a time),
-    with the correction `told` names, else the one the checkpoint remembers (CorrectionChoice.resolve)."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    source = input_path(cfg.input)
-    output = default_output(source, cfg.output, CORRECTED_SUFFIX)
-    earlier = file_identity(output)
-    trained = load_trained(cfg.checkpoint)
-    preset, options = (told or CorrectionChoice()).resolve(trained.correction)
-    settings = CorrectionSettings(**asdict(options), **asdict(cfg.inference), preset=preset)
-    try:
-        written = correct_file(source, output, trained, settings, counts_layer=cfg.data.counts_layer,
-                               batch_key=cfg.data.batch_key, overwrite=cfg.overwrite, progress=cfg.progress,
-                               all_batches_new=cfg.all_batches_new)
-    except (Interrupted, OSError) as err:
-        # A signal that lands inside h5py's C code can surface as an OSError of the interrupted read or write.
-        signum = err.signum if isinstance(err, Interrupted) else signals.pending()
-        if signum is None:
-            raise
-        now = file_identity(output)
-        state = ("was not written" if now is None else "is unchanged" if now == earlier
-                 else "was complete before the signal came")
-        raise Interrupted(signum, f"; {output} {state}") from None
-    return written
-
-
 def attention_picture(cfg: TrainConfig, model: BatchfixModel, run_dir: Path) -> Path:
     """run_dir/attention.png: the trained model's attention along the genome, per label (else per batch)."""
     from batchfix.eval.attention_maps import attention_maps, write_attention
@@ -181,29 +151,3 @@ def attention_picture(cfg: TrainConfig, model: BatchfixModel, run_dir: Path) -> 
     maps = attention_maps(model, input_path(cfg.data.path), options.group_by,
                           CorrectionSettings(), cfg.data.counts_layer, options.max_cells, options.resolution)
     return write_attention(maps, run_dir, npz=False, overwrite=True)[0]
-
-
-def attention(cfg: AttentionConfig) -> list[Path]:
-    """Mean attention between loci per group of cfg.input's cells: attention.png and attention.npz in cfg.output."""
-    from batchfix.eval.attention_maps import attention_maps, write_attention
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    source = input_path(cfg.input)
-    output = Path(cfg.output).expanduser() if cfg.output else Path.cwd() / (Path(source).stem + ".attention")
-    settings = CorrectionSettings(**asdict(cfg.inference))
-    trained = load_trained(cfg.checkpoint)
-    maps = attention_maps(trained, source, cfg.group_by, settings, cfg.data.counts_layer, cfg.max_cells,
-                          cfg.resolution)
-    written = write_attention(maps, output, overwrite=cfg.overwrite, title=f"{Path(source).name}: ")
-    log.info("Wrote %s", ", ".join(map(str, written)))
-    return written
-
-
-def file_identity(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of a file, None when there is none: an atomic replacement changes it."""
-    try:
-        stat = path.stat()
-    except OSError:
-        return None
-    return stat.st_dev, stat.st_ino

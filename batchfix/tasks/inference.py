@@ -1,0 +1,72 @@
+"""The verbs that read a trained model, as plain functions of validated options: correct and attention. Neither
+imports Lightning (batchfix.training.trained loads the checkpoint), so a correction starts in about 3 s."""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from batchfix import signals
+from batchfix.config import AttentionConfig, CorrectConfig, CorrectionChoice, CorrectionSettings
+from batchfix.correction.writers import correct_file
+from batchfix.data.atomic import CORRECTED_SUFFIX, default_output
+from batchfix.data.io import input_path
+from batchfix.errors import Interrupted
+from batchfix.training.trained import load_trained
+
+log = logging.getLogger(__name__)
+
+
+def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
+    """Correct cfg.input with cfg.checkpoint into cfg.output (streamed, inference.chunk_size cells at a time),
+    with the correction `told` names, else the one the checkpoint remembers (CorrectionChoice.resolve)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    source = input_path(cfg.input)
+    output = default_output(source, cfg.output, CORRECTED_SUFFIX)
+    earlier = file_identity(output)
+    trained = load_trained(cfg.checkpoint)
+    preset, options = (told or CorrectionChoice()).resolve(trained.correction)
+    settings = CorrectionSettings(**asdict(options), **asdict(cfg.inference), preset=preset)
+    try:
+        written = correct_file(source, output, trained, settings, counts_layer=cfg.data.counts_layer,
+                               batch_key=cfg.data.batch_key, overwrite=cfg.overwrite, progress=cfg.progress,
+                               all_batches_new=cfg.all_batches_new)
+    except (Interrupted, OSError) as err:
+        # A signal that lands inside h5py's C code can surface as an OSError of the interrupted read or write.
+        signum = err.signum if isinstance(err, Interrupted) else signals.pending()
+        if signum is None:
+            raise
+        now = file_identity(output)
+        state = ("was not written" if now is None else "is unchanged" if now == earlier
+                 else "was complete before the signal came")
+        raise Interrupted(signum, f"; {output} {state}") from None
+    return written
+
+
+def attention(cfg: AttentionConfig) -> list[Path]:
+    """Mean attention between loci per group of cfg.input's cells: attention.png and attention.npz in cfg.output."""
+    from batchfix.eval.attention_maps import attention_maps, write_attention
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    source = input_path(cfg.input)
+    output = Path(cfg.output).expanduser() if cfg.output else Path.cwd() / (Path(source).stem + ".attention")
+    settings = CorrectionSettings(**asdict(cfg.inference))
+    trained = load_trained(cfg.checkpoint)
+    maps = attention_maps(trained, source, cfg.group_by, settings, cfg.data.counts_layer, cfg.max_cells,
+                          cfg.resolution)
+    written = write_attention(maps, output, overwrite=cfg.overwrite, title=f"{Path(source).name}: ")
+    log.info("Wrote %s", ", ".join(map(str, written)))
+    return written
+
+
+def file_identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of a file, None when there is none: an atomic replacement changes it."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
