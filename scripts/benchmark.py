@@ -97,7 +97,7 @@ from scripts.stress_set import contrast_truth_error, group_truth_error, relative
 BASELINES = ["unintegrated", "combat", "combat_seq", "harmony", "scanorama", "scvi", "sysvi", "cellanova"]
 ALL_METHODS = ["batchfix", *BASELINES]
 ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
-STATE_DEPENDENCES = (0.5,)  # correction.state_dependence values corrected beside the default, on the same model
+STATE_DEPENDENCES = (0.5, 1.0)  # correction.state_dependence values corrected beside a run's own, on the same model
 CNV_R, CNV_AMPLITUDE = "CNV profile r", "CNV amplitude ratio"  # batchfix.eval.cnv.profile_retention
 MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE, *matrix_scores.COLUMNS]
 TRUTH_ERROR = "Truth error"  # with --truth-layer: stress_set.truth_error of the matrix

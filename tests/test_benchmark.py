@@ -56,7 +56,7 @@ def test_benchmark_runs_batchfix_in_both_output_modes(tmp_path):
     # from the same model
     modes = ["batchfix counterfactual (PCA)", "batchfix denoised (PCA)", "batchfix counterfactual_gene (PCA)",
              "batchfix counterfactual_regional_apply (PCA)", "batchfix counterfactual_regional_keep_all (PCA)",
-             "batchfix counterfactual_regional_keep_input (PCA)", "batchfix counterfactual_state_0.5 (PCA)"]
+             "batchfix counterfactual_regional_keep_input (PCA)", "batchfix counterfactual_state_1.0 (PCA)"]
     assert set(modes + ["batchfix latent", "Unintegrated PCA"]) == set(rows.index)
     # 200 cells leave no (batch, label) group of 30 cells: within-type neighbours are not scored.
     genes = ["DE-rank agreement", "Marker recall", "HVG conservation"]
@@ -264,11 +264,12 @@ def test_companion_outputs_keep_the_variants_correction_options():
                                                     "correction.residual_weight=0.75"]), TrainConfig)
     others = benchmark.companion_settings(cfg.correction)
     assert set(others) == {"denoised", "counterfactual_batch", "counterfactual_regional_apply",
-                           "counterfactual_regional_keep_all", "counterfactual_regional_keep_input"}
+                           "counterfactual_regional_keep_all", "counterfactual_regional_keep_input",
+                           "counterfactual_state_1.0"}
     assert others["counterfactual_batch"].spread == "batch"
     assert others["counterfactual_regional_apply"].regional_shift == "apply"
     for name, settings in others.items():  # the variant's options, but for the one the name changes
         assert settings.residual_weight == 0.75, name
-        assert settings.state_dependence == 0.5, name
+        assert settings.state_dependence == (1.0 if name == "counterfactual_state_1.0" else 0.5), name
         assert settings.spread == ("batch" if name == "counterfactual_batch" else "gene"), name
         assert settings.regional_shift == (name.partition("regional_")[2] or "keep"), name

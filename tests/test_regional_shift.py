@@ -102,7 +102,7 @@ def test_a_regional_shift_of_one_state_is_kept_and_a_gene_wise_one_removed(subse
 
     def corrected(mode):
         """(output, values raised to 0 before the regional split), each (cells, genes in model order)."""
-        output = in_model_order(subset, tiny_model, mode)
+        output = in_model_order(subset, tiny_model, mode, state_dependence=1.0)  # the split alone (state: below)
         return output, np.concatenate(floored)[-len(output):]  # the last pass over the cells is the correction's
 
     modes = ("apply", "keep", "keep_all", "keep_input")
@@ -193,18 +193,18 @@ def default_terms(adata, model):
 
 def test_state_dependence_applies_a_share_of_each_cells_deviation_from_its_batch_mean(subset, tiny_model):
     """state_dependence=w: the decoder term applied is its batch mean over the input's cells plus w times the
-    cell's deviation (the documented formula, from the model's terms); w=1 is the default output, and w=0 gives
+    cell's deviation (the documented formula, from the model's terms); w=0.5 is the default output, and w=0 gives
     every cell of a batch the same shift, so the output minus the input is the same for them wherever nothing
     was floored."""
     codes, stats, values, decoder, observed, _ = default_terms(subset, tiny_model)
     batch_mean = torch.stack([decoder[codes == b].mean(dim=0) for b in range(len(tiny_model.batch_categories))])
     deviation = decoder - batch_mean[codes]  # (cells, G)
-    default = in_model_order(subset, tiny_model, "apply")
-    assert np.array_equal(in_model_order(subset, tiny_model, "apply", state_dependence=1.0), default)
-    assert np.allclose(default, values.clamp_min(0).numpy(), atol=1e-4)
+    whole = in_model_order(subset, tiny_model, "apply", state_dependence=1.0)
+    assert np.allclose(whole, values.clamp_min(0).numpy(), atol=1e-4)
     half = in_model_order(subset, tiny_model, "apply", state_dependence=0.5)
+    assert np.array_equal(in_model_order(subset, tiny_model, "apply"), half)
     assert np.allclose(half, (values - 0.5 * deviation).clamp_min(0).numpy(), atol=1e-4)
-    assert not np.allclose(half, default, atol=1e-3)
+    assert not np.allclose(half, whole, atol=1e-3)
     none = in_model_order(subset, tiny_model, "apply", state_dependence=0.0)
     change = none - observed.numpy()  # (cells, G): the shift plus the location and the rescaled residual
     k = stats.scale[codes].numpy()
@@ -219,15 +219,16 @@ def test_state_dependence_applies_a_share_of_each_cells_deviation_from_its_batch
 
 def test_residual_weight_keeps_that_share_of_each_cells_residual(subset, tiny_model):
     """residual_weight=a: the output is decoded_ref(z) + location_ref + a k_b (observed - decoded_b(z) - location_b)
-    (the documented formula, from the model's terms); a=1 is the default output, a=0 the reference's decoding plus
+    (the documented formula, from the model's terms); a=1 is the default, a=0 the reference's decoding plus
     its location for every cell, and a cell's distance from its batch's mean shrinks with a."""
     codes, stats, values, _, _, reference = default_terms(subset, tiny_model)
     base = reference + stats.ref_location  # (cells, G): what the decoder expects, as the reference
-    assert np.array_equal(in_model_order(subset, tiny_model, "apply", residual_weight=1.0),
-                          in_model_order(subset, tiny_model, "apply"))
+    whole = dict(state_dependence=1.0)  # the formula's decoder term is each cell's own (state: above)
+    assert np.array_equal(in_model_order(subset, tiny_model, "apply", residual_weight=1.0, **whole),
+                          in_model_order(subset, tiny_model, "apply", **whole))
     spread = {}  # mean within-batch sd of a gene, by weight
     for weight in (1.0, 0.5, 0.0):
-        out = in_model_order(subset, tiny_model, "apply", residual_weight=weight)
+        out = in_model_order(subset, tiny_model, "apply", residual_weight=weight, **whole)
         assert np.allclose(out, (base + weight * (values - base)).clamp_min(0).numpy(), atol=1e-4)
         spread[weight] = np.mean([out[(codes == b).numpy()].std(axis=0).mean()
                                   for b in range(len(tiny_model.batch_categories))])

@@ -117,6 +117,7 @@ def test_cli_train_writes_run_folder(cli_run, subset_h5ad):
 
 def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, counts_nearly_equal):
     """The written correction equals what the reloaded model.ckpt computes on the same cells (the default
+    state_dependence=0.5: half of each cell's deviation from its batch's mean log-mean shift is applied; the default
     regional_shift=keep: each batch's mean log-mean shift over its cells, smoothed along the genome; each count
     mapped from its batch's NB to the reference's at its randomised quantile)."""
     trained = load_trained(cli_run / "model.ckpt")
@@ -130,10 +131,11 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, co
     shift, own = counterfactual.log_mean_shift(net, mu, codes, None, None)  # the decoder's, (cells, G)
     mean_shift = torch.stack([shift[codes == b].mean(dim=0) for b in range(len(trained.batch_categories))])
     assert all((codes == b).sum() >= calibration.MIN_UNSEEN_CELLS for b in range(len(trained.batch_categories)))
-    regional = RegionalShift(
-        GenomeSmoother(list(trained.module.hparams.chromosome), 100), mean_shift,
-        torch.ones(len(trained.batch_categories)))
-    shift = counterfactual.applied_shift(shift, codes, None, regional).double().numpy()
+    regional = RegionalShift(GenomeSmoother(list(trained.module.hparams.chromosome), 100), mean_shift,
+                             torch.ones(len(trained.batch_categories)))
+    ones = torch.ones(len(trained.batch_categories))
+    state = counterfactual.StateShrink(CorrectionSettings().state_dependence, mean_shift, ones)  # the default 0.5
+    shift = counterfactual.applied_shift(shift, codes, state, regional).double().numpy()
     ratio = net.count_ratio.double().numpy()  # each batch's observed / decoded mean; the reference's: geometric mean
     shift += np.log(np.exp(np.log(ratio).mean(axis=0)) / ratio[codes.numpy()])
     own_mean = (own * x.sum(-1, keepdim=True)).double().numpy() * ratio[codes.numpy()]

@@ -2,6 +2,7 @@
 training budget: the `max_epochs = None` line (the default, minutes on a 2-core CPU) becomes 2 epochs."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import nbformat
@@ -22,7 +23,9 @@ def test_the_tutorial_runs_and_shows_what_it_says(tmp_path):
     outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     pictures = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(pictures) >= 2  # the UMAPs before and after, and the marker dot plot
+    assert len(pictures) >= 4  # the UMAPs before and after, the marker dot plot, the CNV heatmaps before and after
     printed = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "batchfix corrected expression (PCA)" in printed and "Total" in printed
     assert "batchfix: Modelling 2000 genes" in printed  # the progress lines show (settings.verbosity)
+    differences = dict(re.findall(r"(\w+): a line's CNV profile differs between batches by ([0-9.]+)", printed))
+    assert float(differences["batchfix"]) < float(differences["uncorrected"])

@@ -25,7 +25,7 @@ scale for data.scale=log):
   keeps about the batch-wide ratio, one estimated on many cells its own.
 - Values that would go below 0 (the floor of the log1p scale) are set to 0 and counted.
 
-State dependence (correction.state_dependence, default 1). With w < 1 the decoder term decoded_ref(z_c) -
+State dependence (correction.state_dependence, default 0.5). With w < 1 the decoder term decoded_ref(z_c) -
 k_b decoded_b(z_c) is replaced by its mean over the batch's cells in the input plus w times the cell's deviation
 from that mean: w = 0 gives one shift per gene and batch, as ComBat's, which moves within-batch comparisons (DE
 ranks, markers) least and mixes least; the regional shift below then splits what is left.
