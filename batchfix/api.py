@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import logging
 import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -38,6 +39,7 @@ from batchfix.config import (
 )
 from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.extra_genes import add_extra_genes_from
+from batchfix.correction.recommendation import recommend
 from batchfix.correction.writers import correct_adata
 from batchfix.errors import ConfigError
 from batchfix.training import fitting
@@ -55,6 +57,7 @@ NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a 
 # The correction options: keywords of batchfix.train (remembered by the model) and of batchfix.correct.
 CORRECTION_OPTIONS = tuple(option.name for option in fields(CorrectionOptions))
 INFERENCE_OPTIONS = tuple(option.name for option in fields(InferenceOptions))
+log = logging.getLogger(__name__)
 
 
 def train_config(**options) -> TrainConfig:
@@ -131,6 +134,10 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
         model = calibrated_model(result.best_checkpoint, prepared)
         add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
     model.remember_correction(remembered_correction(preset, chosen))
+    labels = None if label_key is None else adata.obs[label_key].astype(str).to_numpy()
+    advice = recommend(model, prepared, labels, 'batchfix.correct(adata, model, correction="{preset}")', cfg.seed)
+    model.remember_recommendation(advice.as_dict())
+    log.info("Recommended correction: %s: %s", advice.preset, advice.reason)
     model.path = None  # the checkpoint it came from is gone: model.save(path) keeps it
     return model
 

@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_module
 
 import batchfix
 from batchfix.cli.common import check_overrides
+from batchfix.cli.summary import run_summary
 from batchfix.config import (
     CorrectConfig,
     CorrectionChoice,
@@ -24,6 +25,7 @@ from batchfix.config import (
     preset_options,
     validated,
 )
+from batchfix.correction import recommendation
 from batchfix.errors import ConfigError
 from batchfix.training.trained import load_trained
 
@@ -136,3 +138,42 @@ def test_the_api_trains_a_model_that_remembers_its_correction(subset):
                            d_model=16, n_layers=1, latent_dim=8, decoder_hidden=32, batch_size=64, threads=1,
                            enable_progress_bar=False, max_epochs=1)
     assert model.correction == {"preset": "protocols", "options": {**expected("protocols"), "state_dependence": 0.6}}
+
+
+TINY_API = dict(n_top_genes=200, genes_per_token=16, d_model=16, n_layers=1, latent_dim=8, decoder_hidden=32,
+                batch_size=64, threads=1, max_epochs=2, enable_progress_bar=False, seed=0)
+
+
+def test_training_recommends_the_default_where_batches_share_their_states(subset, tmp_path):
+    """Five batches holding the same cell lines: the default, with the measurements and why; the record travels in
+    the checkpoint."""
+    model = batchfix.train(subset, batch_key="batch", label_key="cell_type", **TINY_API)
+    advice = model.recommendation
+    assert advice["preset"] == "default" and advice["command"] == ""
+    assert advice["confined_cells"] == 0.0 and advice["states"] == "labels"
+    assert "gene-wise batch effect" in advice["reason"] and advice["gene_effect"] > 0
+    assert load_trained(model.save(tmp_path / "model.ckpt")).recommendation == advice
+
+
+def test_training_recommends_patient_cnv_where_each_batch_holds_its_own_cell_line(bundled_adata, _subset_index):
+    """Each batch one cell line of its own, as patients with their own tumour clones: states confined to batches and
+    the lines' copy-number differences as regional batch shifts: patient_cnv, with the call that applies it."""
+    own = {"sc_celseq2_5cl_p1": "A549", "sc_celseq2_5cl_p2": "H838", "sc_celseq2_5cl_p3": "H1975",
+           "sc_celseq2": "H2228", "sc_dropseq": "HCC827"}
+    obs = bundled_adata.obs
+    patients = bundled_adata[[own[b] == line for b, line in zip(obs["batch"].astype(str), obs["cell_type"].astype(str))]]
+    patients = patients[:, _subset_index[1]].copy()
+    model = batchfix.train(patients, batch_key="batch", label_key="cell_type", **TINY_API)
+    advice = model.recommendation
+    assert advice["preset"] == "patient_cnv", advice
+    assert advice["confined_cells"] == 1.0 and advice["regional_shift"] >= recommendation.CNV_SHIFT
+    assert advice["command"] == 'batchfix.correct(adata, model, correction="patient_cnv")'
+    assert "normal_key" in advice["reason"]
+
+
+def test_the_run_summary_prints_the_recommendation_and_its_command():
+    advice = {"preset": "protocols", "reason": "gene-wise batch effect 0.80 ...: chemistry-sized",
+              "command": "python -m batchfix correct checkpoint=run/model.ckpt correction=protocols"}
+    text = run_summary("train", {"recommendation": advice}, ".", [])
+    assert "recommended correction: protocols: gene-wise batch effect 0.80" in text
+    assert "apply it to this model: python -m batchfix correct checkpoint=run/model.ckpt correction=protocols" in text

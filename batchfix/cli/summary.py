@@ -39,6 +39,10 @@ def run_summary(verb: str, result: dict, folder: str | Path, written: list[str])
         lines.append(f"  corrected counts: {genes['modelled'] + genes['extra']} genes ({genes['modelled']} modelled, "
                      f"{genes['extra']} through the second decoder); {genes['uncorrected']} genes detected in fewer "
                      "than 3 cells keep their counts (var['batchfix_corrected'] is False)")
+    advice = result.get("recommendation")
+    if advice:
+        lines.append(f"  recommended correction: {advice['preset']}: {advice['reason']}"
+                     + (f"\n    apply it to this model: {advice['command']}" if advice["command"] else ""))
     evaluation = result.get("evaluation", result if verb == "evaluate" else None)
     if evaluation:
         lines += evaluation_summary(evaluation)

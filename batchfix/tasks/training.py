@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import anndata as ad
+import h5py
 
 from batchfix import runfolder, signals
 from batchfix.config import (
@@ -20,7 +21,9 @@ from batchfix.config import (
 from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.corrector import reference_index
 from batchfix.correction.extra_genes import add_extra_genes_from
+from batchfix.correction.recommendation import recommend
 from batchfix.correction.writers import correct_adata, correct_file
+from batchfix.data import ondisk
 from batchfix.data.atomic import atomic_output
 from batchfix.data.io import input_path
 from batchfix.data.prepare import PreparedData
@@ -95,8 +98,12 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
     model = calibrated_model(result.best_checkpoint, prepared)
     corrected_genes = add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
     model.remember_correction(remembered_correction(preset, cfg.correction))
+    apply = f"python -m batchfix correct checkpoint={run_dir / runfolder.MODEL_CKPT} correction={{preset}}"
+    advice = recommend(model, prepared, training_labels(cfg, adata), apply, cfg.seed)
+    model.remember_recommendation(advice.as_dict())
     model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
-    metrics = {**fit_metrics(result, prepared), "corrected_genes": corrected_genes}
+    metrics = {**fit_metrics(result, prepared), "corrected_genes": corrected_genes,
+               "recommendation": advice.as_dict()}
     correct_started = time.perf_counter()
     corrected_path = write_corrected(cfg, model, adata, run_dir / runfolder.CORRECTED_H5AD)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
@@ -109,6 +116,16 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
                                               max_cells=cfg.evaluation.max_cells,
                                               neighbors=cfg.evaluation.neighbors)
     return metrics
+
+
+def training_labels(cfg: TrainConfig, adata: ad.AnnData | None):
+    """The training file's labels (data.label_key; each input row's), from memory or from the file; None without."""
+    if cfg.data.label_key is None:
+        return None
+    if adata is not None:
+        return adata.obs[cfg.data.label_key].astype(str).to_numpy()
+    with h5py.File(input_path(cfg.data.path), "r") as f:
+        return ondisk.read_obs_column(f, cfg.data.label_key).astype(str).to_numpy()
 
 
 def write_corrected(cfg: TrainConfig, model: BatchfixModel, adata: ad.AnnData | None, target: Path) -> Path:

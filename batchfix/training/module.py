@@ -27,7 +27,7 @@ class BatchfixModule(pl.LightningModule):
                  end: list[int], batch_categories: list[str], scale: str = "counts",
                  learning_rate: float = 2e-3, weight_decay: float = 1e-4, kl_warmup_fraction: float = 0.3,
                  planned_steps: int = 1000, data: dict | None = None, correction: dict | None = None,
-                 extra_genes: list[str] | None = None):
+                 extra_genes: list[str] | None = None, recommendation: dict | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.model_config, self.windows, self.net = network_parts(model, genes, chromosome, start, end,

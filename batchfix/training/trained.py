@@ -129,6 +129,14 @@ class BatchfixModel:
         `correct` applies unless told otherwise; None for a checkpoint that does not record it."""
         return self.module.hparams.get("correction")
 
+    @property
+    def recommendation(self) -> dict | None:
+        """The preset recommended after training and why (batchfix.correction.recommendation); None if not made."""
+        return self.module.hparams.get("recommendation")
+
+    def remember_recommendation(self, record: dict) -> None:
+        self.module.hparams["recommendation"] = record
+
     def remember_correction(self, record: dict) -> None:
         """Keep `record` (batchfix.config.remembered_correction) as the correction `correct` applies by default."""
         self.module.hparams["correction"] = record

@@ -1,0 +1,132 @@
+"""Which correction preset fits a trained model's data, and why: measured once after training, printed in the run
+summary, stored in metrics.json and in the checkpoint. It never switches the correction by itself.
+
+Measured on at most SAMPLE_CELLS training cells (seeded), from what the model learned:
+- **gene-wise batch effect**: the cells' latents decoded as each training batch give each gene's mean share of
+  a cell's counts in that batch (times the batch's calibrated ratio r_b); its log, averaged over the cells, differs
+  between batches by a standard deviation per gene; the median over genes (log scale: 0.5 is a typical 1.6-fold
+  difference between batches at the same cell state);
+- **regional batch shift**: each batch's deviation of those log means from their mean over batches, smoothed
+  along the genome as correction.regional_window smooths (100 genes), its largest absolute value over genes and
+  batches: a copy-number change that every cell of a batch carries shows there (one copy of two: log 1.5 = 0.41);
+- **states in one batch only**: the share of cells whose state (label, or a k-means cluster of the latent
+  without labels) has at least CONFINED_SHARE of its cells in one batch.
+
+The rule (thresholds from the development sets, docs/results.md, Presets):
+- `patient_cnv` where some batch carries a copy-number-sized regional shift (>= CNV_SHIFT) and states live in one
+  batch only (>= CONFINED_CELLS of the cells): patients as batches, a clone in all of one patient's cells;
+- `protocols` where the gene-wise batch effect is chemistry-sized (>= PROTOCOL_EFFECT);
+- else the default.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from batchfix.correction.regional import GenomeSmoother
+from batchfix.data.prepare import PreparedData, in_order
+from batchfix.nn.attention import fused_attention
+from batchfix.training.trained import BatchfixModel
+
+SAMPLE_CELLS = 2_000
+BATCH_SIZE = 256
+CONFINED_SHARE = 0.9  # a state with this share of its cells in one batch lives in that batch only
+CLUSTERS = 10  # k-means clusters of the latent standing in for states without labels
+REGIONAL_WINDOW = 100
+PROTOCOL_EFFECT = 0.6
+CNV_SHIFT = 0.3
+CONFINED_CELLS = 0.2
+
+
+@dataclass
+class Recommendation:
+    """The preset that fits, why, the command applying it, and the measurements behind it."""
+
+    preset: str
+    reason: str
+    command: str
+    gene_effect: float
+    regional_shift: float
+    regional_batch: str
+    confined_cells: float
+    states: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def recommend(model: BatchfixModel, prepared: PreparedData, labels: np.ndarray | None, command: str,
+              seed: int = 0) -> Recommendation:
+    """Measure the trained model's data (module docstring) and name the preset that fits; `labels`: the input's
+    (one per row) or None; `command`: how to apply a preset to this model, with {preset} in it."""
+    cells = np.sort(np.random.default_rng(seed).permutation(prepared.n_cells)[:SAMPLE_CELLS])
+    latents, log_means = batch_log_means(model, prepared, cells)  # (cells, k), (batches, G)
+    gene_effect = float(np.median(log_means.std(axis=0))) if len(log_means) > 1 else 0.0
+    deviation = torch.as_tensor(log_means - log_means.mean(axis=0), dtype=torch.float32)
+    regional = GenomeSmoother(list(model.module.hparams.chromosome), REGIONAL_WINDOW)(deviation).abs()  # (batches, G)
+    worst = int(regional.max(dim=1).values.argmax())
+    regional_shift = float(regional[worst].max())
+    if labels is None:
+        states, source = latent_clusters(latents, seed), "latent clusters"
+    else:
+        states, source = np.asarray(labels)[prepared.file_rows[cells]].astype(str), "labels"
+    confined = confined_share(states, prepared.batch_index[cells])
+    preset, reason = rule(gene_effect, regional_shift, model.batch_categories[worst], confined, source)
+    return Recommendation(preset, reason, command.format(preset=preset) if preset != "default" else "", round(gene_effect, 3), round(regional_shift, 3),
+                          model.batch_categories[worst], round(confined, 3), source)
+
+
+def rule(gene_effect: float, regional_shift: float, regional_batch: str, confined: float,
+         source: str) -> tuple[str, str]:
+    """(preset, reason) from the three measurements."""
+    measured = (f"gene-wise batch effect {gene_effect:.2f} (log sd across batches, median over genes), largest "
+                f"regional batch shift {regional_shift:.2f} ({regional_batch}), {confined:.0%} of cells in states "
+                f"of one batch only ({source})")
+    if regional_shift >= CNV_SHIFT and confined >= CONFINED_CELLS:
+        return "patient_cnv", (f"{measured}: a copy-number-sized regional shift in one batch and states confined "
+                               "to batches, as in patients with their own clones; patient_cnv keeps each cell's "
+                               "regional profile (better still: name normal cells with correction.normal_key)")
+    if gene_effect >= PROTOCOL_EFFECT:
+        return "protocols", (f"{measured}: chemistry-sized gene-wise effects, which protocols (each gene's "
+                             "dispersion mapped to the reference's) mixes better")
+    return "default", f"{measured}: the default fits"
+
+
+@torch.no_grad()
+def batch_log_means(model: BatchfixModel, prepared: PreparedData, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(latents (cells, k), log of each gene's mean share in each training batch at the same states (batches, G),
+    the decoder's means times the batch's calibrated ratio, averaged over `cells`)."""
+    net = model.net.eval()
+    n_batches = len(model.batch_categories)
+    sums, latents = np.zeros((n_batches, net.n_genes)), []
+    ratio = net.count_ratio.double().numpy() if net.cfg.likelihood == "nb" else np.ones((n_batches, net.n_genes))
+    with fused_attention(net):
+        for x, _ in in_order(prepared, BATCH_SIZE, cells):  # (B, G)
+            mu, _ = net.encode(x)
+            latents.append(mu.numpy())
+            for b in range(n_batches):
+                fractions = net.mean_fractions(mu, b).double().numpy()  # (B, G)
+                values = np.log(np.maximum(fractions * ratio[b], 1e-12)) if net.cfg.likelihood == "nb" else fractions
+                sums[b] += values.sum(axis=0)
+    return np.concatenate(latents), sums / len(cells)
+
+
+def latent_clusters(latents: np.ndarray, seed: int) -> np.ndarray:
+    """k-means clusters of the latent (CLUSTERS, fewer for few cells) as state names."""
+    from sklearn.cluster import KMeans
+
+    k = max(1, min(CLUSTERS, len(latents) // 20))
+    return KMeans(n_clusters=k, n_init=3, random_state=seed).fit_predict(latents).astype(str)
+
+
+def confined_share(states: np.ndarray, batch: np.ndarray) -> float:
+    """Share of cells whose state has at least CONFINED_SHARE of its cells in one batch (0 with one batch)."""
+    if len(np.unique(batch)) < 2:
+        return 0.0
+    confined = np.zeros(len(states), dtype=bool)
+    for state in np.unique(states):
+        rows = states == state
+        confined[rows] = np.bincount(batch[rows]).max() >= CONFINED_SHARE * rows.sum()
+    return float(confined.mean())
