@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import logging
 import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -39,7 +38,7 @@ from batchfix.config import (
 )
 from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.extra_genes import add_extra_genes_from
-from batchfix.correction.recommendation import recommend
+from batchfix.correction.recommendation import recommend_and_remember
 from batchfix.correction.writers import correct_adata
 from batchfix.errors import ConfigError
 from batchfix.training import fitting
@@ -57,8 +56,6 @@ NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a 
 # The correction options: keywords of batchfix.train (remembered by the model) and of batchfix.correct.
 CORRECTION_OPTIONS = tuple(option.name for option in fields(CorrectionOptions))
 INFERENCE_OPTIONS = tuple(option.name for option in fields(InferenceOptions))
-log = logging.getLogger(__name__)
-
 
 def train_config(**options) -> TrainConfig:
     """A validated TrainConfig from options named as in the config (`n_heads=8`, `max_epochs=20`, ...)."""
@@ -135,9 +132,7 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
         add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
     model.remember_correction(remembered_correction(preset, chosen))
     labels = None if label_key is None else adata.obs[label_key].astype(str).to_numpy()
-    advice = recommend(model, prepared, labels, 'batchfix.correct(adata, model, correction="{preset}")', cfg.seed)
-    model.remember_recommendation(advice.as_dict())
-    log.info("Recommended correction: %s: %s", advice.preset, advice.reason)
+    recommend_and_remember(model, prepared, labels, 'batchfix.correct(adata, model, correction="{preset}")', cfg.seed)
     model.path = None  # the checkpoint it came from is gone: model.save(path) keeps it
     return model
 
@@ -240,4 +235,5 @@ def evaluate(adata: ad.AnnData, *, batch_key: str = DataConfig.batch_key, label_
         path = Path(scratch) / "corrected.h5ad"
         adata.write_h5ad(path)
         return evaluate_file(path, batch_key, label_key, out_dir or Path(scratch) / "evaluation",
-                             counts_layer=counts_layer, key_added=key_added, max_cells=max_cells, neighbors=neighbors)
+                             counts_layer=counts_layer, key_added=key_added, max_cells=max_cells, neighbors=neighbors,
+                             in_memory=out_dir is None)

@@ -63,6 +63,7 @@ class Settings:
             self._handler = logging.StreamHandler(sys.stderr)
             self._handler.setFormatter(logging.Formatter("batchfix: %(message)s"))
             logger.addHandler(self._handler)
+            logger.propagate = False  # shown once, even where another library gave the root logger a handler
 
 
 settings = Settings()

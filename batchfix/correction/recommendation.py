@@ -20,6 +20,7 @@ The rule (thresholds from the development sets, docs/results.md, Presets):
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -29,6 +30,8 @@ from batchfix.correction.regional import GenomeSmoother
 from batchfix.data.prepare import PreparedData, in_order
 from batchfix.nn.attention import fused_attention
 from batchfix.training.trained import BatchfixModel
+
+log = logging.getLogger(__name__)
 
 SAMPLE_CELLS = 2_000
 BATCH_SIZE = 256
@@ -74,8 +77,18 @@ def recommend(model: BatchfixModel, prepared: PreparedData, labels: np.ndarray |
         states, source = np.asarray(labels)[prepared.file_rows[cells]].astype(str), "labels"
     confined = confined_share(states, prepared.batch_index[cells])
     preset, reason = rule(gene_effect, regional_shift, model.batch_categories[worst], confined, source)
-    return Recommendation(preset, reason, command.format(preset=preset) if preset != "default" else "", round(gene_effect, 3), round(regional_shift, 3),
+    applying = command.format(preset=preset) if preset != "default" else ""
+    return Recommendation(preset, reason, applying, round(gene_effect, 3), round(regional_shift, 3),
                           model.batch_categories[worst], round(confined, 3), source)
+
+
+def recommend_and_remember(model: BatchfixModel, prepared: PreparedData, labels: np.ndarray | None, command: str,
+                           seed: int = 0) -> Recommendation:
+    """`recommend`, stored in the model (its checkpoint carries it) and logged."""
+    advice = recommend(model, prepared, labels, command, seed)
+    model.remember_recommendation(advice.as_dict())
+    log.info("Recommended correction: %s: %s", advice.preset, advice.reason)
+    return advice
 
 
 def rule(gene_effect: float, regional_shift: float, regional_batch: str, confined: float,

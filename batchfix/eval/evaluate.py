@@ -51,8 +51,10 @@ def evaluate_file(
     key_added: str = CorrectionOptions.key_added,
     max_cells: int = EvaluationOptions.max_cells,
     neighbors: str = EvaluationOptions.neighbors,
+    in_memory: bool = False,
 ) -> dict:
-    """Score a corrected file (never modified) and write metrics.json, metrics.md, umap.png.
+    """Score a corrected file (never modified) and write metrics.json, metrics.md, umap.png (`in_memory`: the
+    file is batchfix.evaluate's copy of an AnnData, whose scratch paths the progress lines do not name).
 
     Scored with scib-metrics: the latent `obsm['X_<key_added>']`, the PCA of `layers[key_added]` and
     the uncorrected PCA, all on the modelled genes (see `batchfix.eval.metrics.evaluation_embeddings`).
@@ -71,7 +73,8 @@ def evaluate_file(
     """
     started = time.perf_counter()
     caches.enable()
-    log.info("Reading %s ...", path)
+    source = "an AnnData in memory" if in_memory else str(path)
+    log.info("Reading %s ...", source)
     adata, subsample = read_for_scoring(path, batch_key, label_key, max_cells, OutputKeys(key_added),
                                         counts_layer)
     metrics.check_obs_keys(adata.obs, batch_key, label_key)
@@ -82,7 +85,7 @@ def evaluate_file(
              "batch mixing and bio conservation" if label_key else "batch mixing only: no data.label_key",
              ", ".join(embeddings))
     table, result = metrics.score_evaluation(
-        adata.obs, embeddings, {"input": str(path), **info, "neighbors": neighbors}, batch_key, label_key,
+        adata.obs, embeddings, {"input": source, **info, "neighbors": neighbors}, batch_key, label_key,
         neighbors,
     )
     log.info("Gene-level fidelity and CNV profiles of layers['%s'] ...", key_added)
@@ -102,13 +105,18 @@ def evaluate_file(
     with atomic_output(out_dir / UMAP_PNG, overwrite=True) as tmp:
         umap_plots.plot_umaps(embeddings, adata.obs[batch_key], labels, tmp, image_format="png", neighbors=neighbors)
     result["evaluation_seconds"] = round(time.perf_counter() - started, 2)
+    write_reports(out_dir, table, result)
+    where = "" if in_memory else f": {METRICS_JSON}, {METRICS_MD} and {UMAP_PNG} in {out_dir}"
+    log.info("Scored in %.0f s%s.", result["evaluation_seconds"], where)
+    return result
+
+
+def write_reports(out_dir: Path, table, result: dict) -> None:
+    """metrics.md and metrics.json in `out_dir` (atomically)."""
     with atomic_output(out_dir / METRICS_MD, overwrite=True) as tmp:
         tmp.write_text(_markdown_report(table, result))
     with atomic_output(out_dir / METRICS_JSON, overwrite=True) as tmp:
         tmp.write_text(json.dumps(result, indent=2) + "\n")
-    log.info("Scored in %.0f s: %s, %s and %s in %s.", result["evaluation_seconds"], METRICS_JSON, METRICS_MD,
-             UMAP_PNG, out_dir)
-    return result
 
 
 def read_for_scoring(source, batch_key: str, label_key: str | None, max_cells: int, keys: OutputKeys,

@@ -21,7 +21,7 @@ from batchfix.config import (
 from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.corrector import reference_index
 from batchfix.correction.extra_genes import add_extra_genes_from
-from batchfix.correction.recommendation import recommend
+from batchfix.correction.recommendation import recommend_and_remember
 from batchfix.correction.writers import correct_adata, correct_file
 from batchfix.data import ondisk
 from batchfix.data.atomic import atomic_output
@@ -99,8 +99,7 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
     corrected_genes = add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
     model.remember_correction(remembered_correction(preset, cfg.correction))
     apply = f"python -m batchfix correct checkpoint={run_dir / runfolder.MODEL_CKPT} correction={{preset}}"
-    advice = recommend(model, prepared, training_labels(cfg, adata), apply, cfg.seed)
-    model.remember_recommendation(advice.as_dict())
+    advice = recommend_and_remember(model, prepared, training_labels(cfg, adata), apply, cfg.seed)
     model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
     metrics = {**fit_metrics(result, prepared), "corrected_genes": corrected_genes,
                "recommendation": advice.as_dict()}
