@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from importlib import import_module
 
-_LAZY = {"train": "training", "train_into": "training", "write_outputs": "training",
-         "warn_if_mostly_unplaced": "training", "correct": "inference", "attention": "inference",
-         "file_identity": "inference"}
+_LAZY = {"train": "training", "warn_if_mostly_unplaced": "training", "correct": "inference",
+         "attention": "inference"}
 
 
 def __getattr__(name: str):
