@@ -21,7 +21,7 @@ from batchfix import tasks
 from batchfix.config import AttentionConfig, CorrectionSettings, TrainConfig, validated
 from batchfix.errors import InputError, OutputExistsError
 from batchfix.eval.attention_maps import attention_maps
-from batchfix.training.module import ENTROPY_PREFIX
+from batchfix.training.module import ENTROPY_PREFIX, BatchfixModule
 from batchfix.training.trained import load_trained
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +102,7 @@ def test_heads_that_stay_uniform_or_collapse_are_warned_about(subset_h5ad, tmp_p
     caplog.set_level("WARNING", logger="batchfix")
     train_run(subset_h5ad, tmp_path / "run", "model.genes_per_token=1", "trainer.max_epochs=1")
     assert "stayed near uniform" in caplog.text  # one epoch: attention over 200 tokens is still near uniform
-    module = load_trained(tmp_path / "run" / "model.ckpt").module
+    module = BatchfixModule(**dict(load_trained(tmp_path / "run" / "model.ckpt").module.hparams))  # the training plan
     caplog.clear()
     module.warn_heads(torch.tensor([[False, True]]), "collapsed onto single tokens")
     module.warn_heads(torch.tensor([[False, True]]), "collapsed onto single tokens")

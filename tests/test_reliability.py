@@ -50,6 +50,7 @@ from batchfix.errors import (
     OutputExistsError,
     TrainingError,
 )
+from batchfix.tasks import inference
 from batchfix.training import fitting
 from batchfix.training.fitting import CellDataModule
 from batchfix.training.trained import load_trained
@@ -327,7 +328,7 @@ def test_an_h5py_error_while_a_signal_is_pending_is_reported_as_the_signal(files
     def interrupted_write(*args, **kwargs):
         raise OSError("Can't write data (interrupted)")
 
-    monkeypatch.setattr(tasks, "correct_file", interrupted_write)
+    monkeypatch.setattr(inference, "correct_file", interrupted_write)
     cfg = validated(dict(input=str(files["small"]), checkpoint=str(files["ckpt"]),
                          output=str(tmp_path / "out.h5ad")), CorrectConfig)
     with signals.interrupts_raised():
