@@ -531,3 +531,27 @@ def test_fused_attention_of_the_correction_changes_values_by_float_noise_only(tr
     else:
         np.testing.assert_allclose(fused["log"].toarray(), written["log"].toarray(), atol=1e-4)
     np.testing.assert_allclose(fused_latent, written_latent, atol=1e-4)
+
+
+def test_correct_refuses_nan_or_infinite_values_in_genes_the_model_does_not_read(subset, tmp_path):
+    """A NaN in any gene would spread through its cell's library to every corrected value of the cell: refused in
+    one line naming the cells, the input untouched, no output."""
+    from batchfix import tasks
+
+    model = batchfix.train(subset, batch_key="batch", n_top_genes=200, genes_per_token=16, d_model=16, n_layers=1,
+                           latent_dim=8, decoder_hidden=32, threads=1, max_epochs=1, enable_progress_bar=False)
+    unread = np.flatnonzero(~subset.var_names.isin(model.genes))[:2]
+    bad = subset.copy()
+    bad.X[3, unread[0]], bad.X[7, unread[1]] = np.nan, np.inf
+    path = tmp_path / "bad.h5ad"
+    bad.write_h5ad(path)
+    before = path.read_bytes()
+    with pytest.raises(InputError, match=r"holds 2 NaN or infinite values; clean them first"):
+        batchfix.correct(bad, model, copy=True)
+    model.save(tmp_path / "model.ckpt")
+    cfg = validated(dict(input=str(path), checkpoint=str(tmp_path / "model.ckpt"), output=str(tmp_path / "out.h5ad")),
+                    CorrectConfig)
+    with pytest.raises(InputError, match=r"in cells 0-\d+, holds 2 NaN or infinite values"):
+        tasks.correct(cfg)
+    assert path.read_bytes() == before and not (tmp_path / "out.h5ad").exists()
+    assert load_trained(tmp_path / "model.ckpt").genes == model.genes

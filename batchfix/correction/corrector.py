@@ -201,13 +201,17 @@ class Corrector:
         selected = selected.toarray() if sp.issparse(selected) else np.asarray(selected)
         values = np.zeros((selected.shape[0], len(self.trained.genes)), dtype=np.float32)
         values[:, self.in_model] = selected
-        self.check(values, first_cell)
+        self.check(chunk, first_cell)
         return torch.from_numpy(values)
 
-    def check(self, values: np.ndarray, first_cell: int) -> None:
-        cells = f"cells {first_cell}-{first_cell + len(values) - 1}"
-        check_values(values, self.trained.scale, where=f"The input ({self.source}), in the modelled genes of {cells},",
-                     hint="The model was trained on counts: point counts_layer at a layer of raw counts.")
+    def check(self, chunk, first_cell: int) -> None:
+        """Refuse a chunk holding NaN or infinite values in any gene (they would spread through its cells' library
+        to every corrected value), or, for a counts model, values that are not counts."""
+        cells = f"cells {first_cell}-{first_cell + chunk.shape[0] - 1}"
+        check_values(chunk.data if sp.issparse(chunk) else np.asarray(chunk), self.trained.scale,
+                     where=f"The input ({self.source}), in {cells},",
+                     hint=f"The model was trained on {'raw counts' if self.trained.scale == 'counts' else 'log1p values'}: "
+                          f"point data.counts_layer at such a layer.")
 
     @torch.inference_mode()
     def __call__(self, chunk, first_cell: int = 0) -> tuple[np.ndarray, dict[str, sp.csr_matrix]]:

@@ -205,29 +205,34 @@ def check_values(values: np.ndarray, scale: str, where: str = "The expression ma
     n_bad, n_negative, n_fraction = count_bad_values(values)
     if n_bad:
         raise InputError(f"{where} holds {n_bad} NaN or infinite values; clean them first.")
-    if scale == "counts" and (n_negative or n_fraction):
-        raise InputError(f"{where} does not hold raw counts ({n_negative} negative and {n_fraction} non-integer "
-                         f"values). {hint}")
+    if scale == "counts" and n_negative:
+        raise InputError(f"{where} does not hold raw counts ({n_negative} negative values: scaled or z-scored data, "
+                         "neither counts nor log-normalized expression). Point data.counts_layer at a layer of raw "
+                         "counts.")
+    if scale == "counts" and n_fraction:
+        raise InputError(f"{where} does not hold raw counts ({n_fraction} non-integer values). {hint}")
     if scale == "log" and len(values):
-        check_log_values(values, n_negative, n_fraction, where)
+        check_log_values(values, n_negative, n_fraction, where, None if hint == TRAINING_COUNTS_HINT else hint)
 
 
 MAX_LOG_VALUE = 50.0  # log1p of normalized counts stays far below (log1p(1e4) = 9.2; log2 of a million CPM: 20)
 
 
-def check_log_values(values: np.ndarray, n_negative: int, n_fraction: int, where: str) -> None:
-    """Refuse what data.scale=log cannot mean: negative values (z-scored or scaled data) and raw counts."""
+def check_log_values(values: np.ndarray, n_negative: int, n_fraction: int, where: str,
+                     hint: str | None = None) -> None:
+    """Refuse what data.scale=log cannot mean: negative values (z-scored or scaled data) and raw counts. `hint`
+    replaces the training advice (a trained model's scale is fixed)."""
     if n_negative:
         raise InputError(f"{where} holds {n_negative} negative values: data.scale=log expects log-normalized "
                          "expression (log1p of normalized counts, >= 0), not z-scored or scaled values (sc.pp.scale). "
-                         "Point data.counts_layer at the layer of raw counts (data.scale=counts) or of log1p values "
-                         "kept before scaling.")
+                         + (hint or "Point data.counts_layer at the layer of raw counts (data.scale=counts) or of "
+                                    "log1p values kept before scaling."))
     largest = float(values.max())
     if (not n_fraction and largest > 1) or largest > MAX_LOG_VALUE:
         what = "every value a whole number" if not n_fraction else f"values up to {largest:g}"
-        raise InputError(f"{where} looks like raw counts, not log-normalized expression ({what}): set "
-                         "data.scale=counts (the default) for raw counts, or point data.counts_layer at the log1p "
-                         "layer.")
+        raise InputError(f"{where} looks like raw counts, not log-normalized expression ({what}): "
+                         + (hint or "set data.scale=counts (the default) for raw counts, or point data.counts_layer "
+                                    "at the log1p layer."))
 
 
 def drop_empty(counts: sp.csr_matrix, var: pd.DataFrame) -> tuple[sp.csr_matrix, pd.DataFrame, np.ndarray]:
