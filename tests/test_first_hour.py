@@ -199,6 +199,20 @@ def test_a_sweep_value_is_checked_before_the_first_job(subset_h5ad, tmp_path):
     assert not (sweep / "0").exists()
 
 
+@pytest.mark.parametrize("swept, named", [("data.batch_key=batch,nosuchcol", "nosuchcol"),
+                                           ("data.path={subset},{missing}", "no_such.h5ad")])
+def test_a_sweeps_data_values_are_checked_before_the_first_job(subset_h5ad, tmp_path, swept, named):
+    """Columns and files a job names are read from each job's input header before job 0 trains."""
+    sweep = tmp_path / "sweep"
+    swept = swept.format(subset=subset_h5ad, missing=tmp_path / "no_such.h5ad")
+    path = [] if swept.startswith("data.path") else [f"data.path={subset_h5ad}"]
+    result = batchfix_cli(["train", "-m", *path, swept, f"hydra.sweep.dir={sweep}", *TINY], tmp_path)
+    assert result.returncode == 1 and "sweep job 1" in result.stderr and named in result.stderr, \
+        result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not (sweep / "0").exists()
+
+
 def test_a_used_sweep_folder_is_refused_before_a_finished_runs_hydra_files_change(subset_h5ad, tmp_path):
     sweep = tmp_path / "sweep"
     (sweep / "1" / ".hydra").mkdir(parents=True)

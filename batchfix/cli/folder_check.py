@@ -97,16 +97,20 @@ def sweep_jobs(config: DictConfig) -> list[tuple[list[str], DictConfig]]:
 
 
 def check_sweep_jobs(config: DictConfig, sweep_dir: Path) -> None:
-    """Every job of a `train` sweep: its options valid, and its folder (<sweep dir>/<job number>) holding no run."""
+    """Every job of a `train` sweep: its options valid, its input file there with the obs columns and layer it
+    names (read from the header), and its folder (<sweep dir>/<job number>) holding no run."""
+    from batchfix.cli.common import require_data_keys, require_inputs
     from batchfix.config import TrainConfig, validated
-    from batchfix.errors import ConfigError
+    from batchfix.errors import ConfigError, InputError
 
     numbered = OmegaConf.to_container(config.hydra.sweep, resolve=False).get("subdir") == "${hydra.job.num}"
     for number, (job, task) in enumerate(sweep_jobs(config)):
         try:
             cfg = validated(task, TrainConfig)
-        except ConfigError as err:
-            raise ConfigError(f"sweep job {number} ({' '.join(job)}): {err}") from None
+            require_inputs(("data.path", cfg.data.path))
+            require_data_keys(cfg.data.path, cfg.data)
+        except (ConfigError, InputError) as err:
+            raise type(err)(f"sweep job {number} ({' '.join(job)}): {err}") from None
         if numbered:
             check_reuse(sweep_dir / str(number), cfg.overwrite, cfg.resume)
 
