@@ -171,6 +171,22 @@ def test_the_run_folders_corrected_file_is_compressed(unlabelled_run):
         assert f["layers/batchfix_counts/data"].compression == "gzip"
 
 
+def test_corrects_streamed_layers_are_compressed(unlabelled_run, subset_h5ad, tmp_path):
+    """`correct` writes its layers chunk by chunk: values and indices gzip-compressed after a byte shuffle."""
+    import h5py
+
+    from batchfix.config import CorrectionSettings
+    from batchfix.correction.writers import correct_file
+    from batchfix.training.trained import load_trained
+
+    run, _ = unlabelled_run
+    out = correct_file(subset_h5ad, tmp_path / "out.h5ad", load_trained(run / "model.ckpt"), CorrectionSettings(),
+                       batch_key="batch", progress=False)
+    with h5py.File(out) as f:
+        for part in ("batchfix_counts/data", "batchfix/data", "batchfix/indices"):
+            assert f[f"layers/{part}"].compression == "gzip" and f[f"layers/{part}"].shuffle, part
+
+
 def test_correct_refuses_an_existing_output_before_reading_anything(tmp_path):
     (tmp_path / "model.ckpt").write_bytes(b"not read")
     (tmp_path / "out.h5ad").write_bytes(b"kept")

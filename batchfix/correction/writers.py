@@ -168,9 +168,10 @@ class CsrAppender:
         csr.attrs["shape"] = np.array(shape, dtype=np.int64)
         position = ondisk.index_dtype(shape[0] * shape[1], shape[1])
         block = max(1, ondisk.CHUNK_BYTES // 4)
-        self.data = csr.create_dataset("data", shape=(0,), maxshape=(None,), dtype=np.float32, chunks=(block,))
+        self.data = csr.create_dataset("data", shape=(0,), maxshape=(None,), dtype=np.float32, chunks=(block,),
+                                       **ondisk.LAYER_COMPRESSION)
         self.indices = csr.create_dataset("indices", shape=(0,), maxshape=(None,), dtype=position, chunks=(block,),
-                                          **ondisk.INDEX_COMPRESSION)
+                                          **ondisk.LAYER_COMPRESSION)
         self.indptr = csr.create_dataset("indptr", shape=(shape[0] + 1,), dtype=position)
         self.indptr[0] = 0
         self.n_rows = self.n_stored = 0
