@@ -248,19 +248,20 @@ def genome_table(genome: str, n: int = 200):
 
 
 @pytest.mark.parametrize("named_as, genome, column", [("mm10", "GRCh38", "symbol"), ("GRCh38", "mm10", "gene_id")])
-def test_genes_named_as_another_genome_get_a_warning_naming_it(named_as, genome, column, caplog):
+def test_genes_named_as_another_genome_are_refused_naming_it(named_as, genome, column, caplog):
+    """Mouse names with GRCh38 (or human ones with mm10) would be placed on the wrong coordinates: one line naming
+    the genome they fit; with that genome they are placed and nothing is said."""
     import pandas as pd
 
     from batchfix.data.genome import place_genes
+    from batchfix.errors import InputError
 
     var = pd.DataFrame(index=genome_table(named_as)[column].to_numpy())
-    with caplog.at_level("WARNING", logger="batchfix"):
+    with pytest.raises(InputError, match=f"look like {named_as}'s, not {genome}'s .*set data.genome={named_as}"):
         place_genes(var, genome=genome)
-    assert f"set data.genome={named_as}" in caplog.text
-    caplog.clear()
     with caplog.at_level("WARNING", logger="batchfix"):
-        place_genes(var, genome=named_as)
-    assert "data.genome" not in caplog.text
+        coordinates = place_genes(var, genome=named_as)
+    assert "data.genome" not in caplog.text and pd.notna(coordinates.chromosome).mean() > 0.9
 
 
 def test_var_columns_that_place_genes_are_checked():

@@ -195,20 +195,19 @@ def exact_share(var: pd.DataFrame, table: pd.DataFrame) -> float:
     return float(hit.mean()) if len(var) else 0.0
 
 
-def warn_if_another_genome_fits(var: pd.DataFrame, genome: str, table: pd.DataFrame) -> bool:
-    """Warn (and return True) when var's genes are named as another bundled genome's (mouse symbols or IDs with
-    GRCh38, human ones with mm10): placed by the lookup anyway, they would sit on the wrong coordinates."""
+def refuse_if_another_genome_fits(var: pd.DataFrame, genome: str, table: pd.DataFrame) -> None:
+    """Refuse genes named as another bundled genome's (mouse symbols or IDs with GRCh38, human ones with mm10):
+    placed by the lookup anyway, they would sit on the wrong coordinates (or on none) and train a model of a
+    genomic order that is not theirs."""
     if len(var) < 20:
-        return False
+        return
     own = exact_share(var, table)
     for other in (g for g in GENOMES if g != genome):
         theirs = exact_share(var, bundled_gene_table(other))
         if theirs >= 0.5 and theirs > 2 * own:
-            log.warning("The gene names look like %s's, not %s's (%.0f%% match the %s table as written, %.0f%% the "
-                        "%s one): set data.genome=%s (or data.gtf=<annotation>).", other, genome, 100 * theirs,
-                        other, 100 * own, genome, other)
-            return True
-    return False
+            raise InputError(f"The gene names look like {other}'s, not {genome}'s ({100 * theirs:.0f}% match the "
+                             f"{other} table as written, {100 * own:.0f}% the {genome} one): set data.genome={other} "
+                             "(or data.gtf=<annotation>, or coordinates in var).")
 
 
 def place_genes(var: pd.DataFrame, genome: str = DataConfig.genome, gtf: str | None = None) -> GeneCoordinates:
@@ -226,7 +225,7 @@ def place_genes(var: pd.DataFrame, genome: str = DataConfig.genome, gtf: str | N
     if len(missing):
         if table is None:
             table = bundled_gene_table(genome)
-            warn_if_another_genome_fits(var, genome, table)
+            refuse_if_another_genome_fits(var, genome, table)
         table = table.assign(chromosome=table["chromosome"].map(canonical_chromosome))
         looked_up = lookup_in_table(var.iloc[missing], table)
         ok = looked_up["chromosome"].notna().to_numpy()
