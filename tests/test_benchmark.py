@@ -273,3 +273,30 @@ def test_companion_outputs_keep_the_variants_correction_options():
         assert settings.state_dependence == (1.0 if name == "counterfactual_state_1.0" else 0.5), name
         assert settings.spread == ("batch" if name == "counterfactual_batch" else "gene"), name
         assert settings.regional_shift == (name.partition("regional_")[2] or "keep"), name
+
+
+def test_the_preset_table_counts_the_lines_level_with_combat_or_above():
+    """A preset meets a line where its paired difference from ComBat is >= -0.005 and within 2 standard errors of
+    zero; the summary counts them and applies the recommendation's rule to each seed's measurements."""
+    import pandas as pd
+
+    from scripts import preset_table
+
+    measured = {"gene_effect": 0.3, "regional_shift": 0.1, "regional_batch": "b", "confined_cells": 0.0,
+                "states": "labels"}
+    rows = []
+    for seed, (noise, spread) in enumerate(((0.0, -0.006), (0.003, 0.008), (-0.003, -0.002))):
+        lines = {line: 0.9 for line in preset_table.LINES}
+        rows.append({"dataset": "d", "seed": seed, "matrix": "ComBat", **lines})
+        rows.append({"dataset": "d", "seed": seed, "matrix": "default", **measured,
+                     **{**lines, "Marker recall": 0.9 + noise}})  # around ComBat's: met
+        rows.append({"dataset": "d", "seed": seed, "matrix": "protocols", **measured,
+                     **{**lines, "Total": 0.88,  # beyond the margin
+                        "Marker recall": 0.896 + noise / 10,  # within the margin, but many se below zero
+                        "HVG conservation": 0.9 - 0.004 + spread}})  # -0.004 on average, within 2 se
+    summary = preset_table.lines_met(pd.DataFrame(rows)).set_index("preset")
+    assert summary.loc["default", "lines met"] == len(preset_table.LINES)
+    assert not summary.loc["protocols", "Total met"] and not summary.loc["protocols", "Marker recall met"]
+    assert summary.loc["protocols", "HVG conservation met"]
+    assert summary.loc["protocols", "lines met"] == len(preset_table.LINES) - 2
+    assert set(summary["recommended"]) == {"default"}
