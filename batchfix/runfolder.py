@@ -59,8 +59,9 @@ def same_folder(a: str | Path, b: str | Path) -> bool:
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
-def check_reuse(run_dir: Path, overwrite: bool, resume: str | None) -> list[str]:
-    """The previous outputs `overwrite` will delete; raise when the folder holds a run and may not be reused."""
+def check_reuse(run_dir: Path, overwrite: bool, resume: str | None, folder_option: str = "hydra.run.dir") -> list[str]:
+    """The previous outputs `overwrite` will delete; raise when the folder holds a run and may not be reused
+    (`folder_option`: the option that names another folder, hydra.sweep.dir for a sweep's job)."""
     found = previous_outputs(run_dir)
     resuming_here = resume is not None and same_folder(resume, run_dir)
     if resuming_here and overwrite:
@@ -71,7 +72,7 @@ def check_reuse(run_dir: Path, overwrite: bool, resume: str | None) -> list[str]
     if not overwrite:
         raise OutputExistsError(
             f"Run folder {run_dir} already holds a run ({', '.join(found)}). Train into a new folder "
-            f"(hydra.run.dir=...), continue that run with resume={run_dir}, or replace it with overwrite=true."
+            f"({folder_option}=...), continue that run with resume={run_dir}, or replace it with overwrite=true."
         )
     return found
 

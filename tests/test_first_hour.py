@@ -237,6 +237,7 @@ def test_a_used_sweep_folder_is_refused_before_a_finished_runs_hydra_files_chang
     result = batchfix_cli(["train", "-m", f"data.path={subset_h5ad}", "model.n_heads=1,2",
                            f"hydra.sweep.dir={sweep}", *TINY], tmp_path)
     assert result.returncode == 1 and "already holds a run" in result.stderr, result.stderr[-2000:]
+    assert "hydra.sweep.dir=..." in result.stderr and "hydra.run.dir" not in result.stderr
     assert (sweep / "1" / ".hydra" / "overrides.yaml").read_text() == "- model.n_heads=2\n"
     assert not (sweep / "0").exists()
 
@@ -433,3 +434,30 @@ def test_a_full_disk_keeps_the_previous_checkpoint_whole_and_is_one_line(tmp_pat
     with pytest.raises(OutputError, match="No space left on device"):
         AtomicCheckpointIO().save_checkpoint({"step": 2}, best)
     assert best.read_bytes() == whole and sorted(p.name for p in best.parent.iterdir()) == ["best.ckpt"]
+
+
+def test_a_one_layer_attention_pictures_title_is_wrapped_not_cut(tmp_path):
+    """One layer makes a narrow picture: the title wraps inside it (no glyph touches the picture's left or right
+    edge in the title band)."""
+    import numpy as np
+    from PIL import Image
+
+    from batchfix.eval.attention_maps import AttentionMaps, plot_attention_maps
+
+    bins = 48
+    maps = np.random.default_rng(0).dirichlet(np.ones(bins), size=(1, 1, 2, bins)).astype(np.float32)
+    chromosomes = np.repeat([f"chr{i}" for i in range(1, 25)], 2)
+    attention = AttentionMaps(maps, ["all cells"], np.array([30]), np.ones(bins, int), chromosomes)
+    plot_attention_maps(attention, tmp_path / "attention.png")
+    pixels = np.asarray(Image.open(tmp_path / "attention.png").convert("L"))
+    band = pixels[: pixels.shape[0] // 10]  # the title's rows
+    assert (band[:, :3] > 200).all() and (band[:, -3:] > 200).all()
+
+
+def test_the_cnv_table_of_metrics_md_says_how_many_genes_and_windows_it_scored():
+    from batchfix.eval.reports import cnv_markdown
+
+    table = cnv_markdown({"retention_r": 0.9, "uncorrected_r": 0.95, "relative_r": 0.947, "amplitude_ratio": 0.8,
+                          "n_genes": 174, "n_windows": 21})
+    header, _, row = table.strip().splitlines()
+    assert header.endswith("| genes | windows |") and row.endswith("| 174 | 21 |")

@@ -112,7 +112,7 @@ def check_sweep_jobs(config: DictConfig, sweep_dir: Path) -> None:
         except (ConfigError, InputError) as err:
             raise type(err)(f"sweep job {number} ({' '.join(job)}): {err}") from None
         if numbered:
-            check_reuse(sweep_dir / str(number), cfg.overwrite, cfg.resume)
+            check_reuse(sweep_dir / str(number), cfg.overwrite, cfg.resume, "hydra.sweep.dir")
 
 
 def overridden(config: DictConfig, key: str) -> bool:

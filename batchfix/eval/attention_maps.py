@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import logging
+import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -146,6 +147,7 @@ def chromosome_segments(bin_chromosome: np.ndarray) -> tuple[list[int], list[tup
 
 
 PANEL_INCHES = 3.4  # each map's side in the picture
+TITLE_CHARS_PER_INCH = 12  # characters of the 10-point title a line holds per inch of the picture
 PICTURE_DPI = 100
 
 
@@ -162,7 +164,7 @@ def plot_attention_maps(maps: AttentionMaps, path: Path, title: str = "") -> Non
     relative = maps.relative_to_uniform(heads_averaged=True)  # (groups, layers, bins, bins)
     boundaries, ticks = chromosome_segments(maps.bin_chromosome)
     fig, axes = plt.subplots(len(drawn), n_layers, squeeze=False, constrained_layout=True,
-                             figsize=(PANEL_INCHES * n_layers + 1.4, PANEL_INCHES * len(drawn) + 0.8))
+                             figsize=(PANEL_INCHES * n_layers + 1.4, PANEL_INCHES * len(drawn) + 1.0))
     for row, group in enumerate(drawn):
         for layer in range(n_layers):
             ax = axes[row, layer]
@@ -177,8 +179,10 @@ def plot_attention_maps(maps: AttentionMaps, path: Path, title: str = "") -> Non
             ax.set_ylabel("queries: attending loci", fontsize=8)
     fig.colorbar(image, ax=axes, shrink=min(0.6, 3.0 / len(drawn)), label="log2(attention / uniform)")
     shown = f" (the {len(drawn)} largest of {len(maps.groups)} groups)" if len(drawn) < len(maps.groups) else ""
-    fig.suptitle(f"{title}Mean attention between loci in genomic order, heads averaged{shown}; "
-                 "lines: chromosome boundaries", fontsize=10)
+    heading = (f"{title}Mean attention between loci in genomic order, heads averaged{shown}; "
+               "lines: chromosome boundaries")
+    width = PANEL_INCHES * n_layers + 1.4
+    fig.suptitle(textwrap.fill(heading, int(width * TITLE_CHARS_PER_INCH)), fontsize=10)  # a narrow picture wraps it
     buffer = io.BytesIO()
     fig.savefig(buffer, dpi=PICTURE_DPI, format="png")
     plt.close(fig)

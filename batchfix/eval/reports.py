@@ -13,9 +13,10 @@ def cnv_markdown(scores: Mapping) -> str:
     """CNV profile retention as a one-row markdown table, or its note."""
     if scores.get("retention_r") is None:
         return f"{scores.get('note', 'not computed')}\n"
-    return ("| CNV profile r | uncorrected r | relative r | amplitude ratio |\n|---|---|---|---|\n"
+    return ("| CNV profile r | uncorrected r | relative r | amplitude ratio | genes | windows |\n"
+            "|---|---|---|---|---|---|\n"
             f"| {scores['retention_r']:.3f} | {scores['uncorrected_r']:.3f} | {scores['relative_r']:.3f} | "
-            f"{scores['amplitude_ratio']:.3f} |\n")
+            f"{scores['amplitude_ratio']:.3f} | {scores.get('n_genes', 'n/a')} | {scores.get('n_windows', 'n/a')} |\n")
 
 
 def gene_markdown(scores: Mapping) -> str:
