@@ -177,3 +177,11 @@ def test_the_run_summary_prints_the_recommendation_and_its_command():
     text = run_summary("train", {"recommendation": advice}, ".", [])
     assert "recommended correction: protocols: gene-wise batch effect 0.80" in text
     assert "apply it to this model: python -m batchfix correct checkpoint=run/model.ckpt correction=protocols" in text
+
+
+def test_a_log_scale_model_is_measured_on_its_log1p_scale(log_scale_subset):
+    """A Gaussian model's per-batch means are its decoded log1p values: a gene-wise effect on the same scale as the
+    counts model's log means (the bundled batches share their lines: the default)."""
+    model = batchfix.train(log_scale_subset, batch_key="batch", label_key="cell_type", scale="log", **TINY_API)
+    advice = model.recommendation
+    assert advice["preset"] == "default" and 0 < advice["gene_effect"] < recommendation.PROTOCOL_EFFECT

@@ -3,7 +3,8 @@ summary, stored in metrics.json and in the checkpoint. It never switches the cor
 
 Measured on at most SAMPLE_CELLS training cells (seeded), from what the model learned:
 - **gene-wise batch effect**: the cells' latents decoded as each training batch give each gene's mean share of
-  a cell's counts in that batch (times the batch's calibrated ratio r_b); its log, averaged over the cells, differs
+  a cell's counts in that batch (times the batch's calibrated ratio r_b; a log-scale model: its decoded log1p
+  values); its log, averaged over the cells, differs
   between batches by a standard deviation per gene; the median over genes (log scale: 0.5 is a typical 1.6-fold
   difference between batches at the same cell state);
 - **regional batch shift**: each batch's deviation of those log means from their mean over batches, smoothed
@@ -109,20 +110,22 @@ def rule(gene_effect: float, regional_shift: float, regional_batch: str, confine
 
 @torch.no_grad()
 def batch_log_means(model: BatchfixModel, prepared: PreparedData, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(latents (cells, k), log of each gene's mean share in each training batch at the same states (batches, G),
-    the decoder's means times the batch's calibrated ratio, averaged over `cells`)."""
+    """(latents (cells, k), each gene's log mean in each training batch at the same states (batches, G), averaged
+    over `cells`): for counts the log of the decoder's mean share times the batch's calibrated ratio, for a log-scale
+    model its decoded log1p values."""
     net = model.net.eval()
-    n_batches = len(model.batch_categories)
-    sums, latents = np.zeros((n_batches, net.n_genes)), []
-    ratio = net.count_ratio.double().numpy() if net.cfg.likelihood == "nb" else np.ones((n_batches, net.n_genes))
+    counts = net.cfg.likelihood == "nb"
+    sums, latents = np.zeros((len(model.batch_categories), net.n_genes)), []
     with fused_attention(net):
         for x, _ in in_order(prepared, BATCH_SIZE, cells):  # (B, G)
             mu, _ = net.encode(x)
             latents.append(mu.numpy())
-            for b in range(n_batches):
-                fractions = net.mean_fractions(mu, b).double().numpy()  # (B, G)
-                values = np.log(np.maximum(fractions * ratio[b], 1e-12)) if net.cfg.likelihood == "nb" else fractions
-                sums[b] += values.sum(axis=0)
+            for b in range(len(sums)):
+                if counts:
+                    shares = net.mean_fractions(mu, b).double().numpy() * net.count_ratio[b].double().numpy()
+                    sums[b] += np.log(np.maximum(shares, 1e-12)).sum(axis=0)
+                else:
+                    sums[b] += net.decoded(mu, b).double().numpy().sum(axis=0)
     return np.concatenate(latents), sums / len(cells)
 
 
