@@ -40,6 +40,8 @@ from batchfix.training.trained import BatchfixModel
 
 log = logging.getLogger(__name__)
 
+SCALE_NAMES = {"counts": "raw counts", "log": "log1p values"}  # a model's data.scale, in its error hints
+
 
 def reference_index(batch_categories: list[str], reference: str | None) -> int | None:
     """Decoder batch for correction: None = average over the training batches."""
@@ -210,8 +212,8 @@ class Corrector:
         cells = f"cells {first_cell}-{first_cell + chunk.shape[0] - 1}"
         check_values(chunk.data if sp.issparse(chunk) else np.asarray(chunk), self.trained.scale,
                      where=f"The input ({self.source}), in {cells},",
-                     hint=f"The model was trained on {'raw counts' if self.trained.scale == 'counts' else 'log1p values'}: "
-                          f"point data.counts_layer at such a layer.")
+                     hint=f"The model was trained on {SCALE_NAMES[self.trained.scale]}: point data.counts_layer at "
+                          "such a layer.")
 
     @torch.inference_mode()
     def __call__(self, chunk, first_cell: int = 0) -> tuple[np.ndarray, dict[str, sp.csr_matrix]]:

@@ -41,12 +41,12 @@ DISPERSION_PRIOR_CELLS = 20.0
 MIN_THETA, MAX_THETA = 1e-3, 1e4  # theta above MAX_THETA is Poisson for any count a cell holds
 RATIO_PRIOR_COUNTS = 0.5  # pseudo-counts of a batch's observed / decoded mean ratio (CountSums.ratio)
 SEARCH_STEPS = 8  # steps from the guess before the quantile search hands over to scipy's inverse
-MIN_ENTRIES_PER_THREAD = 100_000
+MIN_ENTRIES_PER_THREAD = 100_000  # a smaller part is not worth a thread of its own
 # The pmf walk (`walk_tails`, `walk_quantile`): counts up to WALK_STEPS, P(0) above exp(LOG_PMF_FLOOR) (no
 # underflow on the way), and 1 - F_b(y) at least WALK_TAIL_FLOOR (its digits kept in the lower tail's arithmetic)
 WALK_STEPS = 64
 LOG_PMF_FLOOR = -600.0
-WALK_TAIL_FLOOR = 1e-6  # a smaller part is not worth a thread of its own
+WALK_TAIL_FLOOR = 1e-6
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from batchfix.config import CorrectionOptions
 from batchfix.correction.regional import GenomeSmoother
 from batchfix.data.prepare import PreparedData, in_order
 from batchfix.nn.attention import fused_attention
@@ -38,7 +39,7 @@ SAMPLE_CELLS = 2_000
 BATCH_SIZE = 256
 CONFINED_SHARE = 0.9  # a state with this share of its cells in one batch lives in that batch only
 CLUSTERS = 10  # k-means clusters of the latent standing in for states without labels
-REGIONAL_WINDOW = 100
+REGIONAL_WINDOW = CorrectionOptions.regional_window  # what the default output calls regional
 PROTOCOL_EFFECT = 0.85  # between the stress sets of sd 0.5 (0.64, default best) and 1.0 (1.05, protocols best)
 CNV_SHIFT = 0.3
 CONFINED_CELLS = 0.2
@@ -70,8 +71,9 @@ def recommend(model: BatchfixModel, prepared: PreparedData, labels: np.ndarray |
     gene_effect = float(np.median(log_means.std(axis=0))) if len(log_means) > 1 else 0.0
     deviation = torch.as_tensor(log_means - log_means.mean(axis=0), dtype=torch.float32)
     regional = GenomeSmoother(list(model.module.hparams.chromosome), REGIONAL_WINDOW)(deviation).abs()  # (batches, G)
-    worst = int(regional.max(dim=1).values.argmax())
-    regional_shift = float(regional[worst].max())
+    peaks = regional.max(dim=1).values  # (batches,)
+    worst = int(peaks.argmax())
+    regional_shift = float(peaks[worst])
     if labels is None:
         states, source = latent_clusters(latents, seed), "latent clusters"
     else:

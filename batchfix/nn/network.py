@@ -239,7 +239,7 @@ class BatchfixNet(nn.Module):
             out = self._decoder_means(mu, torch.full((mu.shape[0],), b, dtype=torch.long, device=mu.device), extra)
             total = total + out
             if codes is not None:
-                own = out.clone() if own is None else own
+                own = torch.empty_like(out) if own is None else own
                 own[codes == b] = out[codes == b]
         average = total / self.n_batches
         if codes is not None:

@@ -1,5 +1,5 @@
 """The verbs that read a trained model, as plain functions of validated options: correct and attention. Neither
-imports Lightning (batchfix.training.trained loads the checkpoint), so a correction starts in about 3 s."""
+imports Lightning (batchfix.training.trained loads the checkpoint): a correction's imports take about 2 s."""
 from __future__ import annotations
 
 import logging
