@@ -555,3 +555,26 @@ def test_correct_refuses_nan_or_infinite_values_in_genes_the_model_does_not_read
         tasks.correct(cfg)
     assert path.read_bytes() == before and not (tmp_path / "out.h5ad").exists()
     assert load_trained(tmp_path / "model.ckpt").genes == model.genes
+
+
+def test_detection_is_scored_against_the_reference_of_the_model_that_corrected(trained_run, rich_input, tmp_path):
+    """Detection calibration (issue 40): the corrected counts' nonzero shares against the correcting model's own
+    reference NB, which evaluate finds through uns['batchfix'] (checkpoint path and sha256)."""
+    from batchfix.eval import detection, matrix_scores
+
+    _, source = rich_input
+    out = ad.read_h5ad(correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"]))
+    genes = out.var["batchfix_modelled"].to_numpy()
+    scores = matrix_scores.corrected_matrix_scores(out, "batchfix", genes, "batch", "cell_type")
+    assert trained_run["checkpoint"].name in scores["reference"] and "batch-free" not in scores["reference"]
+    expected, _ = matrix_scores.model_expected_nonzero(out, "batchfix", genes)
+    labels, batches = out.obs["cell_type"].to_numpy(), out.obs["batch"].to_numpy()
+    raw = sp.csr_matrix(out.X)[:, genes]
+    corrected, _ = detection.detection_calibration(out.layers["batchfix_counts"][:, genes], raw, expected, labels,
+                                                   batches, min_cells=5)
+    uncorrected, _ = detection.detection_calibration(raw, raw, expected, labels, batches, min_cells=5)
+    assert corrected["within_tolerance"] >= corrected["calibrated_within"] - 0.05  # as calibrated as can be
+    assert corrected["mean_abs_gap"] < uncorrected["mean_abs_gap"]  # the raw counts keep their batches' detection
+    out.uns["batchfix"]["checkpoint_sha256"] = "0" * 64  # not the file that corrected it: the batch-free NB
+    scores = matrix_scores.corrected_matrix_scores(out, "batchfix", genes, "batch", "cell_type")
+    assert "batch-free" in scores["reference"]

@@ -276,20 +276,24 @@ class Corrector:
         self.n_clipped += n_clipped
         return mu, expression
 
+    def count_batches(self, x: torch.Tensor, first_cell: int) -> Iterator[tuple[slice, np.ndarray, torch.Tensor,
+                                                                                  torch.Tensor]]:
+        """(rows of the chunk `x`, their cells' indices, batch codes, latents) for each forward batch of it."""
+        if self.gene_sets[0].theta is None:
+            raise RuntimeError("Corrector.prepare(rows, n_obs) must run before the corrected counts.")
+        for start in range(0, x.shape[0], self.batch_size):
+            part = slice(start, start + self.batch_size)
+            cells = np.arange(first_cell + start, first_cell + min(start + self.batch_size, x.shape[0]))
+            yield part, cells, torch.from_numpy(self.batches.codes[cells]), self.latents_of(x[part], cells)
+
     def corrected_counts(self, chunk, x: torch.Tensor, first_cell: int) -> tuple[np.ndarray, dict]:
         """(latent, {'counts', 'log'}) of a chunk: each observed count of every corrected gene moved from its
         batch's NB to the reference's (batchfix.correction.counts; the cell's library kept, the shift after every
         option), each gene set with its decoder (count_output)."""
-        if self.gene_sets[0].theta is None:
-            raise RuntimeError("Corrector.prepare(rows, n_obs) must run before the corrected counts.")
         inputs = [x] + [genes.observed(chunk) for genes in self.gene_sets[1:]]
         latent = np.empty((x.shape[0], self.latent_dim), dtype=np.float32)
         mapped = [np.empty((x.shape[0], len(genes.columns))) for genes in self.gene_sets]
-        for start in range(0, x.shape[0], self.batch_size):
-            part = slice(start, start + self.batch_size)
-            cells = np.arange(first_cell + start, first_cell + min(start + self.batch_size, x.shape[0]))
-            codes = torch.from_numpy(self.batches.codes[cells])
-            mu = self.latents_of(x[part], cells)
+        for part, cells, codes, mu in self.count_batches(x, first_cell):
             latent[part] = mu.numpy()
             for genes, values, out in zip(self.gene_sets, inputs, mapped):
                 observed, out[part] = count_output.mapped_counts(
@@ -300,6 +304,23 @@ class Corrector:
         columns = np.concatenate([genes.columns for genes in self.gene_sets])
         order = np.argsort(columns, kind="stable")
         return latent, layers.count_layers(chunk, np.hstack(mapped)[:, order], columns[order], self.corrected_mask)
+
+    @torch.inference_mode()
+    def reference_nonzero(self, chunk, first_cell: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """(input columns of the corrected counts' genes (ascending), (cells, those genes) P(count > 0) under the
+        reference's NB of each cell): the detection the corrected counts should show (batchfix.eval.detection)."""
+        x = self.model_input(chunk, first_cell)
+        inputs = [x] + [genes.observed(chunk) for genes in self.gene_sets[1:]]
+        expected = [np.empty((x.shape[0], len(genes.columns))) for genes in self.gene_sets]
+        with fused_attention(self.net):
+            for part, _, codes, mu in self.count_batches(x, first_cell):
+                for genes, values, out in zip(self.gene_sets, inputs, expected):
+                    out[part] = count_output.count_distributions(self.net, genes, values[part], mu, codes,
+                                                                 self.reference, self.state,
+                                                                 self.regional).reference_nonzero()
+        columns = np.concatenate([genes.columns for genes in self.gene_sets])
+        order = np.argsort(columns, kind="stable")
+        return columns[order], np.hstack(expected)[:, order]
 
 
 def corrected_chunks(corrector: Corrector, rows, n_obs: int, chunk_size: int,

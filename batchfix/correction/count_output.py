@@ -65,11 +65,28 @@ def total_log_shift(genes: GeneSet, shift: torch.Tensor, codes: torch.Tensor) ->
     return shift.double() + torch.from_numpy(ratio_shift)
 
 
+@dataclass
+class CountDistributions:
+    """(B, k) float64 arrays for one forward batch and one gene set's output genes: the observed counts, and the
+    NB of each count in its own batch (own_mean, own_theta) and in the reference (ref_mean, ref_theta)."""
+
+    observed: np.ndarray
+    own_mean: np.ndarray
+    ref_mean: np.ndarray
+    own_theta: np.ndarray
+    ref_theta: np.ndarray
+
+    def reference_nonzero(self) -> np.ndarray:
+        """(B, k) P(count > 0) under the reference's NB: the detection the corrected counts should show."""
+        p = self.ref_theta / (self.ref_theta + self.ref_mean)
+        return -np.expm1(self.ref_theta * np.log(p))
+
+
 @torch.no_grad()
-def mapped_counts(net, genes: GeneSet, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor, cell_keys: np.ndarray,
-                  reference: int | None, seed: int, state=None, regional=None) -> tuple[np.ndarray, np.ndarray]:
-    """(observed, corrected) counts (B, k) of the set's output genes for cells with input `x` (B, decoder genes),
-    latents `mu` and batch `codes`."""
+def count_distributions(net, genes: GeneSet, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor,
+                        reference: int | None, state=None, regional=None) -> CountDistributions:
+    """The own batch's and the reference's NB of the set's output genes for cells with input `x` (B, decoder
+    genes), latents `mu` and batch `codes` (the shift after every correction option)."""
     shift, own = counterfactual.log_mean_shift(net, mu, codes, reference, genes.present, extra=genes.extra)
     by_reference_cells = not genes.extra and regional is not None and regional.offset is not None
     if not genes.extra:
@@ -86,10 +103,19 @@ def mapped_counts(net, genes: GeneSet, x: torch.Tensor, mu: torch.Tensor, codes:
     ref_theta = own_theta if genes.reference_theta is None else np.where(missing, own_theta,
                                                                           genes.reference_theta[index])
     observed = x[:, genes.model_index].double().numpy()
+    return CountDistributions(observed, own_mean, ref_mean, own_theta, ref_theta)
+
+
+def mapped_counts(net, genes: GeneSet, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor, cell_keys: np.ndarray,
+                  reference: int | None, seed: int, state=None, regional=None) -> tuple[np.ndarray, np.ndarray]:
+    """(observed, corrected) counts (B, k) of the set's output genes for cells with input `x` (B, decoder genes),
+    latents `mu` and batch `codes`."""
+    nb = count_distributions(net, genes, x, mu, codes, reference, state, regional)
     # A zero's quantile is drawn (its share of positives is then the reference's); a positive count takes the middle
     # of its quantile interval, deterministic as ComBat-seq's mapping is: a draw there would only add noise to each
     # cell's own profile (within-type neighbours 0.648 with draws everywhere, ComBat 0.850, bundled data).
-    uniform = np.where(observed == 0, counts.counter_uniform(seed, cell_keys, genes.keys), 0.5)
-    mapped = counts.quantile_map_threads(observed.ravel(), own_mean.ravel(), ref_mean.ravel(), own_theta.ravel(),
-                                         ref_theta.ravel(), uniform.ravel(), torch.get_num_threads())
-    return observed, mapped.reshape(observed.shape)
+    uniform = np.where(nb.observed == 0, counts.counter_uniform(seed, cell_keys, genes.keys), 0.5)
+    mapped = counts.quantile_map_threads(nb.observed.ravel(), nb.own_mean.ravel(), nb.ref_mean.ravel(),
+                                         nb.own_theta.ravel(), nb.ref_theta.ravel(), uniform.ravel(),
+                                         torch.get_num_threads())
+    return nb.observed, mapped.reshape(nb.observed.shape)

@@ -98,15 +98,10 @@ def normal_cells(values: pd.Series | None, settings: CorrectionSettings, columns
     return normal
 
 
-def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
-                  counts_layer: str | None = None, batch_key: str | None = None, copy: bool = False,
-                  progress: bool = False, all_batches_new: bool = False) -> ad.AnnData | None:
-    """Add corrected expression to an in-memory AnnData, scanpy style (what is added: this module's docstring).
-
-    obs[batch_key] is read for output_mode=counterfactual; batch_key and counts_layer default to the model's
-    (`data_keys`). `adata` is left unchanged when an error is raised. Returns the corrected copy when copy=True,
-    else None.
-    """
+def prepared_corrector(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
+                       counts_layer: str | None, batch_key: str | None,
+                       all_batches_new: bool = False) -> tuple[Corrector, ondisk.InMemoryRows]:
+    """A Corrector bound to an in-memory AnnData's genes and cells, prepared (`Corrector.prepare`), and its rows."""
     batch_key, counts_layer = data_keys(trained, batch_key, counts_layer)
     matrix = select_matrix(adata, counts_layer, option="counts_layer")
     batch = None
@@ -118,8 +113,34 @@ def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: Correctio
     corrector = Corrector(trained, adata.var_names, settings, source_name(counts_layer), batch, batch_key,
                           adata.obs_names, normal)
     rows = ondisk.InMemoryRows(matrix)
+    corrector.prepare(rows, adata.n_obs)
+    return corrector, rows
+
+
+def reference_nonzero(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
+                      counts_layer: str | None = None, batch_key: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(input columns of the corrected counts' genes, (cells, those genes) P(count > 0) under the reference's NB of
+    each cell): what the corrected counts' detection should be, for batchfix.eval.detection's calibration."""
+    corrector, rows = prepared_corrector(adata, trained, settings, counts_layer, batch_key)
+    if not corrector.counts_output:
+        raise InputError("Expected detection needs corrected counts: the counterfactual output of a negative "
+                         f"binomial model (this one: {settings.output_mode}, {trained.config.likelihood}).")
+    parts = [corrector.reference_nonzero(rows.rows(start, min(start + settings.chunk_size, adata.n_obs)), start)
+             for start in range(0, adata.n_obs, settings.chunk_size)]
+    return parts[0][0], np.vstack([expected for _, expected in parts])
+
+
+def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
+                  counts_layer: str | None = None, batch_key: str | None = None, copy: bool = False,
+                  progress: bool = False, all_batches_new: bool = False) -> ad.AnnData | None:
+    """Add corrected expression to an in-memory AnnData, scanpy style (what is added: this module's docstring).
+
+    obs[batch_key] is read for output_mode=counterfactual; batch_key and counts_layer default to the model's
+    (`data_keys`). `adata` is left unchanged when an error is raised. Returns the corrected copy when copy=True,
+    else None.
+    """
+    corrector, rows = prepared_corrector(adata, trained, settings, counts_layer, batch_key, all_batches_new)
     n_obs = adata.n_obs
-    corrector.prepare(rows, n_obs)
     latent = np.empty((n_obs, corrector.latent_dim), dtype=np.float32)
     pieces: dict[str, list] = {}
     for start, stop, mu, chunk_layers in corrected_chunks(corrector, rows, n_obs, settings.chunk_size, progress):

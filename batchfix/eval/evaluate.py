@@ -61,7 +61,8 @@ def evaluate_file(
     Scored gene by gene (`gene_fidelity` in the result): `layers[key_added]` against the raw counts
     on the same genes, within each batch (`batchfix.eval.metrics.gene_level_scores`), and by the matrix
     scores of `batchfix.eval.matrix_scores` on the modelled genes (`matrix_scores` in the result: detection
-    calibration against a batch-free NB reference, raw zeros raised, between-batch DE on zero-raw genes).
+    calibration against the reference of the model that corrected the file, found through uns[key_added], else a
+    batch-free NB; raw zeros raised; between-batch DE on zero-raw genes).
     Returns the metrics dict written to metrics.json.
 
     `neighbors`: "exact", "approximate" (pynndescent, scib-metrics' default) or "auto" (exact up to

@@ -10,15 +10,20 @@ model that gave them (by default detection.reference_nonzero, a batch-free NB at
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
 
+from batchfix.config import CorrectionSettings
+from batchfix.correction.provenance import file_sha256
 from batchfix.eval import detection, metrics
+from batchfix.training.trained import load_trained
 
 ANY, LABELLED = "any matrix", "a matrix with labels"  # what a score applies to
 DETECTION_WITHIN = "Detection within 0.05"
+DETECTION_CEILING = "Detection within 0.05 (calibrated)"
 DETECTION_SPREAD = "Detection spread"
 DETECTION_SPREAD_RAW = "Detection spread (raw)"
 ZEROS_RAISED = "Zeros raised"
@@ -42,10 +47,12 @@ class MatrixInput:
 
 
 def detection_columns(matrix: MatrixInput) -> dict[str, float]:
-    """Detection calibration: share of (gene, label, batch) groups within the tolerance, spread across batches."""
+    """Detection calibration: share of (gene, label, batch) groups within the tolerance (and the share perfectly
+    calibrated counts reach), spread across batches."""
     summary, _ = detection.detection_calibration(matrix.log_values, matrix.raw, matrix.expected_nonzero,
                                                  matrix.labels, matrix.batches)
-    return {DETECTION_WITHIN: summary["within_tolerance"], DETECTION_SPREAD: summary["spread_corrected"],
+    return {DETECTION_WITHIN: summary["within_tolerance"], DETECTION_CEILING: summary["calibrated_within"],
+            DETECTION_SPREAD: summary["spread_corrected"],
             DETECTION_SPREAD_RAW: summary["spread_raw"]}
 
 
@@ -67,8 +74,8 @@ SCORES: list[tuple[str, Callable[[MatrixInput], dict[str, float]], str]] = [
     ("zeros raised", zeros_raised_columns, ANY),
     ("false DE", false_de_columns, LABELLED),
 ]
-COLUMNS = [DETECTION_WITHIN, DETECTION_SPREAD, DETECTION_SPREAD_RAW, ZEROS_RAISED, BATCH_DE_CALLS,
-           FALSE_DE_ZERO_RAW]
+COLUMNS = [DETECTION_WITHIN, DETECTION_CEILING, DETECTION_SPREAD, DETECTION_SPREAD_RAW, ZEROS_RAISED,
+           BATCH_DE_CALLS, FALSE_DE_ZERO_RAW]
 
 
 def score_matrix(matrix: MatrixInput) -> dict[str, float]:
@@ -82,16 +89,47 @@ def score_matrix(matrix: MatrixInput) -> dict[str, float]:
     return result
 
 
+def model_expected_nonzero(adata, key_added: str, genes: np.ndarray) -> tuple[np.ndarray, str] | None:
+    """(cells x genes[mask] P(count > 0) under the reference of the model that corrected the file, its name), read
+    from the checkpoint uns[key_added] names when that file is there unchanged (its sha256) and the output is
+    corrected counts; else None. The correction is rerun on these cells with the options uns records (on a
+    subsample the state dependence's batch means come from the subsample's cells)."""
+    info = adata.uns.get(key_added, {})
+    path, digest = Path(str(info.get("checkpoint", ""))), str(info.get("checkpoint_sha256", ""))
+    if "log_transform" not in info or not digest or not path.is_file() or file_sha256(path) != digest:
+        return None
+    from batchfix.correction.writers import reference_nonzero
+
+    params = dict(info["params"])
+    names = {f.name for f in fields(CorrectionSettings)}
+    options = {k: (list(v) if isinstance(v, np.ndarray) else v) for k, v in params.items() if k in names}
+    settings = CorrectionSettings(**options, preset=str(info.get("correction_preset")))
+    source = params["counts"]
+    counts_layer = "X" if source == "X" else source[len("layers['"):-len("']")]
+    columns, expected = reference_nonzero(adata, load_trained(path), settings, counts_layer,
+                                          params.get("batch_key"))
+    full = np.full((adata.n_obs, adata.n_vars), np.nan)
+    full[:, columns] = expected
+    if np.isnan(full[:, genes]).any():
+        return None
+    return full[:, genes], f"reference NB of the model that corrected the file ({path.name}, its options)"
+
+
 def corrected_matrix_scores(adata, layer: str, genes: np.ndarray, batch_key: str, label_key: str | None,
                             counts_layer: str | None = None) -> dict:
     """`score_matrix` of layers[layer] on the columns `genes` (a boolean mask) against the raw counts (X or
-    counts_layer) of the same genes; the result names the genes scored and the reference."""
+    counts_layer) of the same genes, detection against the correcting model's reference where
+    `model_expected_nonzero` finds it (else the batch-free NB); the result names the genes scored and the
+    reference."""
     raw = (adata.layers[counts_layer] if counts_layer else adata.X)[:, genes]
     if not metrics.is_integer_valued(raw):
         return {**dict.fromkeys(COLUMNS), "layer": layer,
                 "note": f"{counts_layer or 'X'} does not hold raw counts: the matrix scores were not computed."}
     labels = adata.obs[label_key].astype(str).to_numpy() if label_key else None
     matrix = MatrixInput(adata.layers[layer][:, genes], raw, labels, adata.obs[batch_key].astype(str).to_numpy())
+    model = model_expected_nonzero(adata, layer, genes) if labels is not None else None
+    if model is not None:
+        matrix.expected_nonzero, matrix.reference = model
     scores = score_matrix(matrix)
     return {**{k: None if np.isnan(v) else v for k, v in scores.items()},
             "layer": layer, "n_genes": int(np.count_nonzero(genes)), "reference": matrix.reference}
