@@ -8,6 +8,7 @@ from scipy import stats
 
 from batchfix.eval.detection import (
     batch_spread,
+    calibrated_within,
     detection_calibration,
     false_de,
     nb_nonzero_probability,
@@ -47,6 +48,19 @@ def test_counts_from_the_model_are_calibrated_and_raising_zeros_is_seen():
     filled = np.log1p(counts) + 0.05
     bad, _ = detection_calibration(filled, counts, expected, labels, batches)
     assert bad["zeros_raised"] == 1.0 and bad["within_tolerance"] < summary["within_tolerance"]
+
+
+def test_the_calibrated_share_is_what_counts_drawn_from_the_model_reach():
+    """Groups of 100 cells: sampling alone puts some shares beyond 0.05 of their expectation; counts drawn from the
+    model reach the calibrated share (up to the draw), and certain detection (p 0 or 1) reaches 1."""
+    counts, mean, theta, labels, batches = nb_simulation()
+    expected = nb_nonzero_probability(mean, theta)
+    summary, _ = detection_calibration(sp.csr_matrix(counts), counts, expected, labels, batches)
+    assert 0.7 < summary["calibrated_within"] < 1.0
+    assert abs(summary["within_tolerance"] - summary["calibrated_within"]) < 0.05
+    assert calibrated_within(expected, labels, batches, seed=1) == pytest.approx(summary["calibrated_within"], abs=0.05)
+    certain = (expected > 0.5).astype(float)
+    assert calibrated_within(certain, labels, batches) == 1.0
 
 
 def test_groups_below_the_cell_minimum_are_left_out_and_spread_is_over_batches(subset):
