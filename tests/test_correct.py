@@ -562,11 +562,18 @@ def test_detection_is_scored_against_the_reference_of_the_model_that_corrected(t
     reference NB, which evaluate finds through uns['batchfix'] (checkpoint path and sha256)."""
     from batchfix.eval import detection, matrix_scores
 
+    from batchfix.data.io import OutputKeys
+    from batchfix.eval.evaluate import read_for_scoring
+
     _, source = rich_input
-    out = ad.read_h5ad(correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"]))
+    path = correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"])
+    out = ad.read_h5ad(path)
     genes = out.var["batchfix_modelled"].to_numpy()
-    scores = matrix_scores.corrected_matrix_scores(out, "batchfix", genes, "batch", "cell_type")
-    assert trained_run["checkpoint"].name in scores["reference"] and "batch-free" not in scores["reference"]
+    part, subsample = read_for_scoring(path, "batch", "cell_type", 100, OutputKeys("batchfix"), None)
+    for adata in (out, part):  # the whole file, and the subsample evaluate reads from disk
+        scores = matrix_scores.corrected_matrix_scores(adata, "batchfix", genes, "batch", "cell_type")
+        assert trained_run["checkpoint"].name in scores["reference"] and "batch-free" not in scores["reference"]
+    assert subsample["n_cells"] == part.n_obs < out.n_obs
     expected, _ = matrix_scores.model_expected_nonzero(out, "batchfix", genes)
     labels, batches = out.obs["cell_type"].to_numpy(), out.obs["batch"].to_numpy()
     raw = sp.csr_matrix(out.X)[:, genes]

@@ -157,7 +157,7 @@ def stratum_column(f: h5py.File, key: str):
 
 def read_rows(f: h5py.File, rows: np.ndarray, keys: OutputKeys, counts_layer: str | None) -> ad.AnnData:
     """The cells `rows` (ascending) of an open .h5ad: obs, var, the counts (X or counts_layer), the corrected
-    layer and the latent; a missing layer or latent is named with what the file has."""
+    layer, the latent and uns[key_added]; a missing layer or latent is named with what the file has."""
     layers = list(f["layers"].keys()) if "layers" in f else []
     obsm = list(f["obsm"].keys()) if "obsm" in f else []
     for what, key, where in (("corrected layer", keys.layer, layers), ("counts layer", counts_layer, layers),
@@ -175,6 +175,8 @@ def read_rows(f: h5py.File, rows: np.ndarray, keys: OutputKeys, counts_layer: st
     else:
         adata.layers[counts_layer] = x
     adata.obsm[keys.latent] = np.asarray(ondisk.open_rows(f["obsm"][keys.latent]).take(rows))
+    if "uns" in f and keys.uns in f["uns"]:  # what corrected the file (matrix_scores.model_expected_nonzero)
+        adata.uns[keys.uns] = read_elem(f["uns"][keys.uns])
     return adata
 
 

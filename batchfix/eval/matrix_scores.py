@@ -106,6 +106,8 @@ def model_expected_nonzero(adata, key_added: str, genes: np.ndarray) -> tuple[np
     settings = CorrectionSettings(**options, preset=str(info.get("correction_preset")))
     source = params["counts"]
     counts_layer = "X" if source == "X" else source[len("layers['"):-len("']")]
+    if (adata.X is None) if counts_layer == "X" else (counts_layer not in adata.layers):
+        return None  # a subsample holds the counts evaluate compares with, not those the correction read
     columns, expected = reference_nonzero(adata, load_trained(path), settings, counts_layer,
                                           params.get("batch_key"))
     full = np.full((adata.n_obs, adata.n_vars), np.nan)
