@@ -560,9 +560,8 @@ def test_correct_refuses_nan_or_infinite_values_in_genes_the_model_does_not_read
 def test_detection_is_scored_against_the_reference_of_the_model_that_corrected(trained_run, rich_input, tmp_path):
     """Detection calibration (issue 40): the corrected counts' nonzero shares against the correcting model's own
     reference NB, which evaluate finds through uns['batchfix'] (checkpoint path and sha256)."""
-    from batchfix.eval import detection, matrix_scores
-
     from batchfix.data.io import OutputKeys
+    from batchfix.eval import detection, matrix_scores
     from batchfix.eval.evaluate import read_for_scoring
 
     _, source = rich_input
