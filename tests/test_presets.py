@@ -55,11 +55,12 @@ def run(subset_h5ad, tmp_path_factory) -> Path:
     return folder / "run"
 
 
-def test_the_group_holds_the_default_and_the_readmes_three_recipes():
-    assert set(preset_names()) == {"default", "protocols", "patient_cnv"}
+def test_the_group_holds_the_default_and_the_readmes_recipes():
+    assert set(preset_names()) == {"default", "protocols", "patient_cnv", "conditions"}
     assert preset_options("default") == {}
     assert expected("protocols")["spread"] == "gene" and expected("protocols")["state_dependence"] == 0.5
     assert expected("patient_cnv")["regional_shift"] == "keep_input"
+    assert expected("conditions")["state_dependence"] == 0.0
 
 
 @pytest.mark.parametrize("name", preset_names())
