@@ -346,6 +346,7 @@ REFERENCE_VARIANTS = {
     "batchfix regional=keep": {"regional_shift": "keep"},
     "batchfix regional=keep_input": {"regional_shift": "keep_input"},
     "batchfix keep + reference cells": {"regional_shift": "keep"},  # normal_key / normal_values added per run
+    "batchfix keep + reference cells, spread=gene": {"regional_shift": "keep", "spread": "gene"},
 }
 
 
@@ -391,7 +392,9 @@ def reference_run(args) -> list[dict]:
     injected.obs["reference"] = np.where(reference, "normal", "other")
     for seed in args.seeds:
         variants = {name: dict(options) for name, options in REFERENCE_VARIANTS.items()}
-        variants["batchfix keep + reference cells"].update(normal_key="reference", normal_values=["normal"])
+        for name in variants:
+            if "reference cells" in name:
+                variants[name].update(normal_key="reference", normal_values=["normal"])
         model = batchfix.train(injected, batch_key=args.batch_key, seed=seed, **TRAIN_OPTIONS)
         matrices = {"uncorrected": after, "ComBat": combat(after, injected.obs, args.batch_key).astype(np.float32)}
         for name, options in variants.items():
