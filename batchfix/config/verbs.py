@@ -59,7 +59,7 @@ class CorrectionOptions:
     regional_order: str = "genome"
     regional_seed: int = 0  # the random gene order of regional_order=shuffled
     # Reference (normal) cells for copy number, as infercnv's reference groups: the obs column and its values that
-    # mark cells known to be diploid (set at correct time, no retraining; corrected counts only). The regional part
+    # mark cells known to be diploid (set at correct time, no retraining; counts or log scale). The regional part
     # of each batch's correction is then taken from its normal cells (their regional level brought to every batch's):
     # a batch's regional artefact leaves all its cells, a clone all its malignant cells carry stays. A batch with
     # fewer than 20 normal cells keeps its cells' regional profile (docs/cnv.md, Reference cells).

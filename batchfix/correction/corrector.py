@@ -34,7 +34,7 @@ from batchfix.data.io import (
     duplicate_genes_error,
     repeated,
 )
-from batchfix.errors import ConfigError, InputError
+from batchfix.errors import InputError
 from batchfix.nn.attention import fused_attention
 from batchfix.training.trained import BatchfixModel
 
@@ -136,10 +136,6 @@ class Corrector:
         self.corrected_mask = self.modelled_mask.copy()  # genes whose values the output changes
         if self.counts_output:
             self.set_count_genes(var_names, obs_names if obs_names is not None else range(len(batch)))
-        if settings.normal_key is not None and not self.counts_output:
-            raise ConfigError("correction.normal_key (reference cells) works on corrected counts, the output of a "
-                              "negative binomial model (model.likelihood=nb); this model's likelihood is "
-                              f"{trained.config.likelihood}.")
         if settings.output_mode == "counterfactual":
             calibration.training_statistics(trained.net)  # refuses an uncalibrated checkpoint before any work
             self.log_batches()

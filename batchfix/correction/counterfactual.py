@@ -130,7 +130,8 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
               mu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(latent mean, counterfactual values (B, G), how many were raised to 0) for cells with batch `codes`;
     with `state`, only the share `state.weight` of each cell's decoder term's deviation from its batch's mean is
-    applied; with `regional`, the regional part of each cell's deviation from the mean shift is left in. `mu`: the
+    applied; with `regional`, the regional part of each cell's deviation from the mean shift is left in (with
+    reference cells, the regional part of its whole change is its batch's `regional.offset`). `mu`: the
     cells' latent means if already encoded (the encoder, the costly part, then does not run again)."""
     if mu is None:
         mu, _ = net.encode(x)
@@ -140,7 +141,9 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
         unapplied = (1.0 - state.weight) * (decoder - state.batch_mean[known]) * state.estimated[known, None]
         values, decoder = values - unapplied, decoder - unapplied
     floored = torch.zeros_like(values, dtype=torch.bool)  # raised to 0 before the regional split (keep_input)
-    if regional is not None:
+    if regional is not None and regional.offset is not None:  # reference cells: the batch's regional change
+        values = values - regional.smoother(values - observed) + regional.offset[known].to(values.dtype)
+    elif regional is not None:
         if regional.whole:  # the floor is part of the whole change: its regional part is not applied either
             floored = values.lt(0) & (codes >= 0)[:, None]
             values = values.clamp_min(0.0)

@@ -110,7 +110,9 @@ def estimate_mean_shift(corrector, rows, n_obs: int, regional: bool) -> None:
     term_sums = np.zeros((n_codes, len(corrector.trained.genes)))
     change_sums = np.zeros_like(term_sums)  # keep_input only
     n_cells = np.zeros(n_codes, dtype=np.int64)
-    normal = ReferenceCellSums(corrector, n_codes) if regional and corrector.normal is not None else None
+    normal = None
+    if regional and corrector.normal is not None:
+        normal = (ReferenceCellSums if corrector.counts_output else LogReferenceCellSums)(corrector, n_codes)
     corrector.latents = np.empty((n_obs, corrector.latent_dim), dtype=np.float32)
     for start in range(0, n_obs, corrector.settings.chunk_size):
         stop = min(start + corrector.settings.chunk_size, n_obs)
@@ -127,7 +129,7 @@ def estimate_mean_shift(corrector, rows, n_obs: int, regional: bool) -> None:
                     change_sums[code] += change[codes == code].sum(axis=0)
                 n_cells[code] += int((codes == code).sum())
             if normal is not None:
-                normal.add(part, torch.from_numpy(term), codes, start + begin)
+                normal.add(part, torch.from_numpy(term) if corrector.counts_output else mu, codes, start + begin)
     set_mean_shift(corrector, term_sums, change_sums if whole else term_sums, n_cells, mode, regional)
     if normal is not None:
         corrector.regional.offset = normal.offset()
@@ -169,7 +171,8 @@ class ReferenceCellSums:
     genome)) and their libraries, from which `offset` gives each batch's regional correction."""
 
     def __init__(self, corrector, n_codes: int):
-        self.corrector, self.genes = corrector, corrector.gene_sets[0]
+        self.corrector = corrector
+        self.genes = corrector.gene_sets[0] if corrector.gene_sets else None  # the counts' modelled genes
         settings = corrector.settings
         self.smoother = genome_smoother(list(corrector.trained.module.hparams.chromosome), settings.regional_order,
                                         settings.regional_window, settings.regional_seed)
@@ -195,6 +198,12 @@ class ReferenceCellSums:
         """(codes, G): minus the running mean along the genome of each batch's reference cells' log level (counts
         per library) less the mean of those levels over the batches with MIN_NORMAL_CELLS reference cells; 0 for a
         batch with fewer (it keeps its cells' whole regional profile, as keep_input does), logged."""
+        enough = self.enough_cells()
+        level = np.log(self.counts[enough] + 0.5) - np.log(np.maximum(self.library[enough], 1.0))[:, None]
+        return regional_offset(self.smoother, level, enough)
+
+    def enough_cells(self) -> np.ndarray:
+        """(codes,) bool: batches with MIN_NORMAL_CELLS reference cells; the counts logged, those without named."""
         enough = self.n_cells >= MIN_NORMAL_CELLS
         names = [self.corrector.batch_name(c) for c in range(len(self.n_cells))]
         settings = self.corrector.settings
@@ -205,8 +214,39 @@ class ReferenceCellSums:
         if fallback:
             log.warning("Batches with fewer than %d reference cells: %s; their cells keep their whole regional "
                         "(copy-number-like) profile, technical or not.", MIN_NORMAL_CELLS, fallback)
-        offset = torch.zeros(len(self.n_cells), self.counts.shape[1], dtype=torch.float64)
-        if enough.any():
-            level = np.log(self.counts[enough] + 0.5) - np.log(np.maximum(self.library[enough], 1.0))[:, None]
-            offset[torch.from_numpy(enough)] = -self.smoother(torch.from_numpy(level - level.mean(axis=0)))
-        return offset
+        return enough
+
+
+class LogReferenceCellSums(ReferenceCellSums):
+    """`ReferenceCellSums` for the log output (a log-scale model): per batch code, the sum over its reference cells
+    of their output with the regional part of its change taken out (value - running mean of value - input), whose
+    mean is the batch's regional level on the output's own scale."""
+
+    def add(self, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, first_cell: int) -> None:
+        """One forward batch: its input `x` (B, G), latents `mu` (B, latent) and codes, its first cell's row."""
+        normal = self.corrector.normal[first_cell:first_cell + len(codes)] & (codes >= 0)
+        if not normal.any():
+            return
+        corrector = self.corrector
+        values, _, observed, _ = counterfactual.output_terms(
+            corrector.net, x[normal], mu[normal], torch.from_numpy(codes[normal]), corrector.reference,
+            corrector.statistics, corrector.present)
+        level = (values - self.smoother(values - observed)).double().numpy()  # (normal cells, G)
+        for code in np.unique(codes[normal]):
+            chosen = codes[normal] == code
+            self.counts[code] += level[chosen].sum(axis=0)  # here the sum of the cells' levels
+            self.n_cells[code] += int(chosen.sum())
+
+    def offset(self) -> torch.Tensor:
+        """(codes, G): as `ReferenceCellSums.offset`, from the mean level of each batch's reference cells."""
+        enough = self.enough_cells()
+        return regional_offset(self.smoother, self.counts[enough] / self.n_cells[enough][:, None], enough)
+
+
+def regional_offset(smoother, level: np.ndarray, enough: np.ndarray) -> torch.Tensor:
+    """(codes, G): minus the running mean along the genome of each batch's `level` (rows: the batches of `enough`)
+    less their mean over those batches; 0 for the others."""
+    offset = torch.zeros(len(enough), level.shape[1], dtype=torch.float64)
+    if enough.any():
+        offset[torch.from_numpy(enough)] = -smoother(torch.from_numpy(level - level.mean(axis=0)))
+    return offset

@@ -76,8 +76,9 @@ class RegionalShift:
     every input cell (keep_all), or of the whole change over every input cell (keep_input); estimated: (codes,)
     1.0, or 0.0 for a batch with fewer than MIN_UNSEEN_CELLS cells (its cells keep no regional part); whole: the
     shift split is the output's whole change to the cell (keep_input), not its decoder term. offset: (codes, G)
-    with reference cells (correction.normal_key, corrected counts): the regional part of every cell's shift is
-    replaced by its batch's, taken from its normal cells (`estimates.reference_cell_offset`).
+    with reference cells (correction.normal_key): the regional part of every cell's shift (the counts' log-mean
+    shift, the log output's whole change) is replaced by its batch's, taken from its normal cells
+    (`estimates.ReferenceCellSums`, `estimates.LogReferenceCellSums`).
     """
 
     smoother: GenomeSmoother
