@@ -572,8 +572,12 @@ def test_detection_is_scored_against_the_reference_of_the_model_that_corrected(t
     for adata in (out, part):  # the whole file, and the subsample evaluate reads from disk
         scores = matrix_scores.corrected_matrix_scores(adata, "batchfix", genes, "batch", "cell_type")
         assert trained_run["checkpoint"].name in scores["reference"] and "batch-free" not in scores["reference"]
+        assert 0 <= scores[matrix_scores.PIT_FAILS] < 0.5  # the raw counts' PIT under the model: mostly uniform
+        assert set(scores["pit_failing_genes"]) <= set(out.obs["batch"].astype(str))
+        named = [g for names in scores["pit_failing_genes"].values() for g in names]
+        assert set(named) <= set(out.var_names[genes])
     assert subsample["n_cells"] == part.n_obs < out.n_obs
-    expected, _ = matrix_scores.model_expected_nonzero(out, "batchfix", genes)
+    expected = matrix_scores.model_checks(out, "batchfix", genes)["expected"]
     labels, batches = out.obs["cell_type"].to_numpy(), out.obs["batch"].to_numpy()
     raw = sp.csr_matrix(out.X)[:, genes]
     corrected, _ = detection.detection_calibration(out.layers["batchfix_counts"][:, genes], raw, expected, labels,

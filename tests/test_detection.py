@@ -14,6 +14,7 @@ from batchfix.eval.detection import (
     nb_nonzero_probability,
     nonzero_shares,
     pit_histograms,
+    pit_uniformity,
     randomized_pit,
     zeros_raised,
 )
@@ -111,3 +112,19 @@ def test_pit_is_uniform_under_the_true_model_and_fails_under_a_wrong_theta():
     assert len(good) == 30 and good["fails"].mean() < 0.1 and (good["hist"].map(sum) == 1000).all()
     bad = pit_histograms(counts, mean, theta * 20, batches)  # too little dispersion: a U-shaped PIT
     assert bad["fails"].mean() >= 0.4  # seen where the mean is large enough for theta to matter
+
+
+def test_the_models_own_pit_is_scipys_randomised_pit_and_uniform_where_the_model_fits():
+    """CountDistributions.own_pit (what evaluate scores under a batchfix model) against scipy's NB cdf."""
+    from batchfix.correction.count_output import CountDistributions
+
+    counts, mean, theta, _, batches = nb_simulation()
+    theta = np.broadcast_to(theta, mean.shape)
+    nb = CountDistributions(counts.astype(np.float64), mean, mean, theta, theta)
+    draws = np.random.default_rng(3).random(mean.shape)
+    p = theta / (theta + mean)
+    expected = stats.nbinom.cdf(counts - 1, theta, p) + draws * stats.nbinom.pmf(counts, theta, p)
+    np.testing.assert_allclose(nb.own_pit(draws), expected, rtol=1e-9, atol=1e-12)
+    assert pit_uniformity(nb.own_pit(draws), batches)["fails"].mean() < 0.05
+    misfit = CountDistributions(counts.astype(np.float64), mean * 3, mean, theta, theta)  # the mean is wrong
+    assert pit_uniformity(misfit.own_pit(draws), batches)["fails"].mean() > 0.5

@@ -26,13 +26,13 @@ def test_every_registered_score_has_a_function_and_what_it_applies_to():
     names = [name for name, _, _ in matrix_scores.SCORES]
     assert len(set(names)) == len(names)
     for _, function, applies in matrix_scores.SCORES:
-        assert callable(function) and applies in (matrix_scores.ANY, matrix_scores.LABELLED)
+        assert callable(function) and applies in (matrix_scores.ANY, matrix_scores.LABELLED, matrix_scores.MODELLED)
 
 
 def test_the_uncorrected_log_matrix_raises_no_zero_and_invents_no_call(bundled_genes):
     raw, labels, batches = bundled_genes
     scores = score_matrix(MatrixInput(sp.csr_matrix(log_cp10k(raw)), raw, labels, batches))
-    assert set(scores) == set(matrix_scores.COLUMNS)
+    assert set(scores) == set(matrix_scores.COLUMNS) and np.isnan(scores[matrix_scores.PIT_FAILS])  # no model
     assert scores[matrix_scores.ZEROS_RAISED] == 0.0 and scores[matrix_scores.FALSE_DE_ZERO_RAW] == 0.0
     assert scores[matrix_scores.DETECTION_SPREAD] == pytest.approx(scores[matrix_scores.DETECTION_SPREAD_RAW])
     assert 0.5 < scores[matrix_scores.DETECTION_WITHIN] <= 1.0

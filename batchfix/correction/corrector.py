@@ -302,21 +302,23 @@ class Corrector:
         return latent, layers.count_layers(chunk, np.hstack(mapped)[:, order], columns[order], self.corrected_mask)
 
     @torch.inference_mode()
-    def reference_nonzero(self, chunk, first_cell: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """(input columns of the corrected counts' genes (ascending), (cells, those genes) P(count > 0) under the
-        reference's NB of each cell): the detection the corrected counts should show (batchfix.eval.detection)."""
+    def model_checks(self, chunk, first_cell: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For the modelled genes' corrected counts: (their input columns (ascending), (cells, genes) float32
+        P(count > 0) under each cell's reference NB, the detection the corrected counts should show, and (cells,
+        genes) float32 the randomised PIT of each observed count under its own batch's NB, uniform where the model
+        fits), for batchfix.eval.detection. The PIT's draws are keyed by (quantile_seed + 1, cell, gene)."""
+        genes = self.gene_sets[0]
         x = self.model_input(chunk, first_cell)
-        inputs = [x] + [genes.observed(chunk) for genes in self.gene_sets[1:]]
-        expected = [np.empty((x.shape[0], len(genes.columns))) for genes in self.gene_sets]
+        expected = np.empty((x.shape[0], len(genes.columns)), dtype=np.float32)
+        pit = np.empty_like(expected)
         with fused_attention(self.net):
-            for part, _, codes, mu in self.count_batches(x, first_cell):
-                for genes, values, out in zip(self.gene_sets, inputs, expected):
-                    out[part] = count_output.count_distributions(self.net, genes, values[part], mu, codes,
-                                                                 self.reference, self.state,
-                                                                 self.regional).reference_nonzero()
-        columns = np.concatenate([genes.columns for genes in self.gene_sets])
-        order = np.argsort(columns, kind="stable")
-        return columns[order], np.hstack(expected)[:, order]
+            for part, cells, codes, mu in self.count_batches(x, first_cell):
+                nb = count_output.count_distributions(self.net, genes, x[part], mu, codes, self.reference,
+                                                      self.state, self.regional)
+                expected[part] = nb.reference_nonzero()
+                draws = counts.counter_uniform(self.settings.quantile_seed + 1, self.cell_keys[cells], genes.keys)
+                pit[part] = nb.own_pit(draws)
+        return genes.columns, expected, pit
 
 
 def corrected_chunks(corrector: Corrector, rows, n_obs: int, chunk_size: int,

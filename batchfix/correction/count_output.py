@@ -81,6 +81,13 @@ class CountDistributions:
         p = self.ref_theta / (self.ref_theta + self.ref_mean)
         return -np.expm1(self.ref_theta * np.log(p))
 
+    def own_pit(self, draws: np.ndarray) -> np.ndarray:
+        """(B, k) the randomised PIT of the observed counts under their own batch's NB, F(y - 1) + v P(y) with v
+        the uniform `draws`: uniform on (0, 1) where the model fits."""
+        p = self.own_theta / (self.own_theta + self.own_mean)
+        below = counts.lower_tail(self.observed - 1.0, self.own_theta, p)
+        return below + draws * (counts.lower_tail(self.observed, self.own_theta, p) - below)
+
 
 @torch.no_grad()
 def count_distributions(net, genes: GeneSet, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor,

@@ -117,17 +117,17 @@ def prepared_corrector(adata: ad.AnnData, trained: BatchfixModel, settings: Corr
     return corrector, rows
 
 
-def reference_nonzero(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
-                      counts_layer: str | None = None, batch_key: str | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """(input columns of the corrected counts' genes, (cells, those genes) P(count > 0) under the reference's NB of
-    each cell): what the corrected counts' detection should be, for batchfix.eval.detection's calibration."""
+def model_checks(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
+                 counts_layer: str | None = None, batch_key: str | None = None) -> tuple[np.ndarray, ...]:
+    """`Corrector.model_checks` of every cell of an in-memory AnnData: (the modelled genes' input columns, (cells,
+    genes) expected detection of the corrected counts, (cells, genes) the observed counts' randomised PIT)."""
     corrector, rows = prepared_corrector(adata, trained, settings, counts_layer, batch_key)
     if not corrector.counts_output:
-        raise InputError("Expected detection needs corrected counts: the counterfactual output of a negative "
+        raise InputError("The model checks need corrected counts: the counterfactual output of a negative "
                          f"binomial model (this one: {settings.output_mode}, {trained.config.likelihood}).")
-    parts = [corrector.reference_nonzero(rows.rows(start, min(start + settings.chunk_size, adata.n_obs)), start)
+    parts = [corrector.model_checks(rows.rows(start, min(start + settings.chunk_size, adata.n_obs)), start)
              for start in range(0, adata.n_obs, settings.chunk_size)]
-    return parts[0][0], np.vstack([expected for _, expected in parts])
+    return parts[0][0], np.vstack([part[1] for part in parts]), np.vstack([part[2] for part in parts])
 
 
 def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,

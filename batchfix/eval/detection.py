@@ -196,7 +196,11 @@ def pit_histograms(counts, mean, theta, batches, seed: int = 0, bins: int = PIT_
                    alpha: float = PIT_ALPHA) -> pd.DataFrame:
     """Per (batch, gene): the randomised PIT histogram (`bins` equal bins, counts of cells), the chi-square p of
     its uniformity and `fails` where that p < alpha."""
-    pit = randomized_pit(counts, mean, theta, np.random.default_rng(seed))
+    return pit_uniformity(randomized_pit(counts, mean, theta, np.random.default_rng(seed)), batches, bins, alpha)
+
+
+def pit_uniformity(pit: np.ndarray, batches, bins: int = PIT_BINS, alpha: float = PIT_ALPHA) -> pd.DataFrame:
+    """`pit_histograms` of PIT values already drawn (cells x genes)."""
     batches = np.asarray(batches).astype(str)
     rows = []
     for batch in np.unique(batches):

@@ -62,7 +62,7 @@ def evaluate_file(
     on the same genes, within each batch (`batchfix.eval.metrics.gene_level_scores`), and by the matrix
     scores of `batchfix.eval.matrix_scores` on the modelled genes (`matrix_scores` in the result: detection
     calibration against the reference of the model that corrected the file, found through uns[key_added], else a
-    batch-free NB; raw zeros raised; between-batch DE on zero-raw genes).
+    batch-free NB; raw zeros raised; between-batch DE on zero-raw genes; with that model, the genes it misfits).
     Returns the metrics dict written to metrics.json.
 
     `neighbors`: "exact", "approximate" (pynndescent, scib-metrics' default) or "auto" (exact up to
@@ -216,8 +216,9 @@ def _markdown_report(table, result: dict) -> str:
         reports.cnv_markdown(result["cnv_fidelity"]),
         f"## Matrix scores of layers['{result['corrected_layer']}']",
         "",
-        "Detection calibration, raw zeros made positive and DE calls between batches within a label on genes with "
-        "zero raw counts in both groups (batchfix.eval.matrix_scores, on the modelled genes).",
+        "Detection calibration, raw zeros made positive, DE calls between batches within a label on genes with "
+        "zero raw counts in both groups, and the share of (batch, gene) whose raw counts' PIT under the model is "
+        "not uniform (batchfix.eval.matrix_scores, on the modelled genes).",
         "",
         reports.matrix_markdown(result["matrix_scores"]),
     ])

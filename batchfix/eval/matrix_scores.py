@@ -5,7 +5,8 @@
 A matrix is on the log scale (log1p of counts per 10k, or a method's own log output), so an entry is "detected"
 where it is positive; it is scored against the raw counts of the same cells and genes. The expected nonzero
 shares of detection calibration come from `MatrixInput.expected_nonzero`, and `MatrixInput.reference` names the
-model that gave them (by default detection.reference_nonzero, a batch-free NB at each cell's library).
+model that gave them (by default detection.reference_nonzero, a batch-free NB at each cell's library); where the
+method's own model is at hand (`model_checks`), the raw counts' PIT under it says which genes it misfits.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import scipy.sparse as sp
 
 from batchfix.config import CorrectionSettings
@@ -21,7 +23,8 @@ from batchfix.correction.provenance import file_sha256
 from batchfix.eval import detection, metrics
 from batchfix.training.trained import load_trained
 
-ANY, LABELLED = "any matrix", "a matrix with labels"  # what a score applies to
+# what a score applies to
+ANY, LABELLED, MODELLED = "any matrix", "a matrix with labels", "a matrix with the PIT of its model"
 DETECTION_WITHIN = "Detection within 0.05"
 DETECTION_CEILING = "Detection within 0.05 (calibrated)"
 DETECTION_SPREAD = "Detection spread"
@@ -29,6 +32,8 @@ DETECTION_SPREAD_RAW = "Detection spread (raw)"
 ZEROS_RAISED = "Zeros raised"
 BATCH_DE_CALLS = "Between-batch DE calls"
 FALSE_DE_ZERO_RAW = "False DE (zero raw)"
+PIT_FAILS = "PIT fails"
+PIT_LISTED = 10  # genes named per batch among those whose PIT fails
 BATCH_FREE_REFERENCE = "batch-free NB (per label rate at each cell's library, theta by moments)"
 
 
@@ -36,7 +41,8 @@ BATCH_FREE_REFERENCE = "batch-free NB (per label rate at each cell's library, th
 class MatrixInput:
     """One corrected log matrix (cells x genes) with the raw counts of the same cells and genes, the cells'
     labels (or None) and batches, and the expected nonzero probabilities (cells x genes, or None) with the name
-    of the reference model that gave them."""
+    of the reference model that gave them; `pit` (cells x genes, or None): the raw counts' randomised PIT under
+    the model of the method, where it has one."""
 
     log_values: np.ndarray | sp.spmatrix
     raw: np.ndarray | sp.spmatrix
@@ -44,6 +50,7 @@ class MatrixInput:
     batches: np.ndarray
     expected_nonzero: np.ndarray | None = None
     reference: str = BATCH_FREE_REFERENCE
+    pit: np.ndarray | None = None
 
 
 def detection_columns(matrix: MatrixInput) -> dict[str, float]:
@@ -69,13 +76,19 @@ def false_de_columns(matrix: MatrixInput) -> dict[str, float]:
     return {BATCH_DE_CALLS: float(calls["called"].sum()), FALSE_DE_ZERO_RAW: float(calls["called_zero_raw"].sum())}
 
 
+def pit_columns(matrix: MatrixInput) -> dict[str, float]:
+    """The share of (batch, gene) whose PIT histogram fails uniformity (the model misfits those genes there)."""
+    return {PIT_FAILS: float(detection.pit_uniformity(matrix.pit, matrix.batches)["fails"].mean())}
+
+
 SCORES: list[tuple[str, Callable[[MatrixInput], dict[str, float]], str]] = [
     ("detection calibration", detection_columns, LABELLED),
     ("zeros raised", zeros_raised_columns, ANY),
     ("false DE", false_de_columns, LABELLED),
+    ("PIT uniformity", pit_columns, MODELLED),
 ]
 COLUMNS = [DETECTION_WITHIN, DETECTION_CEILING, DETECTION_SPREAD, DETECTION_SPREAD_RAW, ZEROS_RAISED,
-           BATCH_DE_CALLS, FALSE_DE_ZERO_RAW]
+           BATCH_DE_CALLS, FALSE_DE_ZERO_RAW, PIT_FAILS]
 
 
 def score_matrix(matrix: MatrixInput) -> dict[str, float]:
@@ -83,22 +96,24 @@ def score_matrix(matrix: MatrixInput) -> dict[str, float]:
     if matrix.labels is not None and matrix.expected_nonzero is None:
         matrix.expected_nonzero = detection.reference_nonzero(sp.csr_matrix(matrix.raw), np.asarray(matrix.labels))
     result = dict.fromkeys(COLUMNS, np.nan)
+    given = {ANY: True, LABELLED: matrix.labels is not None, MODELLED: matrix.pit is not None}
     for _, function, applies in SCORES:
-        if applies == ANY or matrix.labels is not None:
+        if given[applies]:
             result.update(function(matrix))
     return result
 
 
-def model_expected_nonzero(adata, key_added: str, genes: np.ndarray) -> tuple[np.ndarray, str] | None:
-    """(cells x genes[mask] P(count > 0) under the reference of the model that corrected the file, its name), read
-    from the checkpoint uns[key_added] names when that file is there unchanged (its sha256) and the output is
-    corrected counts; else None. The correction is rerun on these cells with the options uns records (on a
-    subsample the state dependence's batch means come from the subsample's cells)."""
+def model_checks(adata, key_added: str, genes: np.ndarray) -> dict | None:
+    """The checks of the model that corrected the file, read from the checkpoint uns[key_added] names when that file
+    is there unchanged (its sha256) and the output is corrected counts, on the genes of the mask `genes`: 'expected'
+    (cells x genes P(count > 0) under each cell's reference NB), 'pit' (cells x genes, the observed counts'
+    randomised PIT under their own batch's NB) and 'reference' (its name); else None. The correction is rerun on
+    these cells with the options uns records (on a subsample the state dependence's batch means come from it)."""
     info = adata.uns.get(key_added, {})
     path, digest = Path(str(info.get("checkpoint", ""))), str(info.get("checkpoint_sha256", ""))
     if "log_transform" not in info or not digest or not path.is_file() or file_sha256(path) != digest:
         return None
-    from batchfix.correction.writers import reference_nonzero
+    from batchfix.correction.writers import model_checks as checks_of
 
     params = dict(info["params"])
     names = {f.name for f in fields(CorrectionSettings)}
@@ -108,20 +123,20 @@ def model_expected_nonzero(adata, key_added: str, genes: np.ndarray) -> tuple[np
     counts_layer = "X" if source == "X" else source[len("layers['"):-len("']")]
     if (adata.X is None) if counts_layer == "X" else (counts_layer not in adata.layers):
         return None  # a subsample holds the counts evaluate compares with, not those the correction read
-    columns, expected = reference_nonzero(adata, load_trained(path), settings, counts_layer,
-                                          params.get("batch_key"))
-    full = np.full((adata.n_obs, adata.n_vars), np.nan)
-    full[:, columns] = expected
-    if np.isnan(full[:, genes]).any():
+    columns, expected, pit = checks_of(adata, load_trained(path), settings, counts_layer, params.get("batch_key"))
+    position = pd.Series(np.arange(len(columns)), index=columns).reindex(np.flatnonzero(genes))
+    if position.isna().any():
         return None
-    return full[:, genes], f"reference NB of the model that corrected the file ({path.name}, its options)"
+    keep = position.to_numpy(dtype=np.int64)
+    return {"expected": expected[:, keep], "pit": pit[:, keep],
+            "reference": f"reference NB of the model that corrected the file ({path.name}, its options)"}
 
 
 def corrected_matrix_scores(adata, layer: str, genes: np.ndarray, batch_key: str, label_key: str | None,
                             counts_layer: str | None = None) -> dict:
     """`score_matrix` of layers[layer] on the columns `genes` (a boolean mask) against the raw counts (X or
     counts_layer) of the same genes, detection against the correcting model's reference where
-    `model_expected_nonzero` finds it (else the batch-free NB); the result names the genes scored and the
+    `model_checks` finds it (else the batch-free NB); the result names the genes scored and the
     reference."""
     raw = (adata.layers[counts_layer] if counts_layer else adata.X)[:, genes]
     if not metrics.is_integer_valued(raw):
@@ -129,9 +144,22 @@ def corrected_matrix_scores(adata, layer: str, genes: np.ndarray, batch_key: str
                 "note": f"{counts_layer or 'X'} does not hold raw counts: the matrix scores were not computed."}
     labels = adata.obs[label_key].astype(str).to_numpy() if label_key else None
     matrix = MatrixInput(adata.layers[layer][:, genes], raw, labels, adata.obs[batch_key].astype(str).to_numpy())
-    model = model_expected_nonzero(adata, layer, genes) if labels is not None else None
+    model = model_checks(adata, layer, genes)
     if model is not None:
-        matrix.expected_nonzero, matrix.reference = model
+        matrix.pit = model["pit"]
+        if labels is not None:
+            matrix.expected_nonzero, matrix.reference = model["expected"], model["reference"]
     scores = score_matrix(matrix)
-    return {**{k: None if np.isnan(v) else v for k, v in scores.items()},
-            "layer": layer, "n_genes": int(np.count_nonzero(genes)), "reference": matrix.reference}
+    result = {**{k: None if np.isnan(v) else v for k, v in scores.items()},
+              "layer": layer, "n_genes": int(np.count_nonzero(genes)), "reference": matrix.reference}
+    if matrix.pit is not None:
+        result["pit_failing_genes"] = failing_genes(matrix, np.asarray(adata.var_names[genes]).astype(str))
+    return result
+
+
+def failing_genes(matrix: MatrixInput, names: np.ndarray) -> dict[str, list[str]]:
+    """Per batch, the genes whose PIT fails uniformity, worst first (at most PIT_LISTED)."""
+    table = detection.pit_uniformity(matrix.pit, matrix.batches)
+    failing = table[table["fails"]].sort_values("pvalue", kind="stable")
+    return {str(batch): [str(names[g]) for g in group["gene"].head(PIT_LISTED)]
+            for batch, group in failing.groupby("batch", sort=True)}
