@@ -62,6 +62,9 @@ def test_the_calibrated_share_is_what_counts_drawn_from_the_model_reach():
     assert calibrated_within(expected, labels, batches, seed=1) == pytest.approx(summary["calibrated_within"], abs=0.05)
     certain = (expected > 0.5).astype(float)
     assert calibrated_within(certain, labels, batches) == 1.0
+    assert summary["within_sampling"] > 0.9  # within 0.05 or 1.96 sampling sds: about 0.95 when calibrated
+    filled, _ = detection_calibration(np.log1p(counts) + 0.05, counts, expected, labels, batches)
+    assert filled["within_sampling"] < 0.5
 
 
 def test_groups_below_the_cell_minimum_are_left_out_and_spread_is_over_batches(subset):

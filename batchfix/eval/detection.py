@@ -29,6 +29,7 @@ from scipy import stats
 
 MIN_GROUP_CELLS = 20  # a (gene, label, batch) group is scored from this many cells
 DETECTION_TOLERANCE = 0.05  # an observed nonzero share this close to the expected one is calibrated
+SAMPLING_Z = 1.96  # ... or this many of its sampling sds (binomial, from the expected probabilities), if wider
 DE_LOGFC = 1.0  # |log2 fold change| above this ...
 DE_PADJ = 0.05  # ... and adjusted p below this: a DE call
 PIT_BINS = 10
@@ -102,17 +103,24 @@ def detection_calibration(
 ) -> tuple[dict, pd.DataFrame]:
     """Corrected nonzero shares against the expected ones (cells x genes P(count > 0) under the reference model).
 
-    Returns the summary (fraction of groups within `tolerance`, the groups' mean absolute gap, the spread across
-    batches of the corrected and raw shares, the share of raw zeros raised) and the per-group frame."""
+    Returns the summary (fraction of groups within `tolerance`; within the tolerance or SAMPLING_Z sampling sds of
+    the group's share, if wider, about 0.95 for counts drawn from the expected probabilities; the share perfectly
+    calibrated counts reach within the tolerance; the groups' mean absolute gap; the spread across batches of the
+    corrected and raw shares; the share of raw zeros raised) and the per-group frame."""
     frame = nonzero_shares(corrected, labels, batches, min_cells)
     groups, codes = _groups(labels, batches)
-    expected = _group_means(np.asarray(expected_nonzero, dtype=np.float64), codes, len(groups))
+    probability = np.asarray(expected_nonzero, dtype=np.float64)  # (cells, genes)
+    expected = _group_means(probability, codes, len(groups))
     frame["expected"] = expected[groups["n_cells"].to_numpy() >= min_cells].ravel()
     frame["gap"] = frame["share"] - frame["expected"]
+    variance = _group_means(probability * (1.0 - probability), codes, len(groups)) / groups["n_cells"].to_numpy()[:, None]
+    frame["sampling_sd"] = np.sqrt(variance[groups["n_cells"].to_numpy() >= min_cells].ravel())
     raw_shares = nonzero_shares(raw, labels, batches, min_cells)
+    allowed = np.maximum(tolerance, SAMPLING_Z * frame["sampling_sd"])
     summary = {
         "groups": len(frame),
         "within_tolerance": float((frame["gap"].abs() <= tolerance).mean()) if len(frame) else float("nan"),
+        "within_sampling": float((frame["gap"].abs() <= allowed).mean()) if len(frame) else float("nan"),
         "calibrated_within": calibrated_within(expected_nonzero, labels, batches, min_cells, tolerance),
         "mean_abs_gap": float(frame["gap"].abs().mean()),
         "spread_corrected": batch_spread(frame),

@@ -27,6 +27,7 @@ from batchfix.training.trained import load_trained
 ANY, LABELLED, MODELLED = "any matrix", "a matrix with labels", "a matrix with the PIT of its model"
 DETECTION_WITHIN = "Detection within 0.05"
 DETECTION_CEILING = "Detection within 0.05 (calibrated)"
+DETECTION_SAMPLING = "Detection within 0.05 or sampling error"
 DETECTION_SPREAD = "Detection spread"
 DETECTION_SPREAD_RAW = "Detection spread (raw)"
 ZEROS_RAISED = "Zeros raised"
@@ -59,7 +60,7 @@ def detection_columns(matrix: MatrixInput) -> dict[str, float]:
     summary, _ = detection.detection_calibration(matrix.log_values, matrix.raw, matrix.expected_nonzero,
                                                  matrix.labels, matrix.batches)
     return {DETECTION_WITHIN: summary["within_tolerance"], DETECTION_CEILING: summary["calibrated_within"],
-            DETECTION_SPREAD: summary["spread_corrected"],
+            DETECTION_SAMPLING: summary["within_sampling"], DETECTION_SPREAD: summary["spread_corrected"],
             DETECTION_SPREAD_RAW: summary["spread_raw"]}
 
 
@@ -87,8 +88,8 @@ SCORES: list[tuple[str, Callable[[MatrixInput], dict[str, float]], str]] = [
     ("false DE", false_de_columns, LABELLED),
     ("PIT uniformity", pit_columns, MODELLED),
 ]
-COLUMNS = [DETECTION_WITHIN, DETECTION_CEILING, DETECTION_SPREAD, DETECTION_SPREAD_RAW, ZEROS_RAISED,
-           BATCH_DE_CALLS, FALSE_DE_ZERO_RAW, PIT_FAILS]
+COLUMNS = [DETECTION_WITHIN, DETECTION_CEILING, DETECTION_SAMPLING, DETECTION_SPREAD, DETECTION_SPREAD_RAW,
+           ZEROS_RAISED, BATCH_DE_CALLS, FALSE_DE_ZERO_RAW, PIT_FAILS]
 
 
 def score_matrix(matrix: MatrixInput) -> dict[str, float]:
