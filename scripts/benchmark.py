@@ -99,7 +99,9 @@ ALL_METHODS = ["batchfix", *BASELINES]
 ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
 STATE_DEPENDENCES = (0.5, 1.0)  # correction.state_dependence values corrected beside a run's own, on the same model
 CNV_R, CNV_AMPLITUDE = "CNV profile r", "CNV amplitude ratio"  # batchfix.eval.cnv.profile_retention
-MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE, *matrix_scores.COLUMNS]
+# The PIT needs a method's own model (evaluate takes batchfix's from the corrected file): not scored here.
+MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE,
+                 *(c for c in matrix_scores.COLUMNS if c != matrix_scores.PIT_FAILS)]
 TRUTH_ERROR = "Truth error"  # with --truth-layer: stress_set.truth_error of the matrix
 TRUTH_GROUP_ERROR = "Truth error (group means)"  # stress_set.group_truth_error over (batch, label) groups
 TRUTH_RELATIVE_ERROR = "Truth error (group means, relative)"  # stress_set.relative_group_truth_error
@@ -585,8 +587,8 @@ def gene_scores(
     expected = None if names is None else detection.reference_nonzero(raw, names)  # one reference for every row
     for name, matrix in matrices.items():
         result = fidelity.gene_fidelity(counts.X, matrix, batch, labels)
-        scores[name] = matrix_scores.score_matrix(matrix_scores.MatrixInput(matrix, raw, names, batch.astype(str),
-                                                                            expected))
+        scores[name] = {k: v for k, v in matrix_scores.score_matrix(
+            matrix_scores.MatrixInput(matrix, raw, names, batch.astype(str), expected)).items() if k in MATRIX_SCORES}
         scores[name].update({k: np.nan if result[k] is None else result[k] for k in fidelity.GENE_METRICS})
         retention = (cnv.profile_retention(log_cp10k(counts.X), matrix, batch, labels, windows) if placed
                      else {"retention_r": None, "amplitude_ratio": None})
