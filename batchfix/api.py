@@ -216,10 +216,12 @@ correct.__doc__ += options_doc([*(name for name in inspect.signature(correct).pa
 def evaluate(adata: ad.AnnData, *, batch_key: str = DataConfig.batch_key, label_key: str | None = "cell_type",
              counts_layer: str | None = None, key_added: str = CorrectionSettings.key_added,
              max_cells: int = EvaluationOptions.max_cells, neighbors: str = EvaluationOptions.neighbors,
-             out_dir: str | Path | None = None) -> dict:
+             out_dir: str | Path | None = None, model: BatchfixModel | str | Path | None = None) -> dict:
     """Score a corrected AnnData (after `batchfix.correct`) as `python -m batchfix evaluate` does, with its
     defaults: batch mixing and biology conservation (scib-metrics; label_key=None scores mixing only) of
-    the latent, of the corrected layer and of the uncorrected data, and gene-level fidelity.
+    the latent, of the corrected layer and of the uncorrected data, and gene-level fidelity. `model`: the model
+    that corrected it (or its checkpoint), for the matrix scores' detection and PIT when it was never saved (a
+    saved one is found through uns[key_added]).
 
     Returns the result (what metrics.json holds: `scores[embedding]["Total"]`, `gene_fidelity`, ...);
     with `out_dir`, metrics.json, metrics.md and umap.png are written there too. `adata` is not changed.
@@ -236,4 +238,5 @@ def evaluate(adata: ad.AnnData, *, batch_key: str = DataConfig.batch_key, label_
         adata.write_h5ad(path)
         return evaluate_file(path, batch_key, label_key, out_dir or Path(scratch) / "evaluation",
                              counts_layer=counts_layer, key_added=key_added, max_cells=max_cells, neighbors=neighbors,
-                             in_memory=out_dir is None)
+                             in_memory=out_dir is None,
+                             trained=load_trained(model) if isinstance(model, (str, Path)) else model)

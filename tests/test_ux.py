@@ -286,12 +286,19 @@ def test_the_api_train_signature_is_every_train_option_that_has_an_effect():
 
 
 def test_api_evaluate_scores_a_corrected_anndata_as_the_command_line(sample_adata, checkpoint, tmp_path):
+    """... and takes the model that corrected it for the detection and PIT scores when its checkpoint is gone."""
+    import shutil
+
     adata = sample_adata.copy()
-    batchfix.correct(adata, checkpoint)
+    moved = Path(shutil.copy(checkpoint, tmp_path / "moved.ckpt"))
+    model = batchfix.BatchfixModel.load(moved)
+    batchfix.correct(adata, model)
+    moved.unlink()
     result = batchfix.evaluate(adata, batch_key="sample", counts_layer="counts", out_dir=tmp_path / "scores",
-                               neighbors="exact")
+                               neighbors="exact", model=model)
     total = result["scores"]["batchfix corrected expression (PCA)"]["Total"]
     assert 0 < total < 1 and result["label_key"] == "cell_type"  # the command line's default label column
+    assert "moved.ckpt" in result["matrix_scores"]["reference"] and result["matrix_scores"]["PIT fails"] is not None
     assert sorted(p.name for p in (tmp_path / "scores").iterdir()) == ["metrics.json", "metrics.md", "umap.png"]
     with pytest.raises(ConfigError, match="evaluation.neighbors must be one of"):
         batchfix.evaluate(adata, neighbors="fast")

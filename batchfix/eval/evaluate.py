@@ -52,9 +52,11 @@ def evaluate_file(
     max_cells: int = EvaluationOptions.max_cells,
     neighbors: str = EvaluationOptions.neighbors,
     in_memory: bool = False,
+    trained=None,
 ) -> dict:
     """Score a corrected file (never modified) and write metrics.json, metrics.md, umap.png (`in_memory`: the
-    file is batchfix.evaluate's copy of an AnnData, whose scratch paths the progress lines do not name).
+    file is batchfix.evaluate's copy of an AnnData, whose scratch paths the progress lines do not name; `trained`:
+    the BatchfixModel that corrected it, where uns[key_added] names no saved checkpoint).
 
     Scored with scib-metrics: the latent `obsm['X_<key_added>']`, the PCA of `layers[key_added]` and
     the uncorrected PCA, all on the modelled genes (see `batchfix.eval.metrics.evaluation_embeddings`).
@@ -95,7 +97,8 @@ def evaluate_file(
     result["cnv_fidelity"] = metrics.cnv_level_scores(adata, OutputKeys(key_added), batch_key, label_key,
                                                       counts_layer)
     result["matrix_scores"] = matrix_scores.corrected_matrix_scores(
-        adata, key_added, metrics.modelled_genes(adata, OutputKeys(key_added)), batch_key, label_key, counts_layer)
+        adata, key_added, metrics.modelled_genes(adata, OutputKeys(key_added)), batch_key, label_key, counts_layer,
+        trained)
     if subsample is not None:
         result["subsample"] = subsample
 

@@ -104,16 +104,21 @@ def score_matrix(matrix: MatrixInput) -> dict[str, float]:
     return result
 
 
-def model_checks(adata, key_added: str, genes: np.ndarray) -> dict | None:
+def model_checks(adata, key_added: str, genes: np.ndarray, trained=None) -> dict | None:
     """The checks of the model that corrected the file, read from the checkpoint uns[key_added] names when that file
     is there unchanged (its sha256) and the output is corrected counts, on the genes of the mask `genes`: 'expected'
     (cells x genes P(count > 0) under each cell's reference NB), 'pit' (cells x genes, the observed counts'
     randomised PIT under their own batch's NB) and 'reference' (its name); else None. The correction is rerun on
-    these cells with the options uns records (on a subsample the state dependence's batch means come from it)."""
+    these cells with the options uns records (on a subsample the state dependence's batch means come from it).
+    `trained`: the model itself (a BatchfixModel), for a correction whose checkpoint was never saved."""
     info = adata.uns.get(key_added, {})
     path, digest = Path(str(info.get("checkpoint", ""))), str(info.get("checkpoint_sha256", ""))
-    if "log_transform" not in info or not digest or not path.is_file() or file_sha256(path) != digest:
+    if "log_transform" not in info:
         return None
+    if trained is None:
+        if not digest or not path.is_file() or file_sha256(path) != digest:
+            return None
+        trained = load_trained(path)
     from batchfix.correction.writers import model_checks as checks_of
 
     params = dict(info["params"])
@@ -124,17 +129,18 @@ def model_checks(adata, key_added: str, genes: np.ndarray) -> dict | None:
     counts_layer = "X" if source == "X" else source[len("layers['"):-len("']")]
     if (adata.X is None) if counts_layer == "X" else (counts_layer not in adata.layers):
         return None  # a subsample holds the counts evaluate compares with, not those the correction read
-    columns, expected, pit = checks_of(adata, load_trained(path), settings, counts_layer, params.get("batch_key"))
+    columns, expected, pit = checks_of(adata, trained, settings, counts_layer, params.get("batch_key"))
     position = pd.Series(np.arange(len(columns)), index=columns).reindex(np.flatnonzero(genes))
     if position.isna().any():
         return None
     keep = position.to_numpy(dtype=np.int64)
+    where = trained.path.name if trained.path else "in memory"
     return {"expected": expected[:, keep], "pit": pit[:, keep],
-            "reference": f"reference NB of the model that corrected the file ({path.name}, its options)"}
+            "reference": f"reference NB of the model that corrected the file ({where}, its options)"}
 
 
 def corrected_matrix_scores(adata, layer: str, genes: np.ndarray, batch_key: str, label_key: str | None,
-                            counts_layer: str | None = None) -> dict:
+                            counts_layer: str | None = None, trained=None) -> dict:
     """`score_matrix` of layers[layer] on the columns `genes` (a boolean mask) against the raw counts (X or
     counts_layer) of the same genes, detection against the correcting model's reference where
     `model_checks` finds it (else the batch-free NB); the result names the genes scored and the
@@ -145,7 +151,7 @@ def corrected_matrix_scores(adata, layer: str, genes: np.ndarray, batch_key: str
                 "note": f"{counts_layer or 'X'} does not hold raw counts: the matrix scores were not computed."}
     labels = adata.obs[label_key].astype(str).to_numpy() if label_key else None
     matrix = MatrixInput(adata.layers[layer][:, genes], raw, labels, adata.obs[batch_key].astype(str).to_numpy())
-    model = model_checks(adata, layer, genes)
+    model = model_checks(adata, layer, genes, trained)
     if model is not None:
         matrix.pit = model["pit"]
         if labels is not None:
