@@ -83,10 +83,17 @@ class CountDistributions:
 
     def own_pit(self, draws: np.ndarray) -> np.ndarray:
         """(B, k) the randomised PIT of the observed counts under their own batch's NB, F(y - 1) + v P(y) with v
-        the uniform `draws`: uniform on (0, 1) where the model fits."""
-        p = self.own_theta / (self.own_theta + self.own_mean)
-        below = counts.lower_tail(self.observed - 1.0, self.own_theta, p)
-        return below + draws * (counts.lower_tail(self.observed, self.own_theta, p) - below)
+        the uniform `draws`: uniform on (0, 1) where the model fits. Small counts by the pmf's recurrence
+        (counts.walk_tails), the others by the incomplete beta function."""
+        y, theta, mean = (np.ravel(a).astype(np.float64) for a in (self.observed, self.own_theta, self.own_mean))
+        p, q = theta / (theta + mean), mean / (theta + mean)
+        below, mass = np.empty_like(y), np.empty_like(y)
+        walk = (y <= counts.WALK_STEPS) & (theta * np.log(p) > counts.LOG_PMF_FLOOR)
+        below[walk], mass[walk] = counts.walk_tails(y[walk], theta[walk], p[walk], q[walk])
+        rest = ~walk
+        below[rest] = counts.lower_tail(y[rest] - 1.0, theta[rest], p[rest])
+        mass[rest] = counts.lower_tail(y[rest], theta[rest], p[rest]) - below[rest]
+        return (below + np.ravel(draws) * mass).reshape(np.shape(self.observed))
 
 
 @torch.no_grad()
