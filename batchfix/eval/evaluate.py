@@ -51,8 +51,7 @@ def evaluate_file(
     key_added: str = CorrectionOptions.key_added,
     max_cells: int = EvaluationOptions.max_cells,
     neighbors: str = EvaluationOptions.neighbors,
-    in_memory: bool = False,
-    trained=None,
+    in_memory: bool = False, trained=None,
 ) -> dict:
     """Score a corrected file (never modified) and write metrics.json, metrics.md, umap.png (`in_memory`: the
     file is batchfix.evaluate's copy of an AnnData, whose scratch paths the progress lines do not name; `trained`:
