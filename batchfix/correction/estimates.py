@@ -176,7 +176,7 @@ class ReferenceCellSums:
         settings = corrector.settings
         self.smoother = genome_smoother(list(corrector.trained.module.hparams.chromosome), settings.regional_order,
                                         settings.regional_window, settings.regional_seed)
-        self.counts = np.zeros((n_codes, len(corrector.trained.genes)))
+        self.sums = np.zeros((n_codes, len(corrector.trained.genes)))  # per code: counts (log output: levels)
         self.library = np.zeros(n_codes)
         self.n_cells = np.zeros(n_codes, dtype=np.int64)
 
@@ -190,7 +190,7 @@ class ReferenceCellSums:
         corrected = x[normal].double() * torch.exp(total - self.smoother(total))  # (normal cells, G)
         for code in np.unique(codes[normal]):
             chosen = torch.from_numpy(codes[normal] == code)
-            self.counts[code] += corrected[chosen].sum(0).numpy()
+            self.sums[code] += corrected[chosen].sum(0).numpy()
             self.library[code] += float(x[normal][chosen].sum())
             self.n_cells[code] += int(chosen.sum())
 
@@ -199,7 +199,7 @@ class ReferenceCellSums:
         per library) less the mean of those levels over the batches with MIN_NORMAL_CELLS reference cells; 0 for a
         batch with fewer (it keeps its cells' whole regional profile, as keep_input does), logged."""
         enough = self.enough_cells()
-        level = np.log(self.counts[enough] + 0.5) - np.log(np.maximum(self.library[enough], 1.0))[:, None]
+        level = np.log(self.sums[enough] + 0.5) - np.log(np.maximum(self.library[enough], 1.0))[:, None]
         return regional_offset(self.smoother, level, enough)
 
     def enough_cells(self) -> np.ndarray:
@@ -234,13 +234,13 @@ class LogReferenceCellSums(ReferenceCellSums):
         level = (values - self.smoother(values - observed)).double().numpy()  # (normal cells, G)
         for code in np.unique(codes[normal]):
             chosen = codes[normal] == code
-            self.counts[code] += level[chosen].sum(axis=0)  # here the sum of the cells' levels
+            self.sums[code] += level[chosen].sum(axis=0)
             self.n_cells[code] += int(chosen.sum())
 
     def offset(self) -> torch.Tensor:
         """(codes, G): as `ReferenceCellSums.offset`, from the mean level of each batch's reference cells."""
         enough = self.enough_cells()
-        return regional_offset(self.smoother, self.counts[enough] / self.n_cells[enough][:, None], enough)
+        return regional_offset(self.smoother, self.sums[enough] / self.n_cells[enough][:, None], enough)
 
 
 def regional_offset(smoother, level: np.ndarray, enough: np.ndarray) -> torch.Tensor:
