@@ -54,7 +54,8 @@ def gene_set(genes: list[str], var_names: pd.Index, extra: bool) -> GeneSet | No
         return None
     order = np.argsort(columns[held], kind="stable")
     model_index, file_columns = held[order], columns[held][order]
-    return GeneSet(extra, model_index, file_columns, torch.from_numpy(columns >= 0), counts.name_keys(names[file_columns]))
+    return GeneSet(extra, model_index, file_columns, torch.from_numpy(columns >= 0),
+                   counts.name_keys(names[file_columns]))
 
 
 def total_log_shift(genes: GeneSet, shift: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@ What is added (key = key_added, default 'batchfix'; uns[key]['layers'] says what
   modelled genes' columns (every modelled gene in every cell; other genes hold no entries).
 - var[f'{key}_modelled'] (the genes the model reads) and var[f'{key}_corrected'] (the genes whose values the
   correction changed), var['highly_variable'] (the modelled genes) where the input has none, and the genes'
-  coordinates as infercnvpy reads them (var['chromosome'] as 'chr1'..., 'start', 'end') unless var has them so, obsm[f'X_{key}'] (the latent, float32) and uns[key] (provenance: batchfix.correction.
-  provenance).
+  coordinates as infercnvpy reads them (var['chromosome'] as 'chr1'..., 'start', 'end') unless var has them so,
+  obsm[f'X_{key}'] (the latent, float32) and uns[key] (provenance: batchfix.correction.provenance).
 
 The streamed writer reads the input a chunk of cells at a time (X or a layer, dense or CSR) and writes the new
 entries chunk by chunk into a copy of the input's other groups, so memory stays bounded by the chunk size. The

@@ -113,7 +113,8 @@ def detection_calibration(
     expected = _group_means(probability, codes, len(groups))
     frame["expected"] = expected[groups["n_cells"].to_numpy() >= min_cells].ravel()
     frame["gap"] = frame["share"] - frame["expected"]
-    variance = _group_means(probability * (1.0 - probability), codes, len(groups)) / groups["n_cells"].to_numpy()[:, None]
+    sizes = groups["n_cells"].to_numpy()[:, None]
+    variance = _group_means(probability * (1.0 - probability), codes, len(groups)) / sizes
     frame["sampling_sd"] = np.sqrt(variance[groups["n_cells"].to_numpy() >= min_cells].ravel())
     raw_shares = nonzero_shares(raw, labels, batches, min_cells)
     allowed = np.maximum(tolerance, SAMPLING_Z * frame["sampling_sd"])

@@ -51,7 +51,8 @@ def matrix_markdown(scores: Mapping) -> str:
         return f"{scores['note']}\n"
     columns = [k for k in scores if k not in ("layer", "n_genes", "reference", "pit_failing_genes")]
     cells = ["n/a" if scores[c] is None else f"{scores[c]:.3f}" for c in columns]
-    failing = "".join(f"- {batch}: {', '.join(genes)}\n" for batch, genes in scores.get("pit_failing_genes", {}).items())
+    failing = "".join(f"- {batch}: {', '.join(genes)}\n"
+                      for batch, genes in scores.get("pit_failing_genes", {}).items())
     return ("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n| " + " | ".join(cells) + " |\n\n"
             f"On {scores['n_genes']} genes; expected nonzero shares from the {scores['reference']}.\n"
             + (f"\nGenes the model misfits (PIT not uniform, worst first), by batch:\n{failing}" if failing else ""))
