@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import pandas as pd
 import scipy.sparse as sp
 
 from batchfix.config import CorrectionSettings
+from batchfix.correction import writers
 from batchfix.correction.provenance import file_sha256
 from batchfix.eval import detection, metrics
 from batchfix.training.trained import load_trained
@@ -53,6 +55,11 @@ class MatrixInput:
     reference: str = BATCH_FREE_REFERENCE
     pit: np.ndarray | None = None
 
+    @cached_property
+    def pit_table(self):
+        """detection.pit_uniformity of `pit` per (batch, gene), computed once for the score and the genes named."""
+        return detection.pit_uniformity(self.pit, self.batches)
+
 
 def detection_columns(matrix: MatrixInput) -> dict[str, float]:
     """Detection calibration: share of (gene, label, batch) groups within the tolerance (and the share perfectly
@@ -79,7 +86,7 @@ def false_de_columns(matrix: MatrixInput) -> dict[str, float]:
 
 def pit_columns(matrix: MatrixInput) -> dict[str, float]:
     """The share of (batch, gene) whose PIT histogram fails uniformity (the model misfits those genes there)."""
-    return {PIT_FAILS: float(detection.pit_uniformity(matrix.pit, matrix.batches)["fails"].mean())}
+    return {PIT_FAILS: float(matrix.pit_table["fails"].mean())}
 
 
 SCORES: list[tuple[str, Callable[[MatrixInput], dict[str, float]], str]] = [
@@ -119,8 +126,6 @@ def model_checks(adata, key_added: str, genes: np.ndarray, trained=None) -> dict
         if not digest or not path.is_file() or file_sha256(path) != digest:
             return None
         trained = load_trained(path)
-    from batchfix.correction.writers import model_checks as checks_of
-
     params = dict(info["params"])
     names = {f.name for f in fields(CorrectionSettings)}
     options = {k: (list(v) if isinstance(v, np.ndarray) else v) for k, v in params.items() if k in names}
@@ -129,7 +134,7 @@ def model_checks(adata, key_added: str, genes: np.ndarray, trained=None) -> dict
     counts_layer = "X" if source == "X" else source[len("layers['"):-len("']")]
     if (adata.X is None) if counts_layer == "X" else (counts_layer not in adata.layers):
         return None  # a subsample holds the counts evaluate compares with, not those the correction read
-    columns, expected, pit = checks_of(adata, trained, settings, counts_layer, params.get("batch_key"))
+    columns, expected, pit = writers.model_checks(adata, trained, settings, counts_layer, params.get("batch_key"))
     position = pd.Series(np.arange(len(columns)), index=columns).reindex(np.flatnonzero(genes))
     if position.isna().any():
         return None
@@ -166,7 +171,7 @@ def corrected_matrix_scores(adata, layer: str, genes: np.ndarray, batch_key: str
 
 def failing_genes(matrix: MatrixInput, names: np.ndarray) -> dict[str, list[str]]:
     """Per batch, the genes whose PIT fails uniformity, worst first (at most PIT_LISTED)."""
-    table = detection.pit_uniformity(matrix.pit, matrix.batches)
+    table = matrix.pit_table
     failing = table[table["fails"]].sort_values("pvalue", kind="stable")
     return {str(batch): [str(names[g]) for g in group["gene"].head(PIT_LISTED)]
             for batch, group in failing.groupby("batch", sort=True)}
