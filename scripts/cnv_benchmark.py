@@ -195,10 +195,17 @@ def oligodendroglioma_run(args) -> list[dict]:
     # Normal cells per type and per (type, patient): a correction that moves a patient's tumour CNVs into its
     # normal cells shows in the latter, as a change from the uncorrected depth.
     per_patient = np.char.add(np.char.add(cell_type, " @"), adata.obs["patient"].to_numpy().astype(str))
+    adata.obs["reference"] = np.where(normal, "normal", "malignant")
+    experiment, variants = "oligodendroglioma", regional_variants()
+    if args.reference_cells:  # the normal cells named (correction.normal_key), beside the rows they are weighed with
+        experiment = "oligodendroglioma/reference"
+        variants = {name: variants[name] for name in ("batchfix regional=keep", "batchfix regional=keep_input")}
+        variants["batchfix keep + reference cells"] = {"regional_shift": "keep", "normal_key": "reference",
+                                                       "normal_values": ["normal"]}
     records = []
     for seed in args.seeds:
         options = dict(scale="log", n_top_genes=None)
-        genes, matrices, seconds = method_matrices(adata, "patient", seed, options, regional_variants())
+        genes, matrices, seconds = method_matrices(adata, "patient", seed, options, variants)
         windows = cnv.windows_of(adata.var[genes])
         totals = scib_totals(adata.obs, matrices, "patient", "cell_type", seed) if args.scib else {}
         for name, values in matrices.items():
@@ -207,7 +214,7 @@ def oligodendroglioma_run(args) -> list[dict]:
                                   cnv.group_profiles(values[normal], per_patient[normal], windows,
                                                      reference=reference, min_cells=5)])
             depths = cnv.segment_depths(profiles, windows, OLIGO_SEGMENTS)
-            records.append({"experiment": "oligodendroglioma", "seed": seed, "method": name,
+            records.append({"experiment": experiment, "seed": seed, "method": name,
                             "depths": {g: row.to_dict() for g, row in depths.iterrows()}, **totals.get(name, {})})
             emit(records)
     return records
@@ -292,7 +299,7 @@ def report(paths: list[str], csv_dir: Path | None = None) -> str:
             # the amplitude's distance from 1: a profile amplified past the truth is not kept either
             records = [{**r, "amplitude_error": abs(r["amplitude_ratio"] - 1.0)} for r in records]
             columns = ["r", "uncorrected_r", "amplitude_ratio", "amplitude_error"]
-        elif kind == "oligodendroglioma":
+        elif kind.startswith("oligodendroglioma"):
             records = oligodendroglioma_rows(records)
             columns = [c for c in records[0] if c not in ("method", "seed")]
         elif kind in ("reference", "floor"):
@@ -475,6 +482,8 @@ def main(argv=None) -> None:
                         help="reference: share of the clone batch's cells named normal that are tumour cells")
     parser.add_argument("--extra", nargs="*", default=[], choices=["cellanova", "scvi"],
                         help="baselines beside ComBat (scvi: its decoded expression; counts in X only)")
+    parser.add_argument("--reference-cells", action="store_true",
+                        help="oligodendroglioma: the normal cells named reference cells (keep, keep_input beside)")
     parser.add_argument("--no-scib", dest="scib", action="store_false", help="skip the scIB Totals")
     parser.add_argument("--out", help="JSON file of the records")
     parser.add_argument("--reports", nargs="*", default=[], help="report: the JSON files to tabulate")

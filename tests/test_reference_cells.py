@@ -12,6 +12,7 @@ import torch
 
 import batchfix
 from batchfix.correction import estimates
+from batchfix.correction.regional import GenomeSmoother
 from batchfix.data.normalize import log_cp10k
 from batchfix.errors import ConfigError, InputError
 from batchfix.eval.cnv import segment_shift
@@ -129,6 +130,27 @@ def test_reference_cells_work_on_a_log_scale_model(subset, injected, monkeypatch
     uncorrected = scores(adata, clone, log_values.X, before)
     assert runs["reference cells"]["clone kept"] > 0.8
     assert runs["reference cells"]["clone kept"] > runs["keep"]["clone kept"] + 0.2
-    assert runs["reference cells"]["artefact left"] < min(uncorrected["artefact left"] - 0.3,
-                                                          runs["keep"]["artefact left"] + 0.1)
+    # About 8 reference cells a batch here: their regional level is shrunk toward the cells' own profile by its
+    # noise (estimates.regional_offset), so less of the artefact leaves than the noisy level would take.
+    assert runs["reference cells"]["artefact left"] < uncorrected["artefact left"] - 0.3
     assert abs(runs["reference cells"]["normal moved"]) < 0.3
+
+
+def test_the_reference_level_is_shrunk_by_its_noise_and_an_artefact_above_it_is_removed_whole():
+    """Constructed levels of 4 batches on 3 chromosomes of 200 genes: batch 0 carries a gain of 0.3 on chromosome
+    1, every level carries noise of the stated variance. The artefact (noise sd of a 100-gene mean: 0.02) passes
+    nearly whole; on the chromosomes without one the offset is shrunk well below the raw running mean's noise."""
+    rng = np.random.default_rng(0)
+    chromosome = ["1"] * 200 + ["2"] * 200 + ["3"] * 200
+    smoother, prior = GenomeSmoother(chromosome, 100), GenomeSmoother(chromosome, 500)
+    variance = np.full((4, 600), 0.04)
+    level = rng.normal(0.0, 0.2, size=(4, 600))
+    level[0, :200] += 0.3
+    offset = estimates.regional_offset(smoother, prior, level, variance, np.ones(4, dtype=bool)).numpy()
+    raw = -smoother(torch.from_numpy(level - level.mean(axis=0))).numpy()
+    artefact = -0.3 * 0.75  # batch 0 less the mean of the four
+    assert offset[0, 50:150].mean() == pytest.approx(artefact, abs=0.03)
+    assert np.abs(offset[:, 200:]).mean() < 0.5 * np.abs(raw[:, 200:]).mean()
+    assert smoother.mean_variance(torch.from_numpy(variance))[0, 100].item() == pytest.approx(0.04 / 100)
+    fewer = estimates.regional_offset(smoother, prior, level[:3], variance[:3], np.array([True, True, True, False]))
+    assert fewer[3].abs().max() == 0.0  # a batch without enough reference cells keeps its profile

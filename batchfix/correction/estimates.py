@@ -20,6 +20,7 @@ from batchfix.correction import calibration, count_output, counterfactual, count
 from batchfix.correction.regional import RegionalShift, genome_smoother
 
 MIN_NORMAL_CELLS = 20  # reference cells a batch needs for its own regional correction (correction.normal_key)
+PRIOR_WINDOWS = 5  # the reference cells' regional levels are shrunk by their signal over this many windows around
 
 log = logging.getLogger(__name__)
 
@@ -168,15 +169,19 @@ def set_mean_shift(corrector, term_sums: np.ndarray, split_sums: np.ndarray, n_c
 class ReferenceCellSums:
     """Per batch code, over its reference cells (correction.normal_key; corrected counts): their modelled genes'
     counts with the non-regional part of the correction applied (count x exp(shift - its running mean along the
-    genome)) and their libraries, from which `offset` gives each batch's regional correction."""
+    genome)), their squares and their libraries, from which `offset` gives each batch's regional correction."""
 
     def __init__(self, corrector, n_codes: int):
         self.corrector = corrector
         self.genes = corrector.gene_sets[0] if corrector.gene_sets else None  # the counts' modelled genes
         settings = corrector.settings
-        self.smoother = genome_smoother(list(corrector.trained.module.hparams.chromosome), settings.regional_order,
-                                        settings.regional_window, settings.regional_seed)
+        chromosome = list(corrector.trained.module.hparams.chromosome)
+        self.smoother = genome_smoother(chromosome, settings.regional_order, settings.regional_window,
+                                        settings.regional_seed)
+        self.prior_smoother = genome_smoother(chromosome, settings.regional_order,
+                                              settings.regional_window * PRIOR_WINDOWS, settings.regional_seed)
         self.sums = np.zeros((n_codes, len(corrector.trained.genes)))  # per code: counts (log output: levels)
+        self.squares = np.zeros_like(self.sums)
         self.library = np.zeros(n_codes)
         self.n_cells = np.zeros(n_codes, dtype=np.int64)
 
@@ -191,16 +196,19 @@ class ReferenceCellSums:
         for code in np.unique(codes[normal]):
             chosen = torch.from_numpy(codes[normal] == code)
             self.sums[code] += corrected[chosen].sum(0).numpy()
+            self.squares[code] += corrected[chosen].square().sum(0).numpy()
             self.library[code] += float(x[normal][chosen].sum())
             self.n_cells[code] += int(chosen.sum())
 
     def offset(self) -> torch.Tensor:
-        """(codes, G): minus the running mean along the genome of each batch's reference cells' log level (counts
-        per library) less the mean of those levels over the batches with MIN_NORMAL_CELLS reference cells; 0 for a
-        batch with fewer (it keeps its cells' whole regional profile, as keep_input does), logged."""
+        """(codes, G): `regional_offset` of each batch's reference cells' log level (counts per library); its
+        sampling variance by the delta method from the cells' own spread (n s^2 / S^2, at least Poisson's 1 / S)."""
         enough = self.enough_cells()
-        level = np.log(self.sums[enough] + 0.5) - np.log(np.maximum(self.library[enough], 1.0))[:, None]
-        return regional_offset(self.smoother, level, enough)
+        sums, n = self.sums[enough] + 0.5, self.n_cells[enough][:, None]
+        level = np.log(sums) - np.log(np.maximum(self.library[enough], 1.0))[:, None]
+        spread = np.maximum(self.squares[enough] - (sums - 0.5) ** 2 / n, 0.0) / np.maximum(n - 1, 1)
+        variance = np.maximum(n * spread / sums**2, 1.0 / sums)
+        return regional_offset(self.smoother, self.prior_smoother, level, variance, enough)
 
     def enough_cells(self) -> np.ndarray:
         """(codes,) bool: batches with MIN_NORMAL_CELLS reference cells; the counts logged, those without named."""
@@ -218,9 +226,9 @@ class ReferenceCellSums:
 
 
 class LogReferenceCellSums(ReferenceCellSums):
-    """`ReferenceCellSums` for the log output (a log-scale model): per batch code, the sum over its reference cells
-    of their output with the regional part of its change taken out (value - running mean of value - input), whose
-    mean is the batch's regional level on the output's own scale."""
+    """`ReferenceCellSums` for the log output (a log-scale model): per batch code, the sum (and the sum of squares)
+    over its reference cells of their output with the regional part of its change taken out (value - running mean
+    of value - input), whose mean is the batch's regional level on the output's own scale."""
 
     def add(self, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, first_cell: int) -> None:
         """One forward batch: its input `x` (B, G), latents `mu` (B, latent) and codes, its first cell's row."""
@@ -235,18 +243,36 @@ class LogReferenceCellSums(ReferenceCellSums):
         for code in np.unique(codes[normal]):
             chosen = codes[normal] == code
             self.sums[code] += level[chosen].sum(axis=0)
+            self.squares[code] += np.square(level[chosen]).sum(axis=0)
             self.n_cells[code] += int(chosen.sum())
 
     def offset(self) -> torch.Tensor:
-        """(codes, G): as `ReferenceCellSums.offset`, from the mean level of each batch's reference cells."""
+        """(codes, G): `regional_offset` of the mean level of each batch's reference cells, whose sampling variance
+        is their spread over their number."""
         enough = self.enough_cells()
-        return regional_offset(self.smoother, self.sums[enough] / self.n_cells[enough][:, None], enough)
+        n = self.n_cells[enough][:, None]
+        level = self.sums[enough] / n
+        variance = np.maximum(self.squares[enough] / n - level**2, 0.0) / np.maximum(n - 1, 1)
+        return regional_offset(self.smoother, self.prior_smoother, level, variance, enough)
 
 
-def regional_offset(smoother, level: np.ndarray, enough: np.ndarray) -> torch.Tensor:
-    """(codes, G): minus the running mean along the genome of each batch's `level` (rows: the batches of `enough`)
-    less their mean over those batches; 0 for the others."""
+def regional_offset(smoother, prior_smoother, level: np.ndarray, variance: np.ndarray,
+                    enough: np.ndarray) -> torch.Tensor:
+    """(codes, G): minus each batch's regional level (rows of `level`: the batches of `enough`), 0 for the others
+    (they keep their cells' whole regional profile, as keep_input does).
+
+    A batch's regional level is the running mean along the genome of its level less the mean over the batches,
+    shrunk toward 0 by its sampling noise (local empirical Bayes): times signal / (signal + noise), where noise is
+    the running mean's variance from `variance` (each gene's level's, batches independent) and signal the running
+    mean over `prior_smoother`'s wider window of its square less that noise, at least 0. A level read off a few
+    reference cells is mostly noise and is shrunk toward keeping the cells' own profile; a regional artefact well
+    above the noise is removed whole."""
     offset = torch.zeros(len(enough), level.shape[1], dtype=torch.float64)
     if enough.any():
-        offset[torch.from_numpy(enough)] = -smoother(torch.from_numpy(level - level.mean(axis=0)))
+        k = len(level)
+        centred_variance = variance * (1.0 - 2.0 / k) + variance.sum(axis=0) / k**2  # of a level less the mean
+        estimate = smoother(torch.from_numpy(level - level.mean(axis=0)))  # (batches of enough, G)
+        noise = smoother.mean_variance(torch.from_numpy(centred_variance))
+        signal = (prior_smoother(estimate.square()) - prior_smoother(noise)).clamp_min(0.0)
+        offset[torch.from_numpy(enough)] = -estimate * signal / (signal + noise).clamp_min(np.finfo(float).tiny)
     return offset

@@ -60,6 +60,12 @@ class GenomeSmoother:
         regional[:, self.order] = smooth
         return regional.to(values.dtype)
 
+    def mean_variance(self, variance: torch.Tensor) -> torch.Tensor:
+        """(B, G): the variance of each gene's running mean, for independent values with these (B, G) variances."""
+        width = torch.empty(len(self.order), dtype=torch.float64)
+        width[self.order] = (self.high - self.low).double()  # genes in each gene's window, in gene order
+        return self(variance.double()) / width
+
 
 def genome_smoother(chromosome: list, order: str, window: int, seed: int) -> GenomeSmoother:
     """The smoother of correction.regional_order=genome, or =shuffled (a random gene order drawn with `seed`)."""
