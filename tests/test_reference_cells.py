@@ -114,8 +114,8 @@ def test_reference_cells_are_checked_and_named(injected, model):
 
 def test_reference_cells_work_on_a_log_scale_model(subset, injected, monkeypatch):
     """The same two errors on log1p(counts per 10k) values (data.scale=log, as TPM data is read): the batch's
-    regional level is taken from its reference cells' log output. An input zero stays zero on the log scale, so
-    the part of an artefact carried by which cells detect a gene stays with every form (keep leaves as much)."""
+    regional level is taken from its reference cells' log output, and the regional change leaves through each
+    region's nonzero values (an input zero stays zero), so the region's mean moves by it."""
     monkeypatch.setattr(estimates, "MIN_NORMAL_CELLS", 5)
     adata, clone = injected
     log_values = adata.copy()
@@ -130,9 +130,8 @@ def test_reference_cells_work_on_a_log_scale_model(subset, injected, monkeypatch
     uncorrected = scores(adata, clone, log_values.X, before)
     assert runs["reference cells"]["clone kept"] > 0.8
     assert runs["reference cells"]["clone kept"] > runs["keep"]["clone kept"] + 0.2
-    # About 8 reference cells a batch here: their regional level is shrunk toward the cells' own profile by its
-    # noise (estimates.regional_offset), so less of the artefact leaves than the noisy level would take.
-    assert runs["reference cells"]["artefact left"] < uncorrected["artefact left"] - 0.3
+    assert runs["reference cells"]["artefact left"] < min(uncorrected["artefact left"] - 0.3,
+                                                          runs["keep"]["artefact left"])
     assert abs(runs["reference cells"]["normal moved"]) < 0.3
 
 

@@ -179,6 +179,23 @@ def test_an_input_zero_stays_zero_in_the_log_scale_output(subset, tiny_model):
     assert (output[observed > 0] > 0).mean() > 0.9
 
 
+def test_a_regional_change_is_carried_by_the_nonzero_values_so_the_regions_mean_moves_by_it():
+    """Constructed log values, one chromosome of 40 genes, half of them zero: the regional part of a change is
+    taken out by the nonzero values alone, so zeros stay 0 and the mean over all the region's genes (what a CNV
+    caller reads) loses that part (to the running windows' edges); an offset put in instead moves it by the offset."""
+    smoother = GenomeSmoother(["1"] * 40, window=40)
+    values = torch.full((1, 40), 2.0)
+    zero = torch.zeros(1, 40, dtype=torch.bool)
+    zero[0, ::2] = True
+    values = values.masked_fill(zero, 0.0)
+    change = torch.full((1, 40), 0.3)  # a regional shift of 0.3 in every gene of the region
+    kept = counterfactual.without_regional_change(values, change, zero, smoother)
+    assert (kept[zero] == 0).all()
+    assert kept.mean().item() == pytest.approx(values.mean().item() - 0.3, abs=0.002)
+    moved = counterfactual.without_regional_change(values, change, zero, smoother, offset=torch.full((1, 40), 0.1))
+    assert moved.mean().item() == pytest.approx(values.mean().item() - 0.2, abs=0.002)
+
+
 def default_terms(adata, model):
     """(batch codes (cells,), calibration.Statistics, then output_terms's values, decoder term, input and
     reference decoding, each (cells, G) in the model's order) of the default output (average reference)."""

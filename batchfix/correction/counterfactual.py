@@ -140,20 +140,39 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
     if state is not None:
         unapplied = (1.0 - state.weight) * (decoder - state.batch_mean[known]) * state.estimated[known, None]
         values, decoder = values - unapplied, decoder - unapplied
+    zero = x.eq(0) & (codes >= 0)[:, None]  # an input zero stays zero, before the regional split too
+    values = values.masked_fill(zero, 0.0)
     floored = torch.zeros_like(values, dtype=torch.bool)  # raised to 0 before the regional split (keep_input)
     if regional is not None and regional.offset is not None:  # reference cells: the batch's regional change
-        values = values - regional.smoother(values - observed) + regional.offset[known].to(values.dtype)
+        values = without_regional_change(values, values - observed, zero, regional.smoother,
+                                         regional.offset[known].to(values.dtype))
     elif regional is not None:
         if regional.whole:  # the floor is part of the whole change: its regional part is not applied either
             floored = values.lt(0) & (codes >= 0)[:, None]
             values = values.clamp_min(0.0)
         shift = values - observed if regional.whole else decoder
         deviation = (shift - regional.mean_shift[known]) * regional.estimated[known, None]
-        values = values - regional.smoother(deviation)
+        if regional.whole:
+            values = without_regional_change(values, deviation, zero, regional.smoother)
+        else:
+            values = values - regional.smoother(deviation)
     values = torch.where((codes < 0)[:, None], reference_values, values)  # too few cells: denoised
-    below = values.lt(0) | floored
+    below = (values.lt(0) | floored) & ~zero
     n_clipped = int((below if present is None else below[:, present]).sum())
-    return mu, values.clamp_min(0.0), n_clipped
+    return mu, values.clamp_min(0.0).masked_fill(zero, 0.0), n_clipped
+
+
+MIN_NONZERO_SHARE = 0.1  # a region's regional change is carried by its nonzero values, at most 10x each
+
+
+def without_regional_change(values: torch.Tensor, change: torch.Tensor, zero: torch.Tensor, smoother,
+                            offset: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, G) the log output `values` with the regional part of `change` (its running mean along the genome)
+    taken out, and `offset` put in instead: by the nonzero values alone (an input zero stays zero), each
+    carrying it over its window's share of nonzero values, so the region's mean over all its genes moves by it."""
+    regional = smoother(change) if offset is None else smoother(change) - offset
+    share = smoother((~zero).to(values.dtype)).clamp_min(MIN_NONZERO_SHARE)
+    return (values - regional / share).masked_fill(zero, 0.0)
 
 
 @torch.no_grad()

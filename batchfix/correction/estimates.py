@@ -97,7 +97,7 @@ def batch_terms(corrector, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray,
         return shift.numpy(), None
     values, decoder, observed, _ = counterfactual.output_terms(
         corrector.net, x, mu, code_tensor, corrector.reference, corrector.statistics, corrector.present)
-    return decoder.numpy(), (values.clamp_min(0.0) - observed).numpy() if whole else None
+    return decoder.numpy(), (values.clamp_min(0.0).masked_fill(x.eq(0), 0.0) - observed).numpy() if whole else None
 
 
 @torch.no_grad()
@@ -228,7 +228,8 @@ class ReferenceCellSums:
 class LogReferenceCellSums(ReferenceCellSums):
     """`ReferenceCellSums` for the log output (a log-scale model): per batch code, the sum (and the sum of squares)
     over its reference cells of their output with the regional part of its change taken out (value - running mean
-    of value - input), whose mean is the batch's regional level on the output's own scale."""
+    of value - input, `counterfactual.without_regional_change`), whose mean is the batch's regional level on the
+    output's own scale."""
 
     def add(self, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, first_cell: int) -> None:
         """One forward batch: its input `x` (B, G), latents `mu` (B, latent) and codes, its first cell's row."""
@@ -239,7 +240,10 @@ class LogReferenceCellSums(ReferenceCellSums):
         values, _, observed, _ = counterfactual.output_terms(
             corrector.net, x[normal], mu[normal], torch.from_numpy(codes[normal]), corrector.reference,
             corrector.statistics, corrector.present)
-        level = (values - self.smoother(values - observed)).double().numpy()  # (normal cells, G)
+        zero = x[normal].eq(0)
+        values = values.masked_fill(zero, 0.0)
+        level = counterfactual.without_regional_change(values, values - observed, zero,
+                                                       self.smoother).double().numpy()  # (normal cells, G)
         for code in np.unique(codes[normal]):
             chosen = codes[normal] == code
             self.sums[code] += level[chosen].sum(axis=0)
