@@ -20,7 +20,7 @@ from batchfix.correction import calibration, count_output, counterfactual, count
 from batchfix.correction.regional import RegionalShift, genome_smoother
 
 MIN_NORMAL_CELLS = 20  # reference cells a batch needs for its own regional correction (correction.normal_key)
-PRIOR_WINDOWS = 5  # the reference cells' regional levels are shrunk by their signal over this many windows around
+PRIOR_WINDOWS = 5  # windows around a gene over which a reference level's signal is estimated (regional_offset)
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,9 @@ its deviation from the mean change over all the input's cells: a cell keeps its 
 what the correction changes in every cell, so a batch's regional shift survives even where its location or
 spread differs from the others'. The floor is part of that change: where it raises some of a region's values
 (a lost segment, mostly zeros, scaled by a batch's k_b > 1), the regional part of that rise is taken back from
-the region's other values, so the region's mean keeps its depth (the output is floored again after).
+the region's other values, so the region's mean keeps its depth (the output is floored again after). The log
+output's rule that an input zero stays zero is part of it too: the regional part leaves through the region's nonzero
+values alone, each carrying its window's share (`counterfactual.without_regional_change`).
 correction.regional_order=shuffled runs the same smoothing over a random gene order (the ablation: neighbours
 are then unrelated genes). Unplaced genes have no neighbours: their whole shift is removed. A batch with fewer
 than MIN_UNSEEN_CELLS cells in the input has no estimated mean shift: its cells get the whole shift removed.
