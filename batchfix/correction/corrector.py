@@ -252,8 +252,6 @@ class Corrector:
                 mu, expression = self.counterfactual_batch(x[start:stop], first_cell + start)
             latent[start:stop] = mu.numpy()
             values[start:stop] = expression.numpy()[:, self.out_model]
-        if self.settings.output_mode == "counterfactual":  # log-scale input: an input zero stays zero
-            values[x.numpy()[:, self.out_model] == 0] = 0.0
         return latent, {"log": layers.modelled_layer(values, self.out_columns, self.n_vars)}
 
     def latents_of(self, x: torch.Tensor, cells: np.ndarray) -> torch.Tensor:

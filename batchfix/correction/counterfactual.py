@@ -128,8 +128,8 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
               present: torch.Tensor | None = None, regional: RegionalShift | None = None,
               state: StateShrink | None = None,
               mu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(latent mean, counterfactual values (B, G), how many were raised to 0) for cells with batch `codes`;
-    with `state`, only the share `state.weight` of each cell's decoder term's deviation from its batch's mean is
+    """(latent mean, counterfactual values (B, G), how many were raised to 0) for cells with batch `codes`; an
+    input zero stays zero; with `state`, only the share `state.weight` of each cell's decoder term's deviation from its batch's mean is
     applied; with `regional`, the regional part of each cell's deviation from the mean shift is left in (with
     reference cells, the regional part of its whole change is its batch's `regional.offset`). `mu`: the
     cells' latent means if already encoded (the encoder, the costly part, then does not run again)."""
@@ -140,7 +140,7 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
     if state is not None:
         unapplied = (1.0 - state.weight) * (decoder - state.batch_mean[known]) * state.estimated[known, None]
         values, decoder = values - unapplied, decoder - unapplied
-    zero = x.eq(0) & (codes >= 0)[:, None]  # an input zero stays zero, before the regional split too
+    zero = x.eq(0)  # an input zero stays zero (the log output), before the regional split too
     values = values.masked_fill(zero, 0.0)
     floored = torch.zeros_like(values, dtype=torch.bool)  # raised to 0 before the regional split (keep_input)
     if regional is not None and regional.offset is not None:  # reference cells: the batch's regional change

@@ -77,10 +77,19 @@ def shipped_values(adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: 
     return shipped_log_output(adata, model, batch_key, **options)
 
 
+def shipped_difference(values: np.ndarray, adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str,
+                       **options) -> float:
+    """The largest difference of a rebuilt row (model gene order) from the package's output with `options`
+    (`shipped_values`) where the input is not zero (there the package keeps the zero; the rows take the formula
+    apart before that rule)."""
+    nonzero = np.asarray(adata[:, model.genes].X) != 0  # dense counts, as the harness reads them
+    return float(np.abs(values - shipped_values(adata, model, batch_key, **options))[nonzero].max())
+
+
 def check_shipped(values: np.ndarray, adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str, name: str,
                   **options) -> None:
-    """Stop unless a rebuilt row (model gene order) is the package's output with `options` (`shipped_values`)."""
-    difference = np.abs(values - shipped_values(adata, model, batch_key, **options)).max()
+    """Stop unless a rebuilt row (model gene order) is the package's output with `options` (`shipped_difference`)."""
+    difference = shipped_difference(values, adata, model, batch_key, **options)
     if difference > 1e-4:
         raise SystemExit(f"The row '{name}' differs from the package's log-scale output by {difference:.2e}.")
 
@@ -97,7 +106,7 @@ def seed_matrices(adata: ad.AnnData, batch_key: str, seed: int) -> tuple[np.ndar
     model = batchfix.train(adata, batch_key=batch_key, seed=seed, **TRAIN_OPTIONS)
     terms = counterfactual_terms(adata, model, batch_key)
     variants = variant_matrices(terms)
-    difference = np.abs(variants[SHIPPED] - shipped_values(adata, model, batch_key)).max()
+    difference = shipped_difference(variants[SHIPPED], adata, model, batch_key)
     print(f"seed {seed}: re-implemented shipped output vs the package's, largest difference {difference:.2e}",
           flush=True)
     if difference > 1e-4:
