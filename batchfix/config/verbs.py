@@ -60,9 +60,10 @@ class CorrectionOptions:
     regional_seed: int = 0  # the random gene order of regional_order=shuffled
     # Reference (normal) cells for copy number, as infercnv's reference groups: the obs column and its values that
     # mark cells known to be diploid (set at correct time, no retraining; counts or log scale). The regional part
-    # of each batch's correction is then taken from its normal cells (their regional level brought to every batch's):
-    # a batch's regional artefact leaves all its cells, a clone all its malignant cells carry stays. A batch with
-    # fewer than 20 normal cells keeps its cells' regional profile (docs/cnv.md, Reference cells).
+    # of each batch's correction is then taken from its normal cells (their regional level, shrunk by its noise,
+    # brought to the batches' mean): a batch's regional artefact leaves all its cells, a clone all its malignant
+    # cells carry stays. A batch with fewer than 20 normal cells keeps its cells' regional profile. Name normal cells
+    # of the same types in every batch (docs/cnv.md, Reference cells).
     normal_key: Optional[str] = None
     normal_values: List[str] = field(default_factory=list)  # normal_key's values marking normal cells
     # Spread. Corrected counts: batch = each count keeps its batch's NB dispersion, only the mean moves | gene = mapped
