@@ -121,10 +121,11 @@ def recalibration(terms: Terms, own: np.ndarray) -> tuple[np.ndarray, np.ndarray
 @torch.no_grad()
 def shipped_log_output(adata: ad.AnnData, model: batchfix.BatchfixModel, batch_key: str, spread: str = "batch",
                        residual_weight: float = 1.0, state_dependence: float = 1.0) -> np.ndarray:
-    """The package's log-scale counterfactual output (`counterfactual.corrected`, regional_shift=apply) of every
-    cell, (cells, G) in the model's gene order, float64: what batchfix ships for a log-scale model and what the
-    lab's rows are checked against (for a counts model batchfix.correct writes corrected counts instead). The
-    state shrink's batch means are the decoder term's over each batch's cells, as the package estimates them."""
+    """The package's log-scale counterfactual output (`counterfactual.corrected`, regional_shift=apply; an input
+    zero stays zero) of every cell, (cells, G) in the model's gene order, float64: what batchfix ships for a
+    log-scale model and what the lab's rows are checked against where the input is not zero (for a counts model
+    batchfix.correct writes corrected counts instead). The state shrink's batch means are the decoder term's over
+    each batch's cells, as the package estimates them."""
     net = model.net
     counts = np.asarray(adata[:, model.genes].X, dtype=np.float32)
     codes = counterfactual.batch_codes(adata.obs[batch_key].astype(str).to_numpy(), model.batch_categories).codes
