@@ -204,10 +204,10 @@ class ReferenceCellSums:
         """(codes, G): `regional_offset` of each batch's reference cells' log level (counts per library); its
         sampling variance by the delta method from the cells' own spread (n s^2 / S^2, at least Poisson's 1 / S)."""
         enough = self.enough_cells()
-        sums, n = self.sums[enough] + 0.5, self.n_cells[enough][:, None]
-        level = np.log(sums) - np.log(np.maximum(self.library[enough], 1.0))[:, None]
-        spread = np.maximum(self.squares[enough] - (sums - 0.5) ** 2 / n, 0.0) / np.maximum(n - 1, 1)
-        variance = np.maximum(n * spread / sums**2, 1.0 / sums)
+        total, n = self.sums[enough], self.n_cells[enough][:, None]
+        level = np.log(total + 0.5) - np.log(np.maximum(self.library[enough], 1.0))[:, None]
+        spread = np.maximum(self.squares[enough] - total**2 / n, 0.0) / np.maximum(n - 1, 1)  # per cell
+        variance = np.maximum(n * spread / (total + 0.5) ** 2, 1.0 / (total + 0.5))
         return regional_offset(self.smoother, self.prior_smoother, level, variance, enough)
 
     def enough_cells(self) -> np.ndarray:
@@ -277,6 +277,6 @@ def regional_offset(smoother, prior_smoother, level: np.ndarray, variance: np.nd
         centred_variance = variance * (1.0 - 2.0 / k) + variance.sum(axis=0) / k**2  # of a level less the mean
         estimate = smoother(torch.from_numpy(level - level.mean(axis=0)))  # (batches of enough, G)
         noise = smoother.mean_variance(torch.from_numpy(centred_variance))
-        signal = (prior_smoother(estimate.square()) - prior_smoother(noise)).clamp_min(0.0)
+        signal = prior_smoother(estimate.square() - noise).clamp_min(0.0)
         offset[torch.from_numpy(enough)] = -estimate * signal / (signal + noise).clamp_min(np.finfo(float).tiny)
     return offset
