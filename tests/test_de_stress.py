@@ -80,7 +80,10 @@ def test_de_benchmark_on_a_small_stress_set(tmp_path, source):
                           "--out", str(table)], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = pd.read_csv(table).set_index("method")
-    assert list(rows.index) == ["raw+covariate", "raw", "combat-seq", "combat-seq+group", "same"]
+    assert list(rows.index) == ["raw+covariate", "raw", "combat-seq", "combat-seq+group", "same", "same+covariate"]
     assert rows.loc["raw+covariate", "recall"] > 0.5 and rows.loc["raw+covariate", "precision"] > 0.8
     assert (rows["calls_zero_raw"] == 0).all()
     assert rows.loc["raw", "detection_zeros_raised"] == 0 and rows.loc["same", "recall"] == rows.loc["raw", "recall"]
+    assert rows.loc["same+covariate", "null_false_de"] == rows.loc["raw+covariate", "null_false_de"]
+    assert rows.loc["same+covariate", "null_p_below_0.05"] == rows.loc["raw+covariate", "null_p_below_0.05"]
+    assert 0.0 < rows.loc["raw+covariate", "null_p_below_0.05"] < 0.15

@@ -10,8 +10,9 @@ import pandas as pd
 import pytest
 
 import batchfix
+from batchfix.data.normalize import log_cp10k
 from batchfix.eval import fidelity
-from scripts.lab import decoding_scale, marker_loss, residual_forms, residual_weight, shift_forms
+from scripts.lab import count_scaling, decoding_scale, marker_loss, residual_forms, residual_weight, shift_forms
 
 pytestmark = pytest.mark.lab
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,3 +110,31 @@ def test_a_seed_table_is_the_mean_and_sd_over_seeds_of_each_row(tmp_path):
         "stress sd 0.5,default,0.900,0.970,",
         "stress sd 0.5,latent,0.850,,",
     ]
+
+
+def test_a_factor_per_gene_and_batch_keeps_every_count_ratio_yet_moves_the_log1p_markers(subset):
+    """scripts/lab/count_scaling.py: its factor form changes each gene of a batch by one positive factor (every count
+    ratio within a batch kept, the batches' mean fractions of the cells' totals made equal), and on the real subset that alone moves the
+    within-batch log1p differences the gene scores rank, which a per-gene, per-batch log shift does not."""
+    counts = np.asarray(subset.X, dtype=np.float64)
+    batch = subset.obs["batch"].astype(str).to_numpy()
+    labels = subset.obs["cell_type"].astype(str).to_numpy()
+    scaled = count_scaling.factor_to_mean_fraction(counts, batch)
+    fractions = scaled / counts.sum(axis=1, keepdims=True)  # of each cell's own total before the scaling
+    means = np.stack([fractions[batch == name].mean(axis=0) for name in np.unique(batch)])
+    detected = (means > 0).all(axis=0)
+    assert detected.sum() > 100
+    np.testing.assert_allclose(means[:, detected], np.broadcast_to(means[:1, detected], means[:, detected].shape),
+                               rtol=1e-9)
+    for name in np.unique(batch):
+        rows, positive = batch == name, counts[batch == name] > 0
+        factors = scaled[rows][positive] / counts[rows][positive]
+        genes = np.nonzero(positive)[1]
+        spread = pd.Series(factors).groupby(genes).agg(lambda f: f.max() / f.min())
+        np.testing.assert_allclose(spread, 1.0, rtol=1e-9)  # one factor per gene and batch
+    log_raw = np.asarray(log_cp10k(counts), dtype=np.float64)
+    shifts = np.random.default_rng(0).normal(size=(5, counts.shape[1]))[np.unique(batch, return_inverse=True)[1]]
+    shifted = fidelity.gene_fidelity(counts, log_raw + shifts, batch, labels)
+    factored = fidelity.gene_fidelity(counts, log_cp10k(scaled), batch, labels)
+    assert shifted[fidelity.DE_RANK] > 0.9999 and shifted[fidelity.MARKER_RECALL] == 1.0
+    assert factored[fidelity.DE_RANK] < 0.999
