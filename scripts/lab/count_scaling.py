@@ -17,7 +17,7 @@ benchmark selects them), each scored on log_cp10k of its counts:
     ComBat-seq's factor         the raw counts times ComBat-seq's own ratio of sums per gene and batch (bench extra)
     ComBat-seq                  inmoose's pycombat_seq counts (bench extra)
     batchfix, seed S            layers['batchfix_counts'] of a model trained on the cells (every option at its
-                                default), the same genes
+                                default), the same genes; then their mean over the seeds
 
     python -m scripts.lab.count_scaling data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
 """
@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     rows.update(batchfix_rows(cells, selected.var_names, args.batch_key, args.label_key, args.seeds))
     table = pd.DataFrame({name: {metric: fidelity.gene_fidelity(counts, values, batch, labels)[metric]
                                  for metric in fidelity.GENE_METRICS} for name, values in rows.items()}).T
+    if args.seeds:
+        seeded = [f"batchfix, seed {seed}" for seed in args.seeds]
+        table.loc[f"batchfix, mean of {len(seeded)} seeds"] = table.loc[seeded].mean()
     print(table.to_string(float_format="%.3f"))
     if args.out:
         table.to_csv(args.out, float_format="%.4f")
