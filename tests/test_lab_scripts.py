@@ -114,8 +114,9 @@ def test_a_seed_table_is_the_mean_and_sd_over_seeds_of_each_row(tmp_path):
 
 def test_a_factor_per_gene_and_batch_keeps_every_count_ratio_yet_moves_the_log1p_markers(subset):
     """scripts/lab/count_scaling.py: its factor form changes each gene of a batch by one positive factor (every count
-    ratio within a batch kept, the batches' mean fractions of the cells' totals made equal), and on the real subset that alone moves the
-    within-batch log1p differences the gene scores rank, which a per-gene, per-batch log shift does not."""
+    ratio within a batch kept, the batches' mean fractions of the cells' totals made equal), and on the real subset
+    that alone moves the within-batch log1p differences the gene scores rank, which a per-gene, per-batch log shift
+    does not."""
     counts = np.asarray(subset.X, dtype=np.float64)
     batch = subset.obs["batch"].astype(str).to_numpy()
     labels = subset.obs["cell_type"].astype(str).to_numpy()

@@ -129,10 +129,11 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
               state: StateShrink | None = None,
               mu: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(latent mean, counterfactual values (B, G), how many were raised to 0) for cells with batch `codes`; an
-    input zero stays zero; with `state`, only the share `state.weight` of each cell's decoder term's deviation from its batch's mean is
-    applied; with `regional`, the regional part of each cell's deviation from the mean shift is left in (with
-    reference cells, the regional part of its whole change is its batch's `regional.offset`). `mu`: the
-    cells' latent means if already encoded (the encoder, the costly part, then does not run again)."""
+    input zero stays zero; with `state`, only the share `state.weight` of each cell's decoder term's deviation
+    from its batch's mean is applied; with `regional`, the regional part of each cell's deviation from the mean
+    shift is left in (with reference cells, the regional part of its whole change is its batch's
+    `regional.offset`). `mu`: the cells' latent means if already encoded (the encoder, the costly part, then does
+    not run again)."""
     if mu is None:
         mu, _ = net.encode(x)
     values, decoder, observed, reference_values = output_terms(net, x, mu, codes, reference, stats, present)
