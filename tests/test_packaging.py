@@ -13,8 +13,13 @@ imported where used; imports inside `try: ... except ImportError` are optional b
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
+import shutil
+import subprocess
 import sys
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
@@ -100,3 +105,107 @@ def test_the_check_sees_an_undeclared_import(tmp_path):
     assert imported_modules(probe, module_level_only=True) == {"json", "numpy"}
     assert undeclared([probe], declared("test")) == {"harmonypy": ["probe.py"]}
     assert "harmonypy" not in undeclared([probe], declared("bench"))
+
+
+# A normal install: the wheel, installed apart from the source tree ---------------------------------------------------
+# A wheel holds only the packages pyproject.toml and setup.py declare: a subpackage left out is missing from every
+# install but the editable one. These build the wheel from a copy of the source (an earlier build folder's files
+# cannot get in), install it into a folder of its own and run it from outside the repository.
+
+SOURCE_FOLDERS = ("batchfix", "conf", "data")  # the package, and the folders package-dir maps into it
+BUILD_FILES = ("pyproject.toml", "setup.py", "README.md", "LICENSE")
+# The editable install's finder (a meta path finder that finds `batchfix`) would supply from the source tree a module
+# the wheel lacks: the installed copy runs without it.
+WITHOUT_EDITABLE_FINDER = (
+    "import sys\nfrom importlib.machinery import PathFinder\n"
+    "sys.meta_path[:] = [f for f in sys.meta_path\n"
+    "                    if f is PathFinder or not hasattr(f, 'find_spec') or f.find_spec('batchfix', None) is None]\n")
+RUN_VERB = WITHOUT_EDITABLE_FINDER + (
+    "import runpy\nsys.argv = ['batchfix', *sys.argv[1:]]\n"
+    "runpy.run_module('batchfix', run_name='__main__', alter_sys=True)\n")
+IMPORT_EVERY_MODULE = WITHOUT_EDITABLE_FINDER + """
+import importlib, json, pkgutil
+from importlib import resources
+import batchfix
+modules = {"batchfix": batchfix.__file__}
+for info in pkgutil.walk_packages(batchfix.__path__, "batchfix."):
+    modules[info.name] = importlib.import_module(info.name).__file__
+data = {"bundled": batchfix.bundled_dataset(),
+        "conf": str(resources.files("batchfix.conf").joinpath("train.yaml")),
+        "genes": str(resources.files("batchfix.data.genes").joinpath("GRCh38.genes.tsv.gz"))}
+print(json.dumps({"modules": modules, "data": data}))
+"""
+
+
+def source_modules() -> set[str]:
+    """Dotted names of the modules in the source tree's batchfix/."""
+    names = set()
+    for path in (ROOT / "batchfix").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names.add(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def source_data_files() -> set[str]:
+    """The data files the wheel must hold, as paths inside it: the configs, the gene tables, the bundled dataset."""
+    return ({f"batchfix/conf/{p.relative_to(ROOT / 'conf').as_posix()}" for p in (ROOT / "conf").rglob("*.yaml")}
+            | {f"batchfix/data/genes/{p.name}" for p in (ROOT / "batchfix" / "data" / "genes").glob("*.tsv.gz")}
+            | {f"batchfix/bundled/{p.name}" for p in (ROOT / "data").glob("*.h5ad")})
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built (no dependencies, no isolated build environment) from a fresh copy of the source."""
+    source = tmp_path_factory.mktemp("source")
+    for name in BUILD_FILES:
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, source / name)
+    for name in SOURCE_FOLDERS:
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", out,
+                    source], check=True, capture_output=True, cwd=source)
+    [built] = out.glob("batchfix-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    """The folder the wheel is installed into (alone: its dependencies are the environment's)."""
+    target = tmp_path_factory.mktemp("installed")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", target,
+                    wheel], check=True, capture_output=True)
+    return target
+
+
+def run_installed(installed: Path, code: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -c code args` with the installed copy first on the path, from a folder outside the repository."""
+    env = {**os.environ, "PYTHONPATH": str(installed)}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                          cwd=installed.parent, timeout=300)
+
+
+def test_the_wheel_holds_every_module_and_data_file(wheel):
+    inside = set(zipfile.ZipFile(wheel).namelist())
+    modules = {path.relative_to(ROOT).as_posix() for path in (ROOT / "batchfix").rglob("*.py")}
+    assert modules - inside == set(), "modules of batchfix/ missing from the wheel"
+    assert source_data_files() - inside == set(), "data files missing from the wheel"
+    assert "batchfix/conf/train.yaml" in inside and "batchfix/bundled/cellbench5.h5ad" in inside
+
+
+def test_every_module_imports_from_the_installed_wheel(installed):
+    done = run_installed(installed, IMPORT_EVERY_MODULE)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert source_modules() - set(found["modules"]) == set(), "modules of batchfix/ the installed copy lacks"
+    outside = {name: file for name, file in {**found["modules"], **found["data"]}.items()
+               if not Path(file).resolve().is_relative_to(installed.resolve())}
+    assert not outside, f"found outside the installed copy: {outside}"
+    assert all(Path(file).is_file() for file in found["data"].values()), found["data"]
+
+
+@pytest.mark.parametrize("verb", ["train", "correct"])
+def test_a_verb_runs_from_the_installed_wheel(installed, verb):
+    done = run_installed(installed, RUN_VERB, verb, "--help")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"usage: python -m batchfix {verb}" in done.stdout and "data.batch_key=" in done.stdout  # from conf/*.yaml
