@@ -83,6 +83,112 @@ def test_large_counts_keep_their_quantile_through_the_survival_function():
     np.testing.assert_allclose(out / (2 * y), 1.0, rtol=0.05)
 
 
+def scipy_quantile_map(y, own_mean, ref_mean, own_theta, ref_theta, u):
+    """(the map by scipy's nbinom cdf, sf, pmf, ppf and isf, its target): the float64 route's definition."""
+    own = stats.nbinom(own_theta, own_theta / (own_theta + own_mean))
+    ref = stats.nbinom(ref_theta, ref_theta / (ref_theta + ref_mean))
+    low = np.where(y > 0, own.cdf(y - 1), 0.0)
+    survival = low > 0.5
+    target = np.where(survival, own.sf(y) + (1 - u) * own.pmf(y), low + u * own.pmf(y))
+    with np.errstate(invalid="ignore"):
+        mapped = np.where(survival, ref.isf(target), ref.ppf(target))
+    moved = (y > 0) | (u * own.pmf(0) > ref.pmf(0))
+    return np.where(moved, mapped, 0.0), np.where(moved, target, 1.0)
+
+
+def test_counts_whose_target_does_not_underflow_keep_scipys_quantile():
+    """On a grid like the bundled data's (means 1e-3..50, thetas 0.05..50, one count in 50 an outlier up to 1e4
+    times its mean), every count whose target is a normal float64 maps to scipy's inverse, entry by entry: the
+    log-space route takes only the others."""
+    rng = np.random.default_rng(11)
+    n = 100_000
+    own_mean, own_theta = np.exp(rng.uniform(np.log(1e-3), np.log(50), n)), np.exp(rng.uniform(np.log(0.05), 4, n))
+    ref_mean = own_mean * np.exp(rng.normal(0.0, 0.7, n))
+    ref_theta = np.where(rng.random(n) < 0.5, own_theta, np.exp(rng.uniform(np.log(0.05), 4, n)))
+    y = nb_sample(own_mean, own_theta, seed=4)
+    y[::50] = np.round(own_mean[::50] * 10 ** rng.uniform(0, 4, len(y[::50])))
+    u = np.where(y == 0, rng.random(n), 0.5)
+    out = counts.quantile_map(y, own_mean, ref_mean, own_theta, ref_theta, u)
+    expected, target = scipy_quantile_map(y, own_mean, ref_mean, own_theta, ref_theta, u)
+    normal = target >= np.finfo(np.float64).tiny
+    assert normal.mean() > 0.99 and (~normal).sum() > 100, "the grid reaches the far tails, not only them"
+    np.testing.assert_array_equal(out[normal], expected[normal])
+    assert np.isfinite(out).all() and (out >= 0).all() and (out == np.round(out)).all()
+
+
+def mp_upper_tail(k, theta, mean):
+    import mpmath
+
+    return mpmath.betainc(k + 1, theta, 0, mpmath.mpf(mean) / (mpmath.mpf(theta) + mpmath.mpf(mean)), regularized=True)
+
+
+def test_far_tail_counts_go_to_the_exact_quantile():
+    """Counts whose tail underflows float64 (S ~ 1e-70 to 1e-90000) map to the smallest k with S_ref(k) <= the
+    target, checked in 40-digit arithmetic (mpmath), not just near it."""
+    import mpmath
+
+    mpmath.mp.dps = 40
+    rng = np.random.default_rng(1)
+    for _ in range(8):
+        mean, theta = 10 ** rng.uniform(-2, 0), 10 ** rng.uniform(-1, 1)
+        ref_mean, ref_theta = mean * 2 ** rng.uniform(-1, 1), theta * 2 ** rng.uniform(-1, 1)
+        y = float(round(mean * 10 ** rng.uniform(3, 5.5)))
+        out = counts.quantile_map(np.array([y]), np.array([mean]), np.array([ref_mean]), np.array([theta]),
+                                  np.array([ref_theta]), np.array([0.5]))[0]
+        p, q = mpmath.mpf(theta) / (theta + mpmath.mpf(mean)), mpmath.mpf(mean) / (theta + mpmath.mpf(mean))
+        log_mass = mpmath.loggamma(y + theta) - mpmath.loggamma(theta) - mpmath.loggamma(y + 1)
+        mass = mpmath.exp(log_mass) * p ** theta * q ** y
+        target = mp_upper_tail(int(y), theta, mean) + mass / 2
+        k = int(out)
+        assert out == k and mp_upper_tail(k, ref_theta, ref_mean) <= target < mp_upper_tail(k - 1, ref_theta, ref_mean)
+
+
+@pytest.mark.parametrize("own_mean", [0.01, 0.1, 1.0])
+@pytest.mark.parametrize("theta", [0.1, 1.0, 10.0])
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_outlier_counts_map_to_finite_counts_along_the_tails_asymptote(own_mean, theta, factor):
+    """y = 10 ... 1e6 (a lowly expressed gene's typical nonzero count is 1) map to finite integers, monotone in y.
+
+    Far out log S(k) = k log q + (theta - 1) log k + c (q = mean / (theta + mean)), so the same quantile of the
+    reference is k ~ y log q_b / log q_ref: y times the means' ratio only where mean >> theta (log q ~ -theta / mean);
+    for mean << theta it is nearer y (1.11 y for a ratio of 2 at mean 0.01, theta 10). The constant and the
+    logarithm shift k by at most (|c_b - c_ref| + |theta - 1| |log(k / y)|) / |log q_ref| counts: below 1% of k
+    from y = 1e4 on over this grid (the bound is evaluated, plus one count for the rounding)."""
+    y = np.array([10.0, 100.0, 1e3, 1e4, 1e5, 1e6])
+    ref_mean = own_mean * factor
+    n = len(y)
+    out = counts.quantile_map(y, np.full(n, own_mean), np.full(n, ref_mean), np.full(n, theta), np.full(n, theta),
+                              np.full(n, 0.5))
+    assert np.isfinite(out).all() and (out >= 0).all() and (out == np.round(out)).all()
+    assert (np.diff(out) > 0).all(), "monotone in the observed count"
+    p, q = theta / (theta + own_mean), own_mean / (theta + own_mean)
+    ref_p, ref_q = theta / (theta + ref_mean), ref_mean / (theta + ref_mean)
+    asymptote = y * np.log(q) / np.log(ref_q)
+    constants = abs(theta * np.log(p / ref_p) - np.log((1 - q) / (1 - ref_q)))
+    bound = (constants + abs(theta - 1) * abs(np.log(out / y)) + 2.0) / abs(np.log(ref_q)) + 1.0
+    assert (np.abs(out - asymptote) <= bound).all()
+    far = y >= 1e4
+    assert (np.abs(out[far] / asymptote[far] - 1) < 0.01).all()
+    if own_mean >= 10 * theta:  # the gamma limit: the means' ratio
+        np.testing.assert_allclose(out[far] / y[far], factor, rtol=0.05)
+
+
+def test_counts_beyond_float32_are_clipped_and_a_corrupt_librarys_counts_stay_counts():
+    """3e38 (what float32 can hold, and more once moved up) maps to at most float32's largest value; the small
+    counts of a cell whose library such a count made 1e30 x its genes' fractions (lower tails of 1e-1000) map to
+    finite counts >= 0 (they were -1: scipy's ppf(0))."""
+    largest = float(np.finfo(np.float32).max)
+    y = np.array([3e38, 3e38, 3e38, 1.0, 5.0, 1000.0])
+    own_mean, theta = np.array([0.05, 1.0, 1e36, 1e30, 1e30, 1e30]), np.array([50.0, 0.1, 50.0, 50.0, 50.0, 50.0])
+    out = counts.quantile_map(y, own_mean, own_mean * 2, theta, theta, np.full(6, 0.5))
+    assert np.isfinite(out).all() and (out >= 0).all() and (out == np.round(out)).all()
+    q, ref_q = own_mean[0] / (theta[0] + own_mean[0]), 2 * own_mean[0] / (theta[0] + 2 * own_mean[0])
+    np.testing.assert_allclose(out[0], y[0] * np.log(q) / np.log(ref_q), rtol=1e-6)  # 3.33e38: held
+    np.testing.assert_array_equal(out[1:3], largest)  # 5.8e38 and 6e38: clipped
+    assert np.isfinite(out.astype(np.float32)).all()
+    assert (np.diff(out[3:]) > 0).all()
+
+
 def test_draws_depend_on_seed_cell_and_gene_alone():
     cells, genes = counts.name_keys([f"cell{i}" for i in range(6)]), counts.name_keys(["CD3E", "MS4A1", "LYZ"])
     full = counts.counter_uniform(0, cells, genes)

@@ -15,6 +15,17 @@ distribution (ComBat-seq's mapping, here with the model's means):
 - The cell's library is kept: a cell without counts keeps none, and a count's scale is its own cell's depth.
 - Where y's lower tail probability F_b(y - 1) passes one half, the survival functions are used instead (float64):
   a large count's quantile is not lost to rounding 1 - F near 1.
+- Where even the survival function underflows (a count of 1,000 in a gene whose mean is 0.05: S_b(y) ~ 1e-1000),
+  the target is 0 or subnormal and its inverse infinite: those counts (and any whose inverse is not finite) are
+  mapped with every probability in log space (batchfix.correction.log_tails: the continued fraction of the
+  incomplete beta function, log-sum-exp, a bracketing search on the integers). Every other count takes the float64
+  route above, unchanged. Far out the NB tail falls by a factor ~q = mean / (theta + mean) per count, so a large
+  count goes to about y log q_b / log q_ref (y times the means' ratio only where mean >> theta).
+- A distribution whose mean / theta passes float64's resolution of q = mean / (theta + mean) (q rounds to 1: a
+  cell's library near 1e16 or more, a corrupt count) is its gamma limit, Gamma(theta, mean / theta) to within a
+  relative p < 1e-16, whose quantiles scale with the mean: an upper-tail count there goes to y mean_ref / mean_b
+  (exact for one theta, correction.spread=batch; the upper tail in q is lost to rounding, the lower one in p kept).
+- A corrected count above float32's largest value (the output layers' type; log_tails.MAX_COUNT) is clipped to it.
 - A zero in the cell's own batch becomes positive only where the reference expects the gene more often than the
   cell's batch does, and with the probability the two distributions give: P(y' > 0 | y = 0) =
   max(0, 1 - F_ref(0) / F_b(0)).
@@ -33,6 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from scipy import special, stats
+
+from batchfix.correction import log_tails
 
 SPLITMIX_GAMMA = np.uint64(0x9E3779B97F4A7C15)
 # Prior weight of the model's shared dispersion in a batch's calibrated one, in cells (the counts analogue of
@@ -115,7 +128,7 @@ class Tail:
         mass = probability(np.maximum(k, moved), self.theta[rows], self.p[rows], self.q[rows])
         grows = (step > 0) != self.survival  # F grows stepping up, S stepping down
         new = values + mass if grows else values - mass
-        inexact = ~grows & (new < self.CANCELLATION * values)
+        inexact = (not grows) & (new < self.CANCELLATION * values)
         if inexact.any():
             new[inexact] = self.exact(moved[inexact], rows[inexact])
         return new
@@ -223,7 +236,7 @@ def quantile_map(y: np.ndarray, own_mean: np.ndarray, ref_mean: np.ndarray, own_
         index = moved[exact]
         result[exact] = exact_quantile_map(y[index], own_mean[index], own_theta[index], own_p[index], own_q[exact],
                                            ref_mean[index], ref_theta[index], ref_p[index], ref_q[exact], u[index])
-    out[moved] = result
+    out[moved] = np.minimum(result, log_tails.MAX_COUNT)
     return out
 
 
@@ -231,7 +244,9 @@ def exact_quantile_map(y: np.ndarray, own_mean: np.ndarray, theta: np.ndarray, p
                        ref_mean: np.ndarray, ref_theta: np.ndarray, ref_p: np.ndarray, ref_q: np.ndarray,
                        u: np.ndarray) -> np.ndarray:
     """`quantile_map` for entries to be moved, by the incomplete beta function; where F_b(y - 1) passes one half
-    the survival functions are used instead (a large count's quantile is not lost to rounding 1 - F near 1)."""
+    the survival functions are used instead (a large count's quantile is not lost to rounding 1 - F near 1). Where
+    the target underflows (0 or subnormal) or its inverse is not a count, in log space (log_tails); an upper-tail
+    count whose q rounds to 1 by the means' ratio (the gamma limit, see the module's docstring)."""
     mass = probability(y, theta, p, q)  # P_b(y)
     low = lower_tail(y - 1.0, theta, p)  # F_b(y - 1)
     survival = low > 0.5
@@ -239,10 +254,18 @@ def exact_quantile_map(y: np.ndarray, own_mean: np.ndarray, theta: np.ndarray, p
     upper_rows = np.flatnonzero(survival)
     s_low = upper_tail(y[upper_rows], theta[upper_rows], q[upper_rows])  # S_b(y)
     target[upper_rows] = s_low + (1.0 - u[upper_rows]) * mass[upper_rows]  # 1 - the lower tail's target
+    underflow = target < np.finfo(np.float64).tiny  # its digits lost: the log-space route
+    beyond = survival & ((q >= 1.0) | (ref_q >= 1.0))  # q rounds to 1: the gamma limit (module docstring)
     guess = np.round(y * ref_mean / np.maximum(own_mean, 1e-300))
-    result = np.empty_like(y)
-    for rows, tail in ((np.flatnonzero(~survival), False), (upper_rows, True)):
+    result = np.full_like(y, np.nan)
+    searched = ~underflow & ~beyond
+    for rows, tail in ((np.flatnonzero(~survival & searched), False), (np.flatnonzero(survival & searched), True)):
         result[rows] = quantile_search(guess[rows], target[rows], ref_theta[rows], ref_p[rows], ref_q[rows], tail)
+    result[beyond] = guess[beyond]
+    far = np.flatnonzero(~beyond & (underflow | ~np.isfinite(result) | (result < 0)))
+    if len(far):
+        result[far] = log_tails.log_quantile_map(y[far], own_mean[far], theta[far], p[far], q[far], ref_mean[far],
+                                                 ref_theta[far], ref_p[far], ref_q[far], u[far], survival[far])
     return result
 
 

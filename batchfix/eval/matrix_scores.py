@@ -10,6 +10,7 @@ method's own model is at hand (`model_checks`), the raw counts' PIT under it say
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from functools import cached_property
@@ -24,6 +25,8 @@ from batchfix.correction import writers
 from batchfix.correction.provenance import file_sha256
 from batchfix.eval import detection, metrics
 from batchfix.training.trained import load_trained
+
+log = logging.getLogger(__name__)
 
 # what a score applies to
 ANY, LABELLED, MODELLED = "any matrix", "a matrix with labels", "a matrix with the PIT of its model"
@@ -175,3 +178,14 @@ def failing_genes(matrix: MatrixInput, names: np.ndarray) -> dict[str, list[str]
     failing = table[table["fails"]].sort_values("pvalue", kind="stable")
     return {str(batch): [str(names[g]) for g in group["gene"].head(PIT_LISTED)]
             for batch, group in failing.groupby("batch", sort=True)}
+
+
+def bad_values(layer, name: str) -> dict[str, int]:
+    """{'nonfinite_values', 'negative_values'}: the NaN or infinite and the negative entries of a corrected layer
+    (cells x genes, dense or sparse), with a warning where there are any."""
+    values = layer.data if sp.issparse(layer) else np.asarray(layer)
+    counts = {"nonfinite_values": int((~np.isfinite(values)).sum()), "negative_values": int((values < 0).sum())}
+    if any(counts.values()):
+        log.warning("layers['%s'] holds %d NaN or infinite and %d negative values.", name,
+                    counts["nonfinite_values"], counts["negative_values"])
+    return counts
