@@ -26,7 +26,8 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from batchfix.data.atomic import atomic_output
+from batchfix.data.atomic import atomic_output, refuse_existing
+from batchfix.errors import OutputExistsError
 
 LEVELS = {"high": 0.9, "mid": 0.5, "low": 0.2}  # detection share in the other batches' cells
 LEVEL_WINDOW = 0.05
@@ -137,8 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.verb == "build":
         try:
+            refuse_existing(Path(args.output), overwrite=False)
             out = build(ad.read_h5ad(args.input), args.batch, args.seed, args.batch_key)
-        except ValueError as error:
+        except (ValueError, OutputExistsError) as error:
             parser.error(str(error))
         with atomic_output(Path(args.output), overwrite=False) as tmp:
             out.write_h5ad(tmp)

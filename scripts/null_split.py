@@ -21,7 +21,8 @@ import anndata as ad
 import numpy as np
 import scipy.sparse as sp
 
-from batchfix.data.atomic import atomic_output
+from batchfix.data.atomic import atomic_output, refuse_existing
+from batchfix.errors import OutputExistsError
 
 SOURCE_KEY = "source_batch"
 
@@ -88,11 +89,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--counts-layer", help="the layer of raw counts (default: X)")
     parser.add_argument("--keep-batch", action="append", default=[], help="another batch written whole (repeat)")
     args = parser.parse_args(argv)
-    adata = ad.read_h5ad(args.input)
     try:
+        refuse_existing(Path(args.output), overwrite=False)
+        adata = ad.read_h5ad(args.input)
         out = null_split(adata, args.batch, args.fractions, args.seed, args.batch_key, args.counts_layer,
                          tuple(args.keep_batch))
-    except ValueError as error:
+    except (ValueError, OutputExistsError) as error:
         parser.error(str(error))
     with atomic_output(Path(args.output), overwrite=False) as tmp:
         out.write_h5ad(tmp)
