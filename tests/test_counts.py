@@ -341,3 +341,49 @@ def test_spread_batch_keeps_each_batchs_dispersion_and_spread_gene_maps_to_the_r
     assert all(seen.pop("same"))
     batchfix.correct(subset, model, copy=True, spread="gene")
     assert not any(seen["same"])
+
+
+def test_outlier_counts_of_lowly_expressed_genes_stay_finite_in_a_corrected_file(trained, subset, tmp_path):
+    """A copy of the real subset with one cell's count of a lowly expressed gene set to 1,000 and another's to
+    100,000 (a plasma cell's IGKC, a blood-contaminated cell's HBB), corrected from disk: every value of both
+    layers is finite, each outlier maps to a large finite count, and the cells' log rows keep every count."""
+    from batchfix.config import CorrectionSettings
+    from batchfix.correction.writers import correct_file
+    from batchfix.data.io import OutputKeys
+    from batchfix.eval.matrix_scores import corrected_matrix_scores
+    from batchfix.eval.metrics import modelled_genes
+
+    model, _ = trained
+    x = np.asarray(subset.X)
+    detected, largest = (x > 0).sum(axis=0), x.max(axis=0)
+    low = np.flatnonzero((detected >= 3) & (largest <= 8))
+    genes = low[np.argsort(x[:, low].mean(axis=0), kind="stable")[:2]]  # the two least expressed such genes
+    assert x[:, genes].mean(axis=0).max() < 0.2 and largest[genes].max() <= 8
+    cells, outliers = np.array([3, 117]), np.array([1000.0, 100_000.0])
+    adata = subset.copy()
+    adata.X[cells, genes] = outliers
+    adata.write_h5ad(tmp_path / "outliers.h5ad")
+    out = ad.read_h5ad(correct_file(tmp_path / "outliers.h5ad", tmp_path / "out.h5ad", model,
+                                    CorrectionSettings(), progress=False))
+    assert out.var["batchfix_corrected"].to_numpy()[genes].all()
+    counts_layer, log_layer = sp.csr_matrix(out.layers["batchfix_counts"]), sp.csr_matrix(out.layers["batchfix"])
+    assert np.isfinite(counts_layer.data).all() and np.isfinite(log_layer.data).all()
+    assert (counts_layer.data >= 0).all() and (counts_layer.data == np.round(counts_layer.data)).all()
+    mapped = counts_layer[cells, genes].A1
+    assert (mapped >= outliers / 10).all() and (mapped <= outliers * 10).all(), mapped
+    for cell in cells:
+        row, log_row = counts_layer[cell], log_layer[cell]
+        assert log_row.nnz == row.nnz and (log_row.data > 0).all(), "the cell's log row keeps every count"
+    np.testing.assert_allclose(log_layer[cells].toarray(), log_cp10k(counts_layer[cells]).toarray(), rtol=1e-5)
+    scores = corrected_matrix_scores(out, "batchfix", modelled_genes(out, OutputKeys("batchfix")), "batch",
+                                     "cell_type")
+    assert scores["nonfinite_values"] == 0 and scores["negative_values"] == 0
+
+
+def test_evaluate_counts_nonfinite_and_negative_values_of_a_corrected_layer(caplog):
+    from batchfix.eval.matrix_scores import bad_values
+
+    layer = sp.csr_matrix(np.array([[np.inf, 1.0, 0.0], [np.nan, -2.0, 3.0]], dtype=np.float32))
+    with caplog.at_level("WARNING"):
+        assert bad_values(layer, "batchfix") == {"nonfinite_values": 2, "negative_values": 1}
+    assert "layers['batchfix'] holds 2 NaN or infinite and 1 negative values" in caplog.text

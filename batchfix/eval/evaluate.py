@@ -81,7 +81,6 @@ def evaluate_file(
                                         counts_layer)
     metrics.check_obs_keys(adata.obs, batch_key, label_key)
     metrics.check_enough_cells(adata.obs)
-    corrected_values = matrix_scores.bad_values(adata.layers[key_added], key_added)
     embeddings, info = metrics.evaluation_embeddings(adata, OutputKeys(key_added), counts_layer)
     neighbors = metrics.resolve_neighbors(neighbors, adata.n_obs)
     log.info("Scoring %d cells (%s neighbours; %s): %s ...", adata.n_obs, neighbors,
@@ -99,7 +98,6 @@ def evaluate_file(
     result["matrix_scores"] = matrix_scores.corrected_matrix_scores(
         adata, key_added, metrics.modelled_genes(adata, OutputKeys(key_added)), batch_key, label_key, counts_layer,
         trained)
-    result.update(corrected_values)
     if subsample is not None:
         result["subsample"] = subsample
 

@@ -152,10 +152,11 @@ def corrected_matrix_scores(adata, layer: str, genes: np.ndarray, batch_key: str
     """`score_matrix` of layers[layer] on the columns `genes` (a boolean mask) against the raw counts (X or
     counts_layer) of the same genes, detection against the correcting model's reference where
     `model_checks` finds it (else the batch-free NB); the result names the genes scored and the
-    reference."""
+    reference, and counts the layer's NaN or infinite and negative values (`bad_values`, all genes)."""
+    values = bad_values(adata.layers[layer], layer)
     raw = (adata.layers[counts_layer] if counts_layer else adata.X)[:, genes]
     if not metrics.is_integer_valued(raw):
-        return {**dict.fromkeys(COLUMNS), "layer": layer,
+        return {**dict.fromkeys(COLUMNS), "layer": layer, **values,
                 "note": f"{counts_layer or 'X'} does not hold raw counts: the matrix scores were not computed."}
     labels = adata.obs[label_key].astype(str).to_numpy() if label_key else None
     matrix = MatrixInput(adata.layers[layer][:, genes], raw, labels, adata.obs[batch_key].astype(str).to_numpy())
@@ -166,7 +167,7 @@ def corrected_matrix_scores(adata, layer: str, genes: np.ndarray, batch_key: str
             matrix.expected_nonzero, matrix.reference = model["expected"], model["reference"]
     scores = score_matrix(matrix)
     result = {**{k: None if np.isnan(v) else v for k, v in scores.items()},
-              "layer": layer, "n_genes": int(np.count_nonzero(genes)), "reference": matrix.reference}
+              "layer": layer, "n_genes": int(np.count_nonzero(genes)), "reference": matrix.reference, **values}
     if matrix.pit is not None:
         result["pit_failing_genes"] = failing_genes(matrix, np.asarray(adata.var_names[genes]).astype(str))
     return result

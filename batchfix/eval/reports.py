@@ -50,7 +50,7 @@ def matrix_markdown(scores: Mapping) -> str:
     if scores.get("note"):
         return f"{scores['note']}\n"
     columns = [k for k in scores if k not in ("layer", "n_genes", "reference", "pit_failing_genes")]
-    cells = ["n/a" if scores[c] is None else f"{scores[c]:.3f}" for c in columns]
+    cells = ["n/a" if scores[c] is None else _format_cell(scores[c], 3) for c in columns]
     failing = "".join(f"- {batch}: {', '.join(genes)}\n"
                       for batch, genes in scores.get("pit_failing_genes", {}).items())
     return ("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n| " + " | ".join(cells) + " |\n\n"
