@@ -1,0 +1,148 @@
+"""The counts' quantile map in torch (batchfix.correction.device_map) against numpy/scipy's
+(batchfix.correction.counts): entries per second on a chunk drawn like real sparse single-cell counts.
+
+The chunk: cells x 2,000 genes, gene fractions log-normal, cell libraries log-normal around 300 counts (about
+90% zeros, positive counts mostly 1-10), dispersions log-uniform in 0.1-50 and kept by the reference (the
+default correction.spread=batch), and a per-gene log-mean shift N(0, 0.3); uniforms as the counts output takes
+them (the counter draws for zeros, 0.5 for positive counts). Prints, for each size, entries/s (median wall time
+over --repeats) and entries per CPU-second of this process (steadier on a shared machine) of
+counts.quantile_map_threads on 1 worker and on --threads workers, quantile_map_torch on the CPU (1 and --threads
+torch threads) and on CUDA when there is one, the wall-time ratio to numpy on 1 worker, and how many counts differ
+from numpy's; the same for the uniforms (counts.counter_uniform against counter_uniform_torch). --profile adds
+where the CPU time goes in each map (cProfile, own time per function).
+
+    python -m scripts.bench.bench_device_map                        # 2e6 and 1e7 entries
+    python -m scripts.bench.bench_device_map --sizes 2e6 --threads 1 --profile
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import numpy as np
+import torch
+
+from batchfix.correction import counts, device_map
+
+GENES = 2000
+MEDIAN_LIBRARY = 300.0
+SHIFT_SD = 0.3
+
+
+def sparse_chunk(n_entries: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Flat float64 arrays of a (cells, GENES) chunk: y, own_mean, ref_mean, own_theta, ref_theta, u; and the
+    cells' and genes' uint64 keys."""
+    rng = np.random.default_rng(seed)
+    cells = max(1, int(n_entries) // GENES)
+    fraction = rng.lognormal(0.0, 1.6, GENES)
+    fraction /= fraction.sum()
+    library = rng.lognormal(np.log(MEDIAN_LIBRARY), 0.5, cells)
+    own_mean = library[:, None] * fraction[None, :]  # (cells, GENES)
+    theta = np.broadcast_to(np.exp(rng.uniform(np.log(0.1), np.log(50.0), GENES)), own_mean.shape)
+    ref_mean = own_mean * np.exp(rng.normal(0.0, SHIFT_SD, GENES))[None, :]
+    y = rng.negative_binomial(theta, theta / (theta + own_mean)).astype(np.float64)
+    cell_keys = rng.integers(0, 2**63, cells, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+    gene_keys = rng.integers(0, 2**63, GENES, dtype=np.uint64)
+    u = np.where(y == 0, counts.counter_uniform(0, cell_keys, gene_keys), 0.5)
+    arrays = dict(y=y, own_mean=own_mean, ref_mean=ref_mean, own_theta=theta, ref_theta=theta, u=u)
+    return {**{name: np.ascontiguousarray(values).ravel() for name, values in arrays.items()},
+            "cell_keys": cell_keys, "gene_keys": gene_keys}
+
+
+def timed(function, repeats: int, device: str = "cpu") -> tuple[float, float, object]:
+    """(median wall seconds, median CPU seconds of this process, the last result) over `repeats` calls after one
+    warm-up call."""
+    result, wall, cpu = function(), [], []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        result = function()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return float(np.median(wall)), float(np.median(cpu)), result
+
+
+MAP_ARGUMENTS = ("y", "own_mean", "ref_mean", "own_theta", "ref_theta", "u")
+
+
+def map_rows(chunk: dict[str, np.ndarray], threads: int, repeats: int, devices: list[str]) -> list[tuple]:
+    """(method, wall s, CPU s, counts differing from numpy's on 1 worker) of the quantile maps."""
+    arrays = [chunk[name] for name in MAP_ARGUMENTS]
+    wall, cpu, expected = timed(lambda: counts.quantile_map_threads(*arrays, 1), repeats)
+    rows = [("numpy, 1 worker", wall, cpu, 0)]
+    if threads > 1:
+        wall, cpu, mapped = timed(lambda: counts.quantile_map_threads(*arrays, threads), repeats)
+        rows.append((f"numpy, {threads} workers", wall, cpu, int((mapped != expected).sum())))
+    for device in devices:
+        tensors = [torch.from_numpy(values).to(device) for values in arrays]
+        for device_threads in sorted({1, threads}) if device == "cpu" else [threads]:
+            torch.set_num_threads(device_threads)
+            wall, cpu, mapped = timed(lambda: device_map.quantile_map_torch(*tensors), repeats, device)
+            name = f"torch, cpu, {device_threads} thread{'s' if device_threads > 1 else ''}" if device == "cpu" \
+                else f"torch, {device}"
+            rows.append((name, wall, cpu, int((mapped.cpu().numpy() != expected).sum())))
+        torch.set_num_threads(threads)
+    return rows
+
+
+def uniform_rows(chunk: dict[str, np.ndarray], repeats: int, devices: list[str]) -> list[tuple]:
+    """(method, wall s, CPU s, uniforms differing from numpy's bits) of the counter draws."""
+    cells, genes = chunk["cell_keys"], chunk["gene_keys"]
+    wall, cpu, expected = timed(lambda: counts.counter_uniform(0, cells, genes), repeats)
+    rows = [("numpy", wall, cpu, 0)]
+    for device in devices:
+        wall, cpu, drawn = timed(lambda: device_map.counter_uniform_torch(0, cells, genes, device), repeats, device)
+        rows.append((f"torch, {device}", wall, cpu, int((drawn.cpu().numpy() != expected).sum())))
+    return rows
+
+
+def print_table(title: str, n: int, rows: list[tuple]) -> None:
+    baseline = rows[0][1]
+    print(f"\n{title}\n| method | entries/s | entries per CPU-s | x numpy 1 worker (wall) | differing |\n"
+          "|---|---|---|---|---|")
+    for name, wall, cpu, differing in rows:
+        print(f"| {name} | {n / wall:,.0f} | {n / max(cpu, 1e-9):,.0f} | {baseline / wall:.1f} | {differing} |")
+
+
+def print_profile(chunk: dict[str, np.ndarray]) -> None:
+    """The functions that take the most CPU time (own time, cProfile) in one call of each map."""
+    arrays = [chunk[name] for name in MAP_ARGUMENTS]
+    tensors = [torch.from_numpy(values) for values in arrays]
+    for name, function in (("counts.quantile_map", lambda: counts.quantile_map(*arrays)),
+                           ("device_map.quantile_map_torch", lambda: device_map.quantile_map_torch(*tensors))):
+        function()
+        profile = cProfile.Profile(time.process_time)
+        profile.runcall(function)
+        print(f"\nprofile of {name} (CPU seconds)")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=float, nargs="+", default=[2e6, 1e7], help="entries per chunk")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="also print where the CPU time goes in each map")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for size in args.sizes:
+        chunk = sparse_chunk(int(size))
+        y = chunk["y"]
+        positive = y[y > 0]
+        print(f"\n## {len(y):,} entries ({len(y) // GENES} cells x {GENES} genes): {np.mean(y == 0):.1%} zeros, "
+              f"{np.mean(positive <= 10):.1%} of positive counts 1-10, largest {y.max():.0f}; "
+              f"{args.threads} threads, median of {args.repeats}")
+        print_table("quantile map", len(y), map_rows(chunk, args.threads, args.repeats, devices))
+        print_table("uniforms", len(y), uniform_rows(chunk, args.repeats, devices))
+        if args.profile:
+            print_profile(chunk)
+
+
+if __name__ == "__main__":
+    main()
