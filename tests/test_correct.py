@@ -6,6 +6,7 @@ two batches the model never saw.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io as stdio
 import logging
@@ -26,7 +27,7 @@ import torch
 
 import batchfix
 from batchfix.config import CorrectConfig, CorrectionSettings, validated
-from batchfix.correction import corrector
+from batchfix.correction import outputs
 from batchfix.correction.writers import correct_file
 from batchfix.data import ondisk
 from batchfix.data.normalize import log_cp10k
@@ -303,16 +304,16 @@ def test_crash_while_writing_leaves_no_output_and_no_temporary_file(trained_run,
         monkeypatch.setattr(ondisk, "write_uns_entry", fail)
     else:
         fail_at = 0 if failing_step == "first chunk" else 2
-        real_call = corrector.Corrector.__call__
+        real_apply = outputs.OutputKind.apply
         calls = []
 
-        def call(self, chunk, first_cell=0):
+        def apply(self, chunk, first_cell=0):
             calls.append(first_cell)
             if len(calls) > fail_at:
                 raise RuntimeError("killed (simulated)")
-            return real_call(self, chunk, first_cell)
+            return real_apply(self, chunk, first_cell)
 
-        monkeypatch.setattr(corrector.Corrector, "__call__", call)
+        monkeypatch.setattr(outputs.OutputKind, "apply", apply)
 
     with pytest.raises(RuntimeError, match="simulated"):
         correct_quiet(source, tmp_path / "out.h5ad", trained_run["checkpoint"], chunk_size=50)
@@ -510,7 +511,8 @@ def test_fused_attention_of_the_correction_changes_values_by_float_noise_only(tr
     """Correction runs the attention through torch's fused kernel: the written-out guarded softmax gives the
     same values up to float rounding (counts: a count on a quantile boundary may move by one), and the model's
     own backend is left as it was."""
-    from batchfix.correction.corrector import Corrector
+    from batchfix.correction.corrector import BoundModel
+    from batchfix.correction.estimates import estimate
     from batchfix.nn.attention import MultiHeadSelfAttention
 
     model = load_trained(trained_run["checkpoint"])
@@ -518,13 +520,14 @@ def test_fused_attention_of_the_correction_changes_values_by_float_noise_only(tr
     assert attention and all(m.backend == "guarded" for m in attention)
     settings = CorrectionSettings(output_mode=output_mode)
     batch = subset.obs["batch"].astype(str).to_numpy()
-    corrector = Corrector(model, subset.var_names, settings, batch=batch, batch_key="batch",
-                          obs_names=subset.obs_names)
-    corrector.prepare(ondisk.InMemoryRows(subset.X), subset.n_obs)
-    fused_latent, fused = corrector(subset.X, 0)
+    bound = BoundModel(model, subset.var_names, settings, batch=batch, batch_key="batch", obs_names=subset.obs_names)
+    output = outputs.output_kind(bound, *estimate(bound, ondisk.InMemoryRows(subset.X), subset.n_obs))
+    fused_result = output.apply(subset.X, 0)
+    fused_latent, fused = fused_result.latent, fused_result.layers
     assert all(m.backend == "guarded" for m in attention)  # restored
     with torch.inference_mode():
-        written_latent, written = corrector.corrected(subset.X, 0)  # the guarded softmax, as trained
+        written_result = output.rows_output(subset.X, 0)  # the guarded softmax, as trained
+    written_latent, written = written_result.latent, written_result.layers
     assert set(fused) == set(written) == ({"counts", "log"} if output_mode == "counterfactual" else {"log"})
     if output_mode == "counterfactual":
         counts_nearly_equal(fused["counts"], written["counts"])  # measured: none differ
@@ -588,3 +591,96 @@ def test_detection_is_scored_against_the_reference_of_the_model_that_corrected(t
     out.uns["batchfix"]["checkpoint_sha256"] = "0" * 64  # not the file that corrected it: the batch-free NB
     scores = matrix_scores.corrected_matrix_scores(out, "batchfix", genes, "batch", "cell_type")
     assert "batch-free" in scores["reference"]
+
+
+def test_any_row_range_is_corrected_from_the_model_the_estimates_and_its_rows_alone(trained_run, subset,
+                                                                                     counts_nearly_equal):
+    """Estimate once, apply anywhere: row ranges corrected in any order give the rows of one pass over the file,
+    and an output kind without the estimate pass's latents (a shard on another process) the same counts up to a
+    quantile-boundary flip."""
+    from batchfix.correction.corrector import BoundModel
+    from batchfix.correction.estimates import estimate
+
+    model = load_trained(trained_run["checkpoint"])
+    batch = subset.obs["batch"].astype(str).to_numpy()
+    bound = BoundModel(model, subset.var_names, CorrectionSettings(batch_size=32), batch=batch, batch_key="batch",
+                       obs_names=subset.obs_names)
+    estimates, latents = estimate(bound, ondisk.InMemoryRows(subset.X), subset.n_obs)
+    assert bound.batches.unseen  # the unseen batches' tables come from the estimate pass too
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        estimates.state = None
+    output = outputs.output_kind(bound, estimates, latents)
+    whole = output.apply(subset.X, 0)
+    for start, stop in ((160, 200), (64, 160), (0, 64)):  # backwards, forward batches aligned as in one pass
+        part = output.apply(subset.X[start:stop], start)
+        for kind in ("counts", "log"):
+            assert (part.layers[kind] != whole.layers[kind][start:stop]).nnz == 0, kind
+        np.testing.assert_array_equal(part.latent, whole.latent[start:stop])
+    shard = outputs.output_kind(bound, estimates).apply(subset.X[100:170], 100)  # encoded again, other batches
+    counts_nearly_equal(shard.layers["counts"], whole.layers["counts"][100:170])
+    np.testing.assert_allclose(shard.latent, whole.latent[100:170], atol=1e-4)
+    total = sum((output.apply(subset.X[s:s + 50], s).tallies for s in range(0, 200, 50)), outputs.Tallies())
+    assert total == whole.tallies and total.n_zeros > 0
+
+
+def test_the_estimates_are_recorded_in_the_provenance(trained_run, subset):
+    out = batchfix.correct(subset, load_trained(trained_run["checkpoint"]), copy=True)
+    recorded = out.uns["batchfix"]["estimates"]
+    assert set(recorded["batches_with_mean_shift"]) == set(subset.obs["batch"].astype(str))
+    assert recorded["state_shrink"] and recorded["regional_split"] == "decoder_term"
+    assert recorded["gene_sets_with_count_tables"] >= 1
+
+
+# --------------------------------------------------------------------------------------------
+# What the output may replace: never a file the command reads, never what the input holds and batchfix did not write
+
+
+def correct_task(source, target, checkpoint, key_added: str | None = None, overwrite: bool = False) -> Path:
+    """`tasks.correct` as the command line runs it (key_added given on its command line when named)."""
+    from batchfix import tasks
+    from batchfix.config import CorrectionChoice
+
+    cfg = validated(dict(input=str(source), output=str(target), checkpoint=str(checkpoint), overwrite=overwrite,
+                         threads=1, progress=False), CorrectConfig)
+    return tasks.correct(cfg, CorrectionChoice(None, {} if key_added is None else {"key_added": key_added}))
+
+
+def test_the_checkpoint_is_never_the_output(trained_run, rich_input, tmp_path):
+    import re
+    import shutil
+
+    _, source = rich_input
+    checkpoint = Path(shutil.copy2(trained_run["checkpoint"], tmp_path / "model.ckpt"))
+    before = sha256(checkpoint)
+    with pytest.raises(InputError, match=rf"^The output {re.escape(str(checkpoint))} is the checkpoint file"):
+        correct_task(source, checkpoint, checkpoint, overwrite=True)
+    assert sha256(checkpoint) == before and files_in(tmp_path) == ["input.h5ad", "model.ckpt"]
+
+
+def test_a_key_added_naming_what_the_input_holds_is_refused(trained_run, rich_input, tmp_path):
+    """rich_input's layers['counts'] (its raw counts), obsm['X_pca'] and uns['params'] are the user's: key_added
+    counts, pca or params would replace them, in a file or in memory."""
+    adata, source = rich_input
+    checkpoint = trained_run["checkpoint"]
+    for key, clash in (("counts", r"layers\['counts'\]"), ("pca", r"obsm\['X_pca'\]"), ("params", r"uns\['params'\]")):
+        with pytest.raises(InputError, match=rf"^correction.key_added={key} would replace the input's {clash},"):
+            correct_task(source, tmp_path / "out.h5ad", checkpoint, key_added=key)
+        with pytest.raises(InputError, match=rf"key_added={key} would replace the input's {clash},"):
+            batchfix.correct(adata, checkpoint, key_added=key)
+    assert files_in(tmp_path) == ["input.h5ad"]
+    assert set(adata.layers) == {"counts", "scaled"} and set(adata.obsm) == {"X_pca"}
+    np.testing.assert_array_equal(dense(adata.layers["counts"]), dense(adata.X))
+
+
+def test_a_corrected_input_is_corrected_again_under_the_same_key(trained_run, rich_input, tmp_path):
+    adata, source = rich_input
+    checkpoint = trained_run["checkpoint"]
+    first = correct_task(source, tmp_path / "first.h5ad", checkpoint, key_added="bf")
+    second = correct_task(first, tmp_path / "second.h5ad", checkpoint, key_added="bf")
+    out = ad.read_h5ad(second)
+    assert set(out.layers) == {"counts", "scaled", "bf", "bf_counts"} == set(ad.read_h5ad(first).layers)
+    np.testing.assert_array_equal(dense(out.layers["counts"]), dense(adata.X))  # the user's layer, as it was
+    again = ad.read_h5ad(first)  # in memory: the file's correction, then the same again
+    for _ in range(2):
+        batchfix.correct(again, checkpoint, key_added="bf")
+    assert again.uns["bf"]["layers"].keys() == out.uns["bf"]["layers"].keys()

@@ -18,23 +18,17 @@ import torch
 from batchfix.correction import counterfactual, counts
 
 
-@dataclass
+@dataclass(frozen=True)
 class GeneSet:
     """Output genes of one decoder: `model_index` (k,) their index among the decoder's genes and `columns` (k,)
     their input columns (ascending); `present` (decoder genes,) bool: held by the input; `keys` (k,) their names'
-    keys for the draws. `estimates` fills theta and ratio (codes, decoder genes: the training batches', then the
-    unseen batches' estimated from their cells) and reference_theta (decoder genes,; None: each batch keeps its own,
-    correction.spread=batch) and reference_ratio (decoder genes,)."""
+    keys for the draws."""
 
     extra: bool
     model_index: np.ndarray
     columns: np.ndarray
     present: torch.Tensor
     keys: np.ndarray
-    theta: np.ndarray | None = None
-    reference_theta: np.ndarray | None = None
-    ratio: np.ndarray | None = None
-    reference_ratio: np.ndarray | None = None
 
     def observed(self, rows) -> torch.Tensor:
         """(cells, decoder genes) float32 counts of the input rows in the decoder's gene order (missing: 0)."""
@@ -58,11 +52,24 @@ def gene_set(genes: list[str], var_names: pd.Index, extra: bool) -> GeneSet | No
                    counts.name_keys(names[file_columns]))
 
 
-def total_log_shift(genes: GeneSet, shift: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class CountTables:
+    """One gene set's NB tables, float64 (batchfix.correction.estimates): `theta` and `ratio` (codes, decoder
+    genes: the training batches', then the unseen batches' estimated from their cells), `reference_ratio`
+    (decoder genes,) and `reference_theta` (decoder genes,; None: each count keeps its own batch's dispersion,
+    correction.spread=batch)."""
+
+    theta: np.ndarray
+    ratio: np.ndarray
+    reference_ratio: np.ndarray
+    reference_theta: np.ndarray | None
+
+
+def total_log_shift(tables: CountTables, shift: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """(B, decoder genes) float64: the decoder's log-mean shift plus the batch's ratio shift log(r_ref / r_b) (the
     counts' analogue of the log output's location; 0 for cells without a batch)."""
     known, missing = codes.clamp_min(0).numpy(), (codes < 0).numpy()[:, None]
-    ratio_shift = np.where(missing, 0.0, np.log(genes.reference_ratio / genes.ratio[known]))
+    ratio_shift = np.where(missing, 0.0, np.log(tables.reference_ratio / tables.ratio[known]))
     return shift.double() + torch.from_numpy(ratio_shift)
 
 
@@ -98,34 +105,36 @@ class CountDistributions:
 
 
 @torch.no_grad()
-def count_distributions(net, genes: GeneSet, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor,
-                        reference: int | None, state=None, regional=None) -> CountDistributions:
+def count_distributions(net, genes: GeneSet, tables: CountTables, x: torch.Tensor, mu: torch.Tensor,
+                        codes: torch.Tensor, reference: int | None, state=None,
+                        regional=None) -> CountDistributions:
     """The own batch's and the reference's NB of the set's output genes for cells with input `x` (B, decoder
     genes), latents `mu` and batch `codes` (the shift after every correction option)."""
     shift, own = counterfactual.log_mean_shift(net, mu, codes, reference, genes.present, extra=genes.extra)
     by_reference_cells = not genes.extra and regional is not None and regional.offset is not None
     if not genes.extra:
         shift = counterfactual.applied_shift(shift, codes, state, None if by_reference_cells else regional)
-    total = total_log_shift(genes, shift, codes)
+    total = total_log_shift(tables, shift, codes)
     if by_reference_cells:
         total = counterfactual.reference_cell_shift(total, codes, regional)
     index, known, missing = genes.model_index, codes.clamp_min(0).numpy(), (codes < 0).numpy()[:, None]
-    ratio = np.where(missing, 1.0, genes.ratio[known][:, index])  # (B, k): the batch's observed / decoded mean
+    ratio = np.where(missing, 1.0, tables.ratio[known][:, index])  # (B, k): the batch's observed / decoded mean
     library = x[:, genes.present].sum(-1, keepdim=True)  # (B, 1): this set's counts in the cell
     own_mean = (own[:, index] * library).double().numpy() * ratio
     ref_mean = own_mean * np.exp(total[:, index].numpy())
-    own_theta = genes.theta[known][:, index]
-    ref_theta = own_theta if genes.reference_theta is None else np.where(missing, own_theta,
-                                                                          genes.reference_theta[index])
+    own_theta = tables.theta[known][:, index]
+    ref_theta = own_theta if tables.reference_theta is None else np.where(missing, own_theta,
+                                                                           tables.reference_theta[index])
     observed = x[:, genes.model_index].double().numpy()
     return CountDistributions(observed, own_mean, ref_mean, own_theta, ref_theta)
 
 
-def mapped_counts(net, genes: GeneSet, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor, cell_keys: np.ndarray,
-                  reference: int | None, seed: int, state=None, regional=None) -> tuple[np.ndarray, np.ndarray]:
+def mapped_counts(net, genes: GeneSet, tables: CountTables, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor,
+                  cell_keys: np.ndarray, reference: int | None, seed: int, state=None,
+                  regional=None) -> tuple[np.ndarray, np.ndarray]:
     """(observed, corrected) counts (B, k) of the set's output genes for cells with input `x` (B, decoder genes),
     latents `mu` and batch `codes`."""
-    nb = count_distributions(net, genes, x, mu, codes, reference, state, regional)
+    nb = count_distributions(net, genes, tables, x, mu, codes, reference, state, regional)
     # A zero's quantile is drawn (its share of positives is then the reference's); a positive count takes the middle
     # of its quantile interval, deterministic as ComBat-seq's mapping is: a draw there would only add noise to each
     # cell's own profile (within-type neighbours 0.648 with draws everywhere, ComBat 0.850, bundled data).

@@ -1,4 +1,7 @@
-"""What the counterfactual output estimates from the input's own cells before correcting them (`Corrector.prepare`).
+"""The estimate pass: what a correction reduces from *all* of the input's cells before any row is corrected.
+
+`estimate` runs it over the input and returns one frozen `Estimates`; the output kinds
+(batchfix.correction.outputs) then correct any row range from the bound model, the estimates and those rows.
 
 - Batches the model never saw: their location and spread (the log output), or their per-gene ratio to the
   average decoder and their dispersion (the corrected counts), from one pass over their cells.
@@ -10,14 +13,18 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 import torch
 
 from batchfix.correction import calibration, count_output, counterfactual, counts
+from batchfix.correction.count_output import CountTables
 from batchfix.correction.regional import RegionalShift, genome_smoother
+from batchfix.nn.attention import fused_attention
 
 MIN_NORMAL_CELLS = 20  # reference cells a batch needs for its own regional correction (correction.normal_key)
 PRIOR_WINDOWS = 5  # windows around a gene over which a reference level's signal is estimated (regional_offset)
@@ -25,50 +32,91 @@ PRIOR_WINDOWS = 5  # windows around a gene over which a reference level's signal
 log = logging.getLogger(__name__)
 
 
-def unseen_cells(corrector, rows, n_obs: int):
+@dataclass(frozen=True)
+class Estimates:
+    """Everything a correction reduces from all input cells; what correcting any row range reads besides the model.
+
+    statistics: each batch code's location and spread (the counterfactual output; the log output reads them);
+    count_tables: one `CountTables` per gene set of the bound model (corrected counts); state: the state shrink
+    (state_dependence < 1); regional: the regional shift's smoother and mean shifts (reference cells' offsets
+    included). None (or empty) where the output does not use it."""
+
+    statistics: calibration.Statistics | None = None
+    count_tables: tuple[CountTables, ...] = ()
+    state: counterfactual.StateShrink | None = None
+    regional: RegionalShift | None = None
+
+    def summary(self, batch_names: list[str]) -> dict:
+        """What was estimated, for uns[key_added]['estimates']; `batch_names` by batch code."""
+        shrink = self.state if self.state is not None else self.regional
+        with_mean = [] if shrink is None else np.flatnonzero(shrink.estimated.numpy() > 0)
+        regional = "none" if self.regional is None else "reference_cells" if self.regional.offset is not None \
+            else "whole_change" if self.regional.whole else "decoder_term"
+        return {"gene_sets_with_count_tables": len(self.count_tables), "state_shrink": self.state is not None,
+                "regional_split": regional, "batches_with_mean_shift": [batch_names[c] for c in with_mean]}
+
+
+def estimate(bound, rows, n_obs: int) -> tuple[Estimates, np.ndarray | None]:
+    """(the estimates of the bound model's output over the input's `rows`, the (cells, latent) latents the pass
+    encoded, or None: a cache the correction may reuse instead of encoding again). Nothing is estimated for the
+    denoised output."""
+    if bound.settings.output_mode != "counterfactual":
+        return Estimates(), None
+    regional = bound.settings.regional_shift != "apply"
+    if regional and all(c is None for c in bound.trained.module.hparams.chromosome):
+        log.info("regional_shift=%s: no modelled gene has genomic coordinates, so no part of the shift is "
+                 "regional: all of it is removed (as with regional_shift=apply).", bound.settings.regional_shift)
+        regional = False
+    with fused_attention(bound.net), torch.no_grad():
+        first = estimate_unseen(bound, rows, n_obs)
+        if regional or bound.settings.state_dependence < 1:
+            return estimate_mean_shift(bound, first, rows, n_obs, regional)
+    return first, None
+
+
+def unseen_cells(bound, rows, n_obs: int):
     """(model input, the count gene sets' inputs, codes) of the cells of unseen batches, chunk by chunk, in
     batches of the forward pass."""
-    n_training = corrector.batches.n_training
-    for start in range(0, n_obs, corrector.settings.chunk_size):
-        stop = min(start + corrector.settings.chunk_size, n_obs)
-        codes = corrector.batches.codes[start:stop]
+    n_training = bound.batches.n_training
+    for start in range(0, n_obs, bound.settings.chunk_size):
+        stop = min(start + bound.settings.chunk_size, n_obs)
+        codes = bound.batches.codes[start:stop]
         picked = np.flatnonzero(codes >= n_training)
         if len(picked):
             chunk = rows.rows(start, stop)[picked]
-            x = corrector.model_input(chunk, start)
-            inputs = [x] + [genes.observed(chunk) for genes in corrector.gene_sets[1:]]
-            for begin in range(0, len(picked), corrector.batch_size):
-                part = slice(begin, begin + corrector.batch_size)
+            x = bound.model_input(chunk, start)
+            inputs = [x] + [genes.observed(chunk) for genes in bound.gene_sets[1:]]
+            for begin in range(0, len(picked), bound.batch_size):
+                part = slice(begin, begin + bound.batch_size)
                 yield x[part], [values[part] for values in inputs], codes[picked[part]]
 
 
-@torch.no_grad()
-def estimate_unseen(corrector, rows, n_obs: int) -> None:
-    """Set the corrector's `statistics` (log output) and, for the counts, each gene set's unseen batches' ratios
-    and the dispersion table of every batch code."""
-    n_training, n_genes = corrector.batches.n_training, len(corrector.trained.genes)
-    sums = [calibration.ResidualSums(n_genes) for _ in corrector.batches.unseen]
-    count_sums = [[counts.CountSums(len(genes.present)) for _ in corrector.batches.unseen]
-                  for genes in corrector.gene_sets]
-    net, present = corrector.net, corrector.present
-    for x, inputs, codes in unseen_cells(corrector, rows, n_obs) if sums else ():
+def estimate_unseen(bound, rows, n_obs: int) -> Estimates:
+    """The statistics (log output) and, for the counts, each gene set's tables: the training batches' from the
+    checkpoint, the unseen batches' ratios and dispersions from their cells."""
+    n_training, n_genes = bound.batches.n_training, len(bound.trained.genes)
+    sums = [calibration.ResidualSums(n_genes) for _ in bound.batches.unseen]
+    count_sums = [[counts.CountSums(len(genes.present)) for _ in bound.batches.unseen] for genes in bound.gene_sets]
+    net, present = bound.net, bound.present
+    for x, inputs, codes in unseen_cells(bound, rows, n_obs) if sums else ():
         mu, _ = net.encode(x)
         r = calibration.residual(net, x, mu, None, present).numpy()
         for code in np.unique(codes):
             sums[code - n_training].add(r[codes == code])
-        for genes, values, set_sums in zip(corrector.gene_sets, inputs, count_sums):
+        for genes, values, set_sums in zip(bound.gene_sets, inputs, count_sums):
             mean = (net.mean_fractions(mu, None, genes.present, genes.extra)
                     * values[:, genes.present].sum(-1, keepdim=True)).numpy()
             for code in np.unique(codes):
                 set_sums[code - n_training].add(values.numpy()[codes == code], mean[codes == code])
-    settings = corrector.settings
-    corrector.statistics = calibration.Statistics(corrector.trained.net, corrector.reference, sums, present.numpy(),
-                                                  settings.spread, settings.residual_weight)
-    for genes, set_sums in zip(corrector.gene_sets, count_sums):
-        set_count_tables(corrector.trained.net, genes, set_sums, corrector.reference, settings.spread)
+    settings = bound.settings
+    statistics = calibration.Statistics(bound.trained.net, bound.reference, sums, present.numpy(), settings.spread,
+                                        settings.residual_weight)
+    tables = tuple(count_tables(bound.trained.net, genes, set_sums, bound.reference, settings.spread)
+                   for genes, set_sums in zip(bound.gene_sets, count_sums))
+    return Estimates(statistics=statistics, count_tables=tables)
 
 
-def set_count_tables(net, genes, count_sums: list[counts.CountSums], reference: int | None, spread: str) -> None:
+def count_tables(net, genes, count_sums: list[counts.CountSums], reference: int | None, spread: str) -> CountTables:
     """The gene set's theta and ratio (codes, G: the training batches', then the unseen batches' from `count_sums`)
     and the reference's ratio (G,), float64; the reference's theta (G,) with spread=gene, None with spread=batch
     (each count keeps its own batch's dispersion: only the mean moves)."""
@@ -76,94 +124,107 @@ def set_count_tables(net, genes, count_sums: list[counts.CountSums], reference: 
     shared = decoder.log_theta.detach().double().exp().numpy()
     trained_theta = (net.extra_count_theta if genes.extra else net.count_theta).double().numpy()
     trained_ratio = (net.extra_count_ratio if genes.extra else net.count_ratio).double().numpy()
-    genes.theta = np.vstack([trained_theta, *[s.dispersion().theta(shared) for s in count_sums]])
-    genes.ratio = np.vstack([trained_ratio, *[s.ratio() for s in count_sums]])
+    theta = np.vstack([trained_theta, *[s.dispersion().theta(shared) for s in count_sums]])
+    ratio = np.vstack([trained_ratio, *[s.ratio() for s in count_sums]])
     tiny = np.finfo(np.float64).tiny
     if reference is None:  # the average reference: theta_g, and the geometric mean of the batches' ratios
         reference_theta = shared
-        genes.reference_ratio = np.exp(np.log(np.maximum(trained_ratio, tiny)).mean(axis=0))
+        reference_ratio = np.exp(np.log(np.maximum(trained_ratio, tiny)).mean(axis=0))
     else:
-        reference_theta, genes.reference_ratio = trained_theta[reference], trained_ratio[reference]
-    genes.reference_theta = None if spread == "batch" else reference_theta
+        reference_theta, reference_ratio = trained_theta[reference], trained_ratio[reference]
+    return CountTables(theta, ratio, reference_ratio, None if spread == "batch" else reference_theta)
 
 
-def batch_terms(corrector, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, whole: bool):
+def batch_terms(bound, first: Estimates, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, whole: bool):
     """(the term whose batch means are estimated, the whole change or None) for one forward batch: the decoder
     term and, with `whole`, the floored output's change (log output); the log-mean shift (counts)."""
     code_tensor = torch.from_numpy(codes)
-    if corrector.counts_output:
-        shift, _ = counterfactual.log_mean_shift(corrector.net, mu, code_tensor, corrector.reference,
-                                                 corrector.present)
+    if bound.counts_output:
+        shift, _ = counterfactual.log_mean_shift(bound.net, mu, code_tensor, bound.reference, bound.present)
         return shift.numpy(), None
     values, decoder, observed, _ = counterfactual.output_terms(
-        corrector.net, x, mu, code_tensor, corrector.reference, corrector.statistics, corrector.present)
+        bound.net, x, mu, code_tensor, bound.reference, first.statistics, bound.present)
     return decoder.numpy(), (values.clamp_min(0.0).masked_fill(x.eq(0), 0.0) - observed).numpy() if whole else None
 
 
-@torch.no_grad()
-def estimate_mean_shift(corrector, rows, n_obs: int, regional: bool) -> None:
-    """Each batch code's mean term over its cells (for state_dependence, counterfactual.StateShrink) and, with
-    `regional`, the mean that regional_shift splits against (RegionalShift). The cells' latents are kept
-    (`corrector.latents`), so the correction decodes them without encoding again."""
-    n_codes = corrector.batches.n_training + len(corrector.batches.unseen)
-    mode = corrector.settings.regional_shift if regional else "apply"
-    whole = mode == "keep_input" and not corrector.counts_output
-    term_sums = np.zeros((n_codes, len(corrector.trained.genes)))
-    change_sums = np.zeros_like(term_sums)  # keep_input only
-    n_cells = np.zeros(n_codes, dtype=np.int64)
+class MeanShiftSums:
+    """Per batch code, over its cells: the sums of the term whose means the state shrink and the regional shift
+    split against, of the whole change (keep_input on the log output), and the cell counts."""
+
+    def __init__(self, n_codes: int, n_genes: int, whole: bool):
+        self.terms = np.zeros((n_codes, n_genes))
+        self.changes = np.zeros_like(self.terms) if whole else None
+        self.n_cells = np.zeros(n_codes, dtype=np.int64)
+
+    def add(self, codes: np.ndarray, term: np.ndarray, change: np.ndarray | None) -> None:
+        for code in np.unique(codes[codes >= 0]):
+            self.terms[code] += term[codes == code].sum(axis=0)
+            if change is not None:
+                self.changes[code] += change[codes == code].sum(axis=0)
+            self.n_cells[code] += int((codes == code).sum())
+
+
+def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int,
+                        regional: bool) -> tuple[Estimates, np.ndarray]:
+    """`first` with each batch code's mean term over its cells (for state_dependence, counterfactual.StateShrink)
+    and, with `regional`, the mean that regional_shift splits against (RegionalShift); and the (cells, latent)
+    latents encoded on the way."""
+    n_codes = bound.batches.n_training + len(bound.batches.unseen)
+    mode = bound.settings.regional_shift if regional else "apply"
+    whole = mode == "keep_input" and not bound.counts_output
+    sums = MeanShiftSums(n_codes, len(bound.trained.genes), whole)
     normal = None
-    if regional and corrector.normal is not None:
-        normal = (ReferenceCellSums if corrector.counts_output else LogReferenceCellSums)(corrector, n_codes)
-    corrector.latents = np.empty((n_obs, corrector.latent_dim), dtype=np.float32)
-    for start in range(0, n_obs, corrector.settings.chunk_size):
-        stop = min(start + corrector.settings.chunk_size, n_obs)
-        x = corrector.model_input(rows.rows(start, stop), start)
-        for begin in range(0, stop - start, corrector.batch_size):
-            codes = corrector.batches.codes[start + begin:start + min(begin + corrector.batch_size, stop - start)]
-            part = x[begin:begin + len(codes)]
-            mu, _ = corrector.net.encode(part)  # (B, latent)
-            corrector.latents[start + begin:start + begin + len(codes)] = mu.numpy()
-            term, change = batch_terms(corrector, part, mu, codes, whole)
-            for code in np.unique(codes[codes >= 0]):
-                term_sums[code] += term[codes == code].sum(axis=0)
-                if change is not None:
-                    change_sums[code] += change[codes == code].sum(axis=0)
-                n_cells[code] += int((codes == code).sum())
+    if regional and bound.normal is not None:
+        normal = (ReferenceCellSums if bound.counts_output else LogReferenceCellSums)(bound, first, n_codes)
+    latents = np.empty((n_obs, bound.latent_dim), dtype=np.float32)
+    for start in range(0, n_obs, bound.settings.chunk_size):
+        stop = min(start + bound.settings.chunk_size, n_obs)
+        x = bound.model_input(rows.rows(start, stop), start)
+        for part, cells in bound.forward_batches(stop - start, start):
+            codes = bound.batches.codes[cells]
+            mu, _ = bound.net.encode(x[part])  # (B, latent)
+            latents[cells] = mu.numpy()
+            term, change = batch_terms(bound, first, x[part], mu, codes, whole)
+            sums.add(codes, term, change)
             if normal is not None:
-                normal.add(part, torch.from_numpy(term) if corrector.counts_output else mu, codes, start + begin)
-    set_mean_shift(corrector, term_sums, change_sums if whole else term_sums, n_cells, mode, regional)
-    if normal is not None:
-        corrector.regional.offset = normal.offset()
+                normal.add(x[part], torch.from_numpy(term) if bound.counts_output else mu, codes, cells[0])
+    state, shift = mean_shift(bound, sums, mode, regional)
+    if shift is not None and normal is not None:
+        shift = dataclasses.replace(shift, offset=normal.offset())
+    return dataclasses.replace(first, state=state, regional=shift), latents
 
 
-def set_mean_shift(corrector, term_sums: np.ndarray, split_sums: np.ndarray, n_cells: np.ndarray, mode: str,
-                   regional: bool) -> None:
-    """The corrector's `state` and `regional` from the per-code sums (`estimate_mean_shift`)."""
-    settings, n_codes = corrector.settings, len(n_cells)
+def mean_shift(bound, sums: MeanShiftSums, mode: str,
+               regional: bool) -> tuple[counterfactual.StateShrink | None, RegionalShift | None]:
+    """The state shrink and the regional shift from the per-code sums (`estimate_mean_shift`)."""
+    settings, n_cells = bound.settings, sums.n_cells
+    n_codes = len(n_cells)
     estimated = n_cells >= calibration.MIN_UNSEEN_CELLS
-    small = [corrector.batch_name(c) for c in np.flatnonzero(~estimated & (n_cells > 0))]
+    small = [bound.batch_name(c) for c in np.flatnonzero(~estimated & (n_cells > 0))]
     unmet = [what for what, needed in (
         ("keep no regional part of their shift (regional_shift=keep)", mode == "keep"),
         ("get all of its state dependence (state_dependence < 1)", settings.state_dependence < 1)) if needed]
     if small and unmet:
         log.warning("Batches with fewer than %d cells in the input have no mean shift of their own; their cells "
                     "%s: %s", calibration.MIN_UNSEEN_CELLS, " and ".join(unmet), small)
-    batch_mean = term_sums / np.maximum(n_cells, 1)[:, None]  # (codes, G)
+    batch_mean = sums.terms / np.maximum(n_cells, 1)[:, None]  # (codes, G)
     as_tensor = partial(torch.as_tensor, dtype=torch.float32)
+    state = None
     if settings.state_dependence < 1:
-        corrector.state = counterfactual.StateShrink(float(settings.state_dependence), as_tensor(batch_mean),
-                                                     as_tensor(estimated))
+        state = counterfactual.StateShrink(float(settings.state_dependence), as_tensor(batch_mean),
+                                           as_tensor(estimated))
     if not regional:
-        return
+        return state, None
     if mode == "keep":
-        mean_shift = batch_mean
+        shift = batch_mean
     else:  # one mean over every cell, for every batch
-        mean_shift = np.repeat(split_sums.sum(axis=0, keepdims=True) / max(n_cells.sum(), 1), n_codes, axis=0)
+        split_sums = sums.terms if sums.changes is None else sums.changes
+        shift = np.repeat(split_sums.sum(axis=0, keepdims=True) / max(n_cells.sum(), 1), n_codes, axis=0)
         estimated = np.full(n_codes, n_cells.sum() >= calibration.MIN_UNSEEN_CELLS)
-    smoother = genome_smoother(list(corrector.trained.module.hparams.chromosome), settings.regional_order,
+    smoother = genome_smoother(list(bound.trained.module.hparams.chromosome), settings.regional_order,
                                settings.regional_window, settings.regional_seed)
-    corrector.regional = RegionalShift(smoother, as_tensor(mean_shift), as_tensor(estimated),
-                                       whole=mode == "keep_input" and not corrector.counts_output)
+    return state, RegionalShift(smoother, as_tensor(shift), as_tensor(estimated),
+                                whole=mode == "keep_input" and not bound.counts_output)
 
 
 class ReferenceCellSums:
@@ -171,27 +232,27 @@ class ReferenceCellSums:
     counts with the non-regional part of the correction applied (count x exp(shift - its running mean along the
     genome)), their squares and their libraries, from which `offset` gives each batch's regional correction."""
 
-    def __init__(self, corrector, n_codes: int):
-        self.corrector = corrector
-        self.genes = corrector.gene_sets[0] if corrector.gene_sets else None  # the counts' modelled genes
-        settings = corrector.settings
-        chromosome = list(corrector.trained.module.hparams.chromosome)
+    def __init__(self, bound, first: Estimates, n_codes: int):
+        self.bound, self.first = bound, first
+        self.tables = first.count_tables[0] if first.count_tables else None  # the counts' modelled genes
+        settings = bound.settings
+        chromosome = list(bound.trained.module.hparams.chromosome)
         self.smoother = genome_smoother(chromosome, settings.regional_order, settings.regional_window,
                                         settings.regional_seed)
         self.prior_smoother = genome_smoother(chromosome, settings.regional_order,
                                               settings.regional_window * PRIOR_WINDOWS, settings.regional_seed)
-        self.sums = np.zeros((n_codes, len(corrector.trained.genes)))  # per code: counts (log output: levels)
+        self.sums = np.zeros((n_codes, len(bound.trained.genes)))  # per code: counts (log output: levels)
         self.squares = np.zeros_like(self.sums)
         self.library = np.zeros(n_codes)
         self.n_cells = np.zeros(n_codes, dtype=np.int64)
 
     def add(self, x: torch.Tensor, shift: torch.Tensor, codes: np.ndarray, first_cell: int) -> None:
         """One forward batch: its input `x` (B, G), decoder shift (B, G) and codes, its first cell's row."""
-        normal = self.corrector.normal[first_cell:first_cell + len(codes)] & (codes >= 0)
+        normal = self.bound.normal[first_cell:first_cell + len(codes)] & (codes >= 0)
         if not normal.any():
             return
         code_tensor = torch.from_numpy(codes[normal])
-        total = count_output.total_log_shift(self.genes, shift[normal], code_tensor)
+        total = count_output.total_log_shift(self.tables, shift[normal], code_tensor)
         corrected = x[normal].double() * torch.exp(total - self.smoother(total))  # (normal cells, G)
         for code in np.unique(codes[normal]):
             chosen = torch.from_numpy(codes[normal] == code)
@@ -213,11 +274,11 @@ class ReferenceCellSums:
     def enough_cells(self) -> np.ndarray:
         """(codes,) bool: batches with MIN_NORMAL_CELLS reference cells; the counts logged, those without named."""
         enough = self.n_cells >= MIN_NORMAL_CELLS
-        names = [self.corrector.batch_name(c) for c in range(len(self.n_cells))]
-        settings = self.corrector.settings
+        names = [self.bound.batch_name(c) for c in range(len(self.n_cells))]
+        settings = self.bound.settings
         log.info("Reference cells (%s of obs column %s) per batch: %s", list(settings.normal_values),
                  settings.normal_key, ", ".join(f"{names[c]} {self.n_cells[c]}" for c in range(len(names))))
-        in_input = np.isin(np.arange(len(names)), self.corrector.batches.codes)
+        in_input = np.isin(np.arange(len(names)), self.bound.batches.codes)
         fallback = [names[c] for c in np.flatnonzero(~enough & in_input)]
         if fallback:
             log.warning("Batches with fewer than %d reference cells: %s; their cells keep their whole regional "
@@ -233,13 +294,13 @@ class LogReferenceCellSums(ReferenceCellSums):
 
     def add(self, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, first_cell: int) -> None:
         """One forward batch: its input `x` (B, G), latents `mu` (B, latent) and codes, its first cell's row."""
-        normal = self.corrector.normal[first_cell:first_cell + len(codes)] & (codes >= 0)
+        normal = self.bound.normal[first_cell:first_cell + len(codes)] & (codes >= 0)
         if not normal.any():
             return
-        corrector = self.corrector
+        bound = self.bound
         values, _, observed, _ = counterfactual.output_terms(
-            corrector.net, x[normal], mu[normal], torch.from_numpy(codes[normal]), corrector.reference,
-            corrector.statistics, corrector.present)
+            bound.net, x[normal], mu[normal], torch.from_numpy(codes[normal]), bound.reference,
+            self.first.statistics, bound.present)
         zero = x[normal].eq(0)
         values = values.masked_fill(zero, 0.0)
         level = counterfactual.without_regional_change(values, values - observed, zero,

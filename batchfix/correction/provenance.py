@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,9 @@ import numpy as np
 import batchfix
 from batchfix.config import CorrectionOptions, InferenceOptions
 from batchfix.correction.layers import LOG_TRANSFORM
+from batchfix.data import ondisk
 from batchfix.data.io import OutputKeys
+from batchfix.errors import InputError
 
 LAYER_MEANING = {
     "counts": "corrected counts: each observed count of a corrected gene moved from its batch's negative binomial to "
@@ -40,26 +43,20 @@ def file_sha256(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def output_kind(corrector) -> str:
-    """counts (the NB model's counterfactual output) | log_counterfactual (log-scale input) | denoised."""
-    if corrector.counts_output:
-        return "counts"
-    return "log_counterfactual" if corrector.settings.output_mode == "counterfactual" else "denoised"
-
-
-def layer_entries(corrector) -> dict:
-    """{layer key: what it holds} of this output."""
-    keys = OutputKeys(corrector.settings.key_added)
-    kind = output_kind(corrector)
+def layer_entries(bound) -> dict:
+    """{layer key: what it holds} of the bound model's output."""
+    keys = OutputKeys(bound.settings.key_added)
+    kind = bound.kind
     if kind == "counts":
         return {keys.counts: LAYER_MEANING["counts"], keys.layer: LAYER_MEANING["counts_log"]}
     return {keys.layer: LAYER_MEANING[kind]}
 
 
-def provenance(corrector) -> dict:
-    """uns[key_added]: what produced the correction (after the last chunk: it counts the clipped values)."""
-    trained, settings = corrector.trained, corrector.settings
-    kind = output_kind(corrector)
+def provenance(bound, estimates, tallies) -> dict:
+    """uns[key_added]: what produced the correction, from the bound model, its estimates and the tallies of every
+    chunk (batchfix.correction.outputs)."""
+    trained, settings = bound.trained, bound.settings
+    kind = bound.kind
     names = [f.name for schema in (CorrectionOptions, InferenceOptions) for f in dataclasses.fields(schema)]
     skipped = {name: why for name, why in NOT_APPLIED[kind].items() if name in names}
     params = {name: (float(v) if isinstance(v, float) else v) for name in names
@@ -70,35 +67,43 @@ def provenance(corrector) -> dict:
         "checkpoint_sha256": file_sha256(trained.path) if trained.path else "",
         "output_mode": settings.output_mode,
         "correction_preset": settings.preset or "(none named)",  # the conf/correction/ entry params started from
-        "reference_batch": corrector.reference_name,
+        "reference_batch": bound.reference_name,
         "training_batches": trained.batch_categories,
         "modelled_genes": trained.genes,
         "n_modelled_genes": len(trained.genes),
-        "missing_genes": corrector.missing_genes,
-        "n_missing_genes": len(corrector.missing_genes),
-        "n_corrected_genes": int(corrector.corrected_mask.sum()),
-        "n_uncorrected_genes": int((~corrector.corrected_mask).sum()),
-        "extra_genes_corrected": int(corrector.corrected_mask.sum() - corrector.modelled_mask.sum()),
-        "n_cells_without_counts": corrector.n_empty_modelled,  # in the modelled genes: decoded from nothing
-        "layers": layer_entries(corrector),
-        "params": {**params, "counts": corrector.source, "scale": trained.scale,
+        "missing_genes": bound.missing_genes,
+        "n_missing_genes": len(bound.missing_genes),
+        "n_corrected_genes": int(bound.corrected_mask.sum()),
+        "n_uncorrected_genes": int((~bound.corrected_mask).sum()),
+        "extra_genes_corrected": int(bound.corrected_mask.sum() - bound.modelled_mask.sum()),
+        "n_cells_without_counts": tallies.n_empty_modelled,  # in the modelled genes: decoded from nothing
+        "layers": layer_entries(bound),
+        "params": {**params, "counts": bound.source, "scale": trained.scale,
                    "model": dict(trained.module.hparams["model"])},
         "options_not_applied": skipped,
+        "estimates": estimates.summary(batch_names(bound)),
     }
     if kind == "counts":
         info["log_transform"] = LOG_TRANSFORM
-        info["n_observed_zeros"] = corrector.n_zeros
-        info["n_zeros_made_positive"] = corrector.n_zeros_raised
+        info["n_observed_zeros"] = tallies.n_zeros
+        info["n_zeros_made_positive"] = tallies.n_zeros_raised
         if settings.regional_shift == "keep_input":
             info["regional_shift_note"] = "keep_input splits the counts' log-mean shift as keep_all does"
-    if corrector.batches is not None:
-        info["params"]["batch_key"] = corrector.batch_key
-        info["unseen_batches_estimated"] = corrector.batches.unseen
+    if bound.batches is not None:
+        info["params"]["batch_key"] = bound.batch_key
+        info["unseen_batches_estimated"] = bound.batches.unseen
         small = "unseen_batches_uncorrected" if kind == "counts" else "unseen_batches_denoised"
-        info[small] = corrector.batches.denoised  # fewer than MIN_UNSEEN_CELLS cells: nothing estimated
+        info[small] = bound.batches.denoised  # fewer than MIN_UNSEEN_CELLS cells: nothing estimated
         if kind != "counts":
-            info["n_clipped_to_zero"] = corrector.n_clipped
+            info["n_clipped_to_zero"] = tallies.n_clipped
     return info
+
+
+def batch_names(bound) -> list[str]:
+    """Each batch code's name (training batches, then the unseen ones); none for the denoised output."""
+    if bound.batches is None:
+        return []
+    return [bound.batch_name(code) for code in range(bound.batches.n_training + len(bound.batches.unseen))]
 
 
 def for_hdf5(value):
@@ -108,3 +113,31 @@ def for_hdf5(value):
     if isinstance(value, list):
         return np.array(value, dtype=object)
     return value
+
+
+def refuse_key_collisions(key_added: str, layers: Iterable[str], obsm: Iterable[str], var_columns: Iterable[str],
+                          uns: Mapping) -> None:
+    """Refuse (InputError) a key_added whose outputs would replace what the input holds and batchfix did not write: a
+    layer, obsm entry, var column or uns entry of that name. What an earlier correction under the same key wrote (its
+    provenance in uns[key_added], naming its layers) may be replaced. `uns`: the input's uns, in memory or in the
+    open file."""
+    keys = OutputKeys(key_added)
+    earlier = uns.get(keys.uns)
+    ours = hasattr(earlier, "keys") and all(name in earlier for name in ("version", "checkpoint_sha256", "layers"))
+    replaced = {"layers": {keys.layer, keys.counts}, "obsm": {keys.latent}, "var": {keys.modelled, keys.corrected}}
+    if ours:
+        replaced["layers"] -= set(earlier["layers"])
+        replaced["obsm"] = replaced["var"] = set()
+    found = {"layers": set(layers), "obsm": set(obsm), "var": set(var_columns)}
+    clashes = [f"{where}['{name}']" for where, names in replaced.items() for name in sorted(names & found[where])]
+    clashes += [] if ours or earlier is None else [f"uns['{keys.uns}']"]
+    if clashes:
+        raise InputError(f"correction.key_added={key_added} would replace the input's {', '.join(clashes)}, which "
+                         "batchfix did not write; choose another key_added.")
+
+
+def refuse_key_collisions_in_file(path: str | Path, key_added: str) -> None:
+    """`refuse_key_collisions` for an .h5ad on disk (read-only, the names alone)."""
+    with ondisk.open_anndata(path) as f:
+        refuse_key_collisions(key_added, f.get("layers", {}), f.get("obsm", {}), ondisk.read_var_frame(f).columns,
+                              f.get("uns", {}))

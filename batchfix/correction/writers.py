@@ -1,6 +1,6 @@
 """Writers: an AnnData in memory (`correct_adata`, the notebook API) or an .h5ad streamed to a new file
-(`correct_file`, the CLI and `train`'s corrected.h5ad), from one chunked core (`Corrector`, `corrected_chunks`),
-so they give the same numbers.
+(`correct_file`, the CLI and `train`'s corrected.h5ad), from one core (bind the model to the input, estimate from all
+cells, apply chunk by chunk: batchfix.correction.corrector, estimates, outputs), so they give the same numbers.
 
 What is added (key = key_added, default 'batchfix'; uns[key]['layers'] says what each layer holds):
 
@@ -30,7 +30,9 @@ import pandas as pd
 import scipy.sparse as sp
 
 from batchfix.config import CorrectionSettings
-from batchfix.correction.corrector import Corrector, corrected_chunks
+from batchfix.correction.corrector import BoundModel
+from batchfix.correction.estimates import estimate
+from batchfix.correction.outputs import OutputKind, Tallies, check_empty_cells, corrected_chunks, output_kind
 from batchfix.correction.provenance import for_hdf5, layer_entries, provenance
 from batchfix.data import ondisk
 from batchfix.data.atomic import atomic_output, output_exists
@@ -98,10 +100,11 @@ def normal_cells(values: pd.Series | None, settings: CorrectionSettings, columns
     return normal
 
 
-def prepared_corrector(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
-                       counts_layer: str | None, batch_key: str | None,
-                       all_batches_new: bool = False) -> tuple[Corrector, ondisk.InMemoryRows]:
-    """A Corrector bound to an in-memory AnnData's genes and cells, prepared (`Corrector.prepare`), and its rows."""
+def prepared_output(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
+                    counts_layer: str | None, batch_key: str | None,
+                    all_batches_new: bool = False) -> tuple[OutputKind, ondisk.InMemoryRows]:
+    """The output kind of a model bound to an in-memory AnnData's genes and cells, with the estimates of all its
+    cells, and its rows."""
     batch_key, counts_layer = data_keys(trained, batch_key, counts_layer)
     matrix = select_matrix(adata, counts_layer, option="counts_layer")
     batch = None
@@ -110,22 +113,21 @@ def prepared_corrector(adata: ad.AnnData, trained: BatchfixModel, settings: Corr
                              list(map(str, adata.obs.columns)), trained.batch_categories, all_batches_new)
     normal = normal_cells(adata.obs[settings.normal_key] if settings.normal_key in adata.obs else None, settings,
                           list(map(str, adata.obs.columns)))
-    corrector = Corrector(trained, adata.var_names, settings, source_name(counts_layer), batch, batch_key,
-                          adata.obs_names, normal)
+    bound = BoundModel(trained, adata.var_names, settings, source_name(counts_layer), batch, batch_key,
+                       adata.obs_names, normal)
     rows = ondisk.InMemoryRows(matrix)
-    corrector.prepare(rows, adata.n_obs)
-    return corrector, rows
+    return output_kind(bound, *estimate(bound, rows, adata.n_obs)), rows
 
 
 def model_checks(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
                  counts_layer: str | None = None, batch_key: str | None = None) -> tuple[np.ndarray, ...]:
-    """`Corrector.model_checks` of every cell of an in-memory AnnData: (the modelled genes' input columns, (cells,
+    """`CountsOutput.model_checks` of every cell of an in-memory AnnData: (the modelled genes' input columns, (cells,
     genes) expected detection of the corrected counts, (cells, genes) the observed counts' randomised PIT)."""
-    corrector, rows = prepared_corrector(adata, trained, settings, counts_layer, batch_key)
-    if not corrector.counts_output:
+    output, rows = prepared_output(adata, trained, settings, counts_layer, batch_key)
+    if not output.bound.counts_output:
         raise InputError("The model checks need corrected counts: the counterfactual output of a negative "
                          f"binomial model (this one: {settings.output_mode}, {trained.config.likelihood}).")
-    parts = [corrector.model_checks(rows.rows(start, min(start + settings.chunk_size, adata.n_obs)), start)
+    parts = [output.model_checks(rows.rows(start, min(start + settings.chunk_size, adata.n_obs)), start)
              for start in range(0, adata.n_obs, settings.chunk_size)]
     return parts[0][0], np.vstack([part[1] for part in parts]), np.vstack([part[2] for part in parts])
 
@@ -139,26 +141,27 @@ def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: Correctio
     (`data_keys`). `adata` is left unchanged when an error is raised. Returns the corrected copy when copy=True,
     else None.
     """
-    corrector, rows = prepared_corrector(adata, trained, settings, counts_layer, batch_key, all_batches_new)
-    n_obs = adata.n_obs
-    latent = np.empty((n_obs, corrector.latent_dim), dtype=np.float32)
+    output, rows = prepared_output(adata, trained, settings, counts_layer, batch_key, all_batches_new)
+    bound, n_obs, tallies = output.bound, adata.n_obs, Tallies()
+    latent = np.empty((n_obs, bound.latent_dim), dtype=np.float32)
     pieces: dict[str, list] = {}
-    for start, stop, mu, chunk_layers in corrected_chunks(corrector, rows, n_obs, settings.chunk_size, progress):
-        latent[start:stop] = mu
-        for kind, matrix_rows in chunk_layers.items():
+    for start, stop, chunk in corrected_chunks(output, rows, n_obs, settings.chunk_size, progress):
+        latent[start:stop] = chunk.latent
+        tallies += chunk.tallies
+        for kind, matrix_rows in chunk.layers.items():
             pieces.setdefault(kind, []).append(matrix_rows)
-    corrector.check_empty_cells(n_obs)
-    info = provenance(corrector)
+    check_empty_cells(bound, tallies, n_obs)
+    info = provenance(bound, output.estimates, tallies)
 
     keys = OutputKeys(settings.key_added)
     adata = adata.copy() if copy else adata
     for kind, parts in pieces.items():
         adata.layers[layer_names(keys)[kind]] = sp.vstack(parts, format="csr")
     adata.obsm[keys.latent] = latent
-    adata.var[keys.modelled] = corrector.modelled_mask
-    adata.var[keys.corrected] = corrector.corrected_mask
+    adata.var[keys.modelled] = bound.modelled_mask
+    adata.var[keys.corrected] = bound.corrected_mask
     if "highly_variable" not in adata.var.columns:  # scanpy's HVG column, where the user has none: the modelled
-        adata.var["highly_variable"] = corrector.modelled_mask
+        adata.var["highly_variable"] = bound.modelled_mask
     for column, values in (infercnv_columns(adata.var, trained.data_options["genome"]) or {}).items():
         adata.var[column] = values  # coordinates as infercnvpy reads them ('chr1', start, end)
     adata.uns[keys.uns] = info
@@ -231,35 +234,38 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
                                  trained.batch_categories, all_batches_new)
         normal = None if settings.normal_key is None else normal_cells(
             ondisk.read_obs_column(src, settings.normal_key), settings, ondisk.obs_columns(src))
-        corrector = Corrector(trained, var_names, settings, source_name(counts_layer), batch, batch_key,
-                              ondisk.read_obs_names(src), normal)
-        corrector.prepare(rows, n_obs)
+        bound = BoundModel(trained, var_names, settings, source_name(counts_layer), batch, batch_key,
+                           ondisk.read_obs_names(src), normal)
+        output = output_kind(bound, *estimate(bound, rows, n_obs))
         with atomic_output(target, overwrite) as tmp, h5py.File(tmp, "w") as dst:
-            write_streamed(src, dst, corrector, rows, n_obs, progress)
+            write_streamed(src, dst, output, rows, n_obs, progress)
     log.info("Wrote %s (%d cells; layers %s (%s) with %d corrected genes, %d missing; reference: %s).", target,
-             n_obs, list(layer_entries(corrector)), settings.output_mode, int(corrector.corrected_mask.sum()),
-             len(corrector.missing_genes), corrector.reference_name)
+             n_obs, list(layer_entries(bound)), settings.output_mode, int(bound.corrected_mask.sum()),
+             len(bound.missing_genes), bound.reference_name)
     return target
 
 
-def write_streamed(src: h5py.File, dst: h5py.File, corrector: Corrector, rows, n_obs: int, progress: bool) -> None:
+def write_streamed(src: h5py.File, dst: h5py.File, output: OutputKind, rows, n_obs: int, progress: bool) -> None:
     """The input's content and the correction's new entries, chunk by chunk, into the open output."""
-    settings = corrector.settings
+    bound = output.bound
+    settings = bound.settings
     keys = OutputKeys(settings.key_added)
     names = layer_names(keys)
     ondisk.copy_file_except(src, dst, top_skip={"var"},
                             skip={"layers": set(names.values()), "obsm": {keys.latent}, "uns": {keys.uns}})
-    coordinates = infercnv_columns(ondisk.read_var_frame(src), corrector.trained.data_options["genome"]) or {}
-    ondisk.replace_var_columns(src, dst, {keys.modelled: corrector.modelled_mask,
-                                          keys.corrected: corrector.corrected_mask, **coordinates},
-                               defaults={"highly_variable": corrector.modelled_mask})
-    shape = (n_obs, corrector.n_vars)
-    kinds = list(names) if corrector.counts_output else ["log"]
+    coordinates = infercnv_columns(ondisk.read_var_frame(src), bound.trained.data_options["genome"]) or {}
+    ondisk.replace_var_columns(src, dst, {keys.modelled: bound.modelled_mask,
+                                          keys.corrected: bound.corrected_mask, **coordinates},
+                               defaults={"highly_variable": bound.modelled_mask})
+    shape = (n_obs, bound.n_vars)
+    kinds = list(names) if bound.counts_output else ["log"]
     writers = {kind: CsrAppender(dst["layers"], names[kind], shape) for kind in kinds}
-    latent = ondisk.create_array(dst["obsm"], keys.latent, (n_obs, corrector.latent_dim))
-    for start, stop, mu, chunk_layers in corrected_chunks(corrector, rows, n_obs, settings.chunk_size, progress):
-        latent[start:stop] = mu
-        for kind, matrix_rows in chunk_layers.items():
+    latent = ondisk.create_array(dst["obsm"], keys.latent, (n_obs, bound.latent_dim))
+    tallies = Tallies()
+    for start, stop, chunk in corrected_chunks(output, rows, n_obs, settings.chunk_size, progress):
+        latent[start:stop] = chunk.latent
+        tallies += chunk.tallies
+        for kind, matrix_rows in chunk.layers.items():
             writers[kind].append(matrix_rows)
-    corrector.check_empty_cells(n_obs)  # an input of empty cells leaves no output
-    ondisk.write_uns_entry(dst, keys.uns, for_hdf5(provenance(corrector)))
+    check_empty_cells(bound, tallies, n_obs)  # an input of empty cells leaves no output
+    ondisk.write_uns_entry(dst, keys.uns, for_hdf5(provenance(bound, output.estimates, tallies)))

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from batchfix.config import CorrectionSettings
-from batchfix.correction.corrector import Corrector
+from batchfix.correction.corrector import BoundModel
 from batchfix.data import ondisk
 from batchfix.data.atomic import atomic_output, output_exists
 from batchfix.data.genome import CHROMOSOMES
@@ -124,14 +124,14 @@ def attention_maps(trained: BatchfixModel, path, group_by: str | None, settings:
             rows = np.sort(np.random.default_rng(0).choice(n_obs, max_cells, replace=False))
         names, codes = np.unique(groups[rows], return_inverse=True)
         # The maps read the encoder only: the denoised setting needs no batch column and no calibration.
-        corrector = Corrector(trained, ondisk.read_var_names(f), replace(settings, output_mode="denoised"))
+        bound = BoundModel(trained, ondisk.read_var_names(f), replace(settings, output_mode="denoised"))
         encoder, config = trained.net.encoder, trained.config
         accumulate = MapAccumulator(config.n_layers, config.n_heads, len(names),
                                     token_bins(encoder.n_tokens, resolution))
         reader = ondisk.open_rows(ondisk.matrix_element(f, counts_layer))
         with torch.inference_mode(), encoder.observing(accumulate):
             for wanted, values in sampled_chunks(reader, rows, settings.chunk_size):
-                x, wanted_codes = corrector.model_input(values, int(wanted[0])), codes[np.searchsorted(rows, wanted)]
+                x, wanted_codes = bound.model_input(values, int(wanted[0])), codes[np.searchsorted(rows, wanted)]
                 for start in range(0, len(wanted), settings.batch_size):
                     accumulate.group_codes = torch.as_tensor(wanted_codes[start:start + settings.batch_size])
                     trained.net.encode(x[start:start + settings.batch_size])

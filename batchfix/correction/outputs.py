@@ -1,0 +1,211 @@
+"""The apply step: one class per output kind turns a row range of the input into its latent and layers.
+
+Each kind reads the bound model (batchfix.correction.corrector), the frozen estimates of the whole input
+(batchfix.correction.estimates) and the rows it is given, nothing else, so any row range can be corrected on its
+own and in any order: `apply(chunk, first_cell)` returns a `ChunkOutput` whose `Tallies` (zeros raised, values
+clipped, empty cells) add up over chunks. `corrected_chunks` runs one kind over a file chunk by chunk.
+
+- `CountsOutput`: the NB model's counterfactual output, corrected counts and their log layer (count_output).
+- `LogOutput`: the log-scale model's counterfactual output (counterfactual.corrected).
+- `DenoisedOutput`: every cell decoded from its latent as the reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+from tqdm.auto import tqdm
+
+from batchfix import signals
+from batchfix.correction import count_output, counterfactual, counts, layers
+from batchfix.correction.corrector import BoundModel
+from batchfix.correction.estimates import Estimates
+from batchfix.errors import InputError
+from batchfix.nn.attention import fused_attention
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Tallies:
+    """What a correction counts as it goes, summed over chunks: cells without counts in any gene (`n_empty`) and
+    in the modelled genes (`n_empty_modelled`); the counts' observed zeros and those made positive; the log
+    output's values raised to its floor."""
+
+    n_empty: int = 0
+    n_empty_modelled: int = 0
+    n_zeros: int = 0
+    n_zeros_raised: int = 0
+    n_clipped: int = 0
+
+    def __add__(self, other: Tallies) -> Tallies:
+        return Tallies(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclass(frozen=True)
+class ChunkOutput:
+    """One row range's outputs: latent (cells, latent_dim), layers by kind ('counts' and 'log', or 'log'), tallies."""
+
+    latent: np.ndarray
+    layers: dict[str, sp.csr_matrix]
+    tallies: Tallies
+
+
+def empty_cells(chunk, x: torch.Tensor) -> Tallies:
+    """The chunk's cells without counts, in every gene and in the modelled genes."""
+    nonzero_per_cell = np.asarray((chunk != 0).sum(axis=1)).ravel()
+    return Tallies(n_empty=int((nonzero_per_cell == 0).sum()), n_empty_modelled=int((x == 0).all(dim=1).sum()))
+
+
+class OutputKind:
+    """An output kind: `apply` a row range (fused attention, inference mode), `rows_output` the same as the model
+    was trained (the guarded softmax)."""
+
+    def __init__(self, bound: BoundModel, estimates: Estimates, latents: np.ndarray | None = None):
+        self.bound, self.estimates = bound, estimates
+        self.latents = latents  # (cells, latent) of the estimate pass, a cache: without it the rows are encoded
+
+    @torch.inference_mode()
+    def apply(self, chunk, first_cell: int = 0) -> ChunkOutput:
+        with fused_attention(self.bound.net):
+            return self.rows_output(chunk, first_cell)
+
+    def rows_output(self, chunk, first_cell: int) -> ChunkOutput:
+        raise NotImplementedError
+
+    def latents_of(self, x: torch.Tensor, cells: np.ndarray) -> torch.Tensor:
+        """(B, latent) the latent means of the cells at `cells`: from the cache, else encoded now."""
+        return self.bound.net.encode(x)[0] if self.latents is None else torch.from_numpy(self.latents[cells])
+
+    def log_values(self, chunk, first_cell: int, values_of) -> ChunkOutput:
+        """The log layer of the modelled genes, from `values_of(x, cells) -> (latent mean, values (B, genes),
+        clipped)` per forward batch."""
+        bound = self.bound
+        x = bound.model_input(chunk, first_cell)
+        tallies = empty_cells(chunk, x)
+        latent = np.empty((x.shape[0], bound.latent_dim), dtype=np.float32)
+        values = np.empty((x.shape[0], bound.n_out), dtype=np.float32)
+        n_clipped = 0
+        for part, cells in bound.forward_batches(x.shape[0], first_cell):
+            mu, expression, clipped = values_of(x[part], cells)
+            latent[part] = mu.numpy()
+            values[part] = expression.numpy()[:, bound.out_model]
+            n_clipped += clipped
+        return ChunkOutput(latent, {"log": layers.modelled_layer(values, bound.out_columns, bound.n_vars)},
+                           tallies + Tallies(n_clipped=n_clipped))
+
+
+class DenoisedOutput(OutputKind):
+    """Every cell decoded from its latent as the reference batch (log1p expression per 10k)."""
+
+    def rows_output(self, chunk, first_cell: int) -> ChunkOutput:
+        return self.log_values(chunk, first_cell,
+                               lambda x, cells: (*self.bound.net.corrected(x, self.bound.reference), 0))
+
+
+class LogOutput(OutputKind):
+    """The log-scale counterfactual output: each value with only what its batch explains removed."""
+
+    def rows_output(self, chunk, first_cell: int) -> ChunkOutput:
+        return self.log_values(chunk, first_cell, self.counterfactual_batch)
+
+    def counterfactual_batch(self, x: torch.Tensor, cells: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
+        bound, estimates = self.bound, self.estimates
+        codes = torch.from_numpy(bound.batches.codes[cells])
+        return counterfactual.corrected(bound.net, x, codes, bound.reference, estimates.statistics, bound.present,
+                                        estimates.regional, estimates.state, mu=self.latents_of(x, cells))
+
+
+class CountsOutput(OutputKind):
+    """Corrected counts: each observed count of every corrected gene moved from its batch's NB to the reference's
+    (batchfix.correction.counts; the cell's library kept, the shift after every option), each gene set with its
+    decoder (count_output); and their log layer."""
+
+    def forward_batches(self, x: torch.Tensor, first_cell: int) -> Iterator[tuple[slice, np.ndarray, torch.Tensor,
+                                                                                   torch.Tensor]]:
+        """(rows of the chunk `x`, their cells' indices, batch codes, latents) for each forward batch of it."""
+        for part, cells in self.bound.forward_batches(x.shape[0], first_cell):
+            yield part, cells, torch.from_numpy(self.bound.batches.codes[cells]), self.latents_of(x[part], cells)
+
+    def rows_output(self, chunk, first_cell: int) -> ChunkOutput:
+        bound, estimates = self.bound, self.estimates
+        x = bound.model_input(chunk, first_cell)
+        inputs = [x] + [genes.observed(chunk) for genes in bound.gene_sets[1:]]
+        latent = np.empty((x.shape[0], bound.latent_dim), dtype=np.float32)
+        mapped = [np.empty((x.shape[0], len(genes.columns))) for genes in bound.gene_sets]
+        n_zeros = n_raised = 0
+        for part, cells, codes, mu in self.forward_batches(x, first_cell):
+            latent[part] = mu.numpy()
+            for genes, tables, values, out in zip(bound.gene_sets, estimates.count_tables, inputs, mapped):
+                observed, out[part] = count_output.mapped_counts(
+                    bound.net, genes, tables, values[part], mu, codes, bound.cell_keys[cells], bound.reference,
+                    bound.settings.quantile_seed, estimates.state, estimates.regional)
+                n_zeros += int((observed == 0).sum())
+                n_raised += int(((observed == 0) & (out[part] > 0)).sum())
+        columns = np.concatenate([genes.columns for genes in bound.gene_sets])
+        order = np.argsort(columns, kind="stable")
+        chunk_layers = layers.count_layers(chunk, np.hstack(mapped)[:, order], columns[order], bound.corrected_mask)
+        return ChunkOutput(latent, chunk_layers, empty_cells(chunk, x) + Tallies(n_zeros=n_zeros,
+                                                                                 n_zeros_raised=n_raised))
+
+    @torch.inference_mode()
+    def model_checks(self, chunk, first_cell: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For the modelled genes' corrected counts: (their input columns (ascending), (cells, genes) float32
+        P(count > 0) under each cell's reference NB, the detection the corrected counts should show, and (cells,
+        genes) float32 the randomised PIT of each observed count under its own batch's NB, uniform where the model
+        fits), for batchfix.eval.detection. The PIT's draws are keyed by (quantile_seed + 1, cell, gene)."""
+        bound, estimates = self.bound, self.estimates
+        genes, tables = bound.gene_sets[0], estimates.count_tables[0]
+        x = bound.model_input(chunk, first_cell)
+        expected = np.empty((x.shape[0], len(genes.columns)), dtype=np.float32)
+        pit = np.empty_like(expected)
+        with fused_attention(bound.net):
+            for part, cells, codes, mu in self.forward_batches(x, first_cell):
+                nb = count_output.count_distributions(bound.net, genes, tables, x[part], mu, codes, bound.reference,
+                                                      estimates.state, estimates.regional)
+                expected[part] = nb.reference_nonzero()
+                draws = counts.counter_uniform(bound.settings.quantile_seed + 1, bound.cell_keys[cells], genes.keys)
+                pit[part] = nb.own_pit(draws)
+        return genes.columns, expected, pit
+
+
+def output_kind(bound: BoundModel, estimates: Estimates, latents: np.ndarray | None = None) -> OutputKind:
+    """The output kind of the bound model's settings, reading `estimates` (and the latents cache, if any)."""
+    kind = {"counts": CountsOutput, "log_counterfactual": LogOutput, "denoised": DenoisedOutput}[bound.kind]
+    return kind(bound, estimates, latents)
+
+
+def check_empty_cells(bound: BoundModel, tallies: Tallies, n_obs: int) -> None:
+    """After the last chunk: refuse an input whose every cell is empty in the modelled genes (nothing to
+    correct); warn with the count when some are."""
+    if n_obs and tallies.n_empty_modelled == n_obs:
+        what = "in any gene" if tallies.n_empty == n_obs else f"in any of the model's {len(bound.trained.genes)} genes"
+        raise InputError(f"All {n_obs} cells of the input ({bound.source}) have no counts {what}: there is no "
+                         "expression to correct. Is this the right file (and counts_layer)?")
+    if tallies.n_empty_modelled:
+        log.warning("%d of %d cells have no counts in any of the model's genes (%d of them in no gene at all): "
+                    "their corrected values are what the model decodes from an empty cell (the same for every "
+                    "such cell of a batch), not a measurement. Remove them first, e.g. "
+                    "scanpy.pp.filter_cells(adata, min_counts=1).", tallies.n_empty_modelled, n_obs, tallies.n_empty)
+
+
+def corrected_chunks(output: OutputKind, rows, n_obs: int, chunk_size: int,
+                     progress: bool) -> Iterator[tuple[int, int, ChunkOutput]]:
+    """(start, stop, the chunk's outputs) for consecutive chunks of cells, with a cells/s progress bar."""
+    started = time.perf_counter()
+    with tqdm(total=n_obs, unit="cell", unit_scale=True, desc="batchfix correct", disable=not progress,
+              mininterval=1.0, smoothing=0.1) as bar:
+        for start in range(0, n_obs, chunk_size):
+            signals.raise_pending()
+            stop = min(start + chunk_size, n_obs)
+            yield start, stop, output.apply(rows.rows(start, stop), start)
+            bar.update(stop - start)
+    seconds = time.perf_counter() - started
+    log.info("Corrected %d cells x %d genes in %.1f s (%.0f cells/s).", n_obs,
+             int(output.bound.corrected_mask.sum()), seconds, n_obs / max(seconds, 1e-9))
