@@ -7,7 +7,10 @@ counts of the whole file (genes without variance in some batch left as they are)
 
 - counts changed: share of the nonzero raw entries that the correction changes (log scale for ComBat, |change| >
   1e-6); zeros raised: share of the raw zeros made positive; mean |log change|: mean over all entries of the
-  change of log1p(counts per 10k) (the corrected counts normalised alike; ComBat's own matrix);
+  change of log1p(counts per 10k) (the corrected counts normalised alike; ComBat's own matrix); shift gap: how
+  differently the pseudo-batches were moved, per gene |mean log change in one - mean in the others|, averaged
+  over genes (with real batches kept beside the split, a change shared by all split cells can be the removal of
+  the source batch's real effect; this gap, the kNN and the DE genes are artefacts whatever the file);
 - kNN kept: for each cell, the share of its 15 nearest neighbours that are the same before and after, averaged; both
   sides through one recipe: log1p(counts per 10k) of the 2,000 genes most variable in the raw split cells (scanpy,
   flavor 'seurat'), centred PCA of 50 components, Euclidean neighbours without the cell itself;
@@ -135,12 +138,25 @@ def mean_abs_log_change(raw_log, corrected_log) -> float:
     return float(abs(difference).sum() / np.prod(difference.shape))
 
 
+def shift_gap(raw_log, corrected_log, groups: np.ndarray) -> float:
+    """How differently the pseudo-batches were moved: per gene, |mean log change in one pseudo-batch - mean in the
+    others|, averaged over genes and pseudo-batches (0 for any change shared by every split cell)."""
+    change = sp.csr_matrix(corrected_log) - sp.csr_matrix(raw_log)  # cells x genes
+    gaps = []
+    for group in np.unique(groups):
+        inside = groups == group
+        gap = np.asarray(change[inside].mean(axis=0) - change[~inside].mean(axis=0)).ravel()  # genes
+        gaps.append(np.abs(gap).mean())
+    return float(np.mean(gaps))
+
+
 def matrix_scores(split: SplitCells, changed: float, raised: float, corrected_log) -> dict:
     """The scores of one corrected matrix (its changes, given) against the raw split cells."""
     before = neighbour_sets(split.raw_log, split.hvgs)
     genes = de_genes(corrected_log, split.pseudo_batches, split.gene_names)
     return {"counts_changed": changed, "zeros_raised": raised,
             "mean_abs_log_change": mean_abs_log_change(split.raw_log, corrected_log),
+            "shift_gap": shift_gap(split.raw_log, corrected_log, split.pseudo_batches),
             "knn_kept": knn_kept(before, neighbour_sets(corrected_log, split.hvgs)),
             "de_genes": len(genes), "de_genes_listed": genes[:DE_LISTED]}
 
