@@ -10,7 +10,8 @@ batch, the genes, their level and their detection in the batch before it was emp
 
 `score`: for each gene, `emptied_share`, the share of the emptied batch's cells with corrected counts > 0 (target <=
 0.05), and `kept_ratio`, the share of the other batches' cells with corrected counts > 0 over their raw share (target
->= 0.8).
+>= 0.8); `control_kept_ratio`, the median kept ratio of the genes not emptied whose raw share in the other batches is
+within 0.05 of the gene's, tells a loss the emptying caused from what the correction does to any gene of that level.
 
     python -m scripts.donor_biology build data/cellbench5.h5ad donor.h5ad --batch sc_celseq2_5cl_p1 --seed 0
     python -m scripts.donor_biology score donor.h5ad run/corrected.h5ad --layer batchfix_counts
@@ -98,6 +99,17 @@ def build(adata: ad.AnnData, batch: str, seed: int = 0, batch_key: str = "batch"
     return out
 
 
+def control_kept_ratios(donor: ad.AnnData, corrected: ad.AnnData, layer: str, rows: np.ndarray,
+                        raw_shares: pd.Series) -> np.ndarray:
+    """For each emptied gene, the median kept ratio in the cells `rows` of the genes not emptied whose raw share
+    there is within LEVEL_WINDOW of its own: what the correction does to any gene of that level."""
+    genes = donor.var_names.difference(raw_shares.index)
+    raw = detection(sp.csr_matrix(donor[:, genes].X), rows)
+    fixed = detection(sp.csr_matrix(corrected[donor.obs_names, genes].layers[layer]), rows)
+    ratios = np.divide(fixed, raw, out=np.full(len(raw), np.nan), where=raw > 0)
+    return np.array([np.nanmedian(ratios[np.abs(raw - share) <= LEVEL_WINDOW]) for share in raw_shares])
+
+
 def score(donor: ad.AnnData, corrected: ad.AnnData, layer: str) -> pd.DataFrame:
     """Per emptied gene: the emptied batch's cells given counts, and the other batches' detection kept."""
     manifest = donor.uns["donor_biology"]
@@ -115,6 +127,7 @@ def score(donor: ad.AnnData, corrected: ad.AnnData, layer: str) -> pd.DataFrame:
                           "others_raw_share": detection(raw, rows_out),
                           "others_corrected_share": detection(fixed, rows_out)}, index=genes)
     table["kept_ratio"] = table["others_corrected_share"] / table["others_raw_share"]
+    table["control_kept_ratio"] = control_kept_ratios(donor, corrected, layer, rows_out, table["others_raw_share"])
     table["passes"] = (table["emptied_share"] <= EMPTIED_TARGET) & (table["kept_ratio"] >= KEPT_TARGET)
     if "gene_symbol" in donor.var:
         table.insert(0, "symbol", donor.var.loc[genes, "gene_symbol"].astype(str).to_numpy())

@@ -133,7 +133,8 @@ def test_the_donor_set_empties_its_genes_and_its_score_sees_counts_given_back(sm
     unchanged = np.setdiff1d(donor.var_names, genes)
     assert (donor[:, unchanged].X != source[:, unchanged].X).nnz == 0
     assert (donor[~in_batch].X != source[~in_batch].X).nnz == 0
-    assert donor_biology.score(donor, corrected_copy(path), "batchfix_counts")["passes"].all()
+    itself = donor_biology.score(donor, corrected_copy(path), "batchfix_counts")
+    assert itself["passes"].all() and (itself["control_kept_ratio"] == 1).all()
     given_back, taken = genes[0], genes[1]
 
     def alter(counts, obs):
