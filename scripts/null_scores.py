@@ -10,7 +10,8 @@ counts of the whole file (genes without variance in some batch left as they are)
   change of log1p(counts per 10k) (the corrected counts normalised alike; ComBat's own matrix); shift gap: how
   differently the pseudo-batches were moved, per gene |mean log change in one - mean in the others|, averaged
   over genes (with real batches kept beside the split, a change shared by all split cells can be the removal of
-  the source batch's real effect; this gap, the kNN and the DE genes are artefacts whatever the file);
+  the source batch's real effect; this gap, the kNN and the DE genes are artefacts whatever the file); shuffled:
+  the same gap with the pseudo-batch labels permuted (seed 0), the floor that changes varying by cell alone give;
 - kNN kept: for each cell, the share of its 15 nearest neighbours that are the same before and after, averaged; both
   sides through one recipe: log1p(counts per 10k) of the 2,000 genes most variable in the raw split cells (scanpy,
   flavor 'seurat'), centred PCA of 50 components, Euclidean neighbours without the cell itself;
@@ -157,6 +158,8 @@ def matrix_scores(split: SplitCells, changed: float, raised: float, corrected_lo
     return {"counts_changed": changed, "zeros_raised": raised,
             "mean_abs_log_change": mean_abs_log_change(split.raw_log, corrected_log),
             "shift_gap": shift_gap(split.raw_log, corrected_log, split.pseudo_batches),
+            "shift_gap_shuffled": shift_gap(split.raw_log, corrected_log,
+                                            np.random.default_rng(0).permutation(split.pseudo_batches)),
             "knn_kept": knn_kept(before, neighbour_sets(corrected_log, split.hvgs)),
             "de_genes": len(genes), "de_genes_listed": genes[:DE_LISTED]}
 

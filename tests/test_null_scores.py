@@ -86,7 +86,7 @@ def test_a_file_scored_against_itself_shows_no_change(split, tmp_path):
     assert set(scores["cells_per_pseudo_batch"]) == {f"{SPLIT_BATCH}_a", f"{SPLIT_BATCH}_b"}
     same = scores["methods"]["batchfix_counts"]
     assert same["counts_changed"] == 0 and same["zeros_raised"] == 0 and same["mean_abs_log_change"] == 0
-    assert same["shift_gap"] == 0
+    assert same["shift_gap"] == 0 and same["shift_gap_shuffled"] == 0
     assert same["knn_kept"] == 1.0 and same["de_genes"] == 0 and scores["methods"]["raw"]["de_genes"] == 0
     assert scores["methods"]["ComBat"]["counts_changed"] > 0.5
 
@@ -114,7 +114,7 @@ def test_an_altered_copy_shows_the_changes_made_and_their_de_genes(split, tmp_pa
     assert scores["zeros_raised"] == pytest.approx((block == 0).sum() / zeros)
     assert scores["de_genes"] >= N_ALTERED // 2
     assert set(scores["de_genes_listed"]) <= set(raw.var_names[:N_ALTERED])
-    assert scores["mean_abs_log_change"] > 0 and scores["shift_gap"] > 0
+    assert scores["mean_abs_log_change"] > 0 and scores["shift_gap"] > 2 * scores["shift_gap_shuffled"] > 0
 
 
 def test_the_donor_set_empties_its_genes_and_its_score_sees_counts_given_back(small_h5ad, tmp_path):
