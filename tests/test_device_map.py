@@ -141,6 +141,8 @@ def test_nothing_to_move_and_empty_inputs():
     assert mapped.tolist() == [0.0] * 5
     empty = torch.zeros(0, dtype=torch.float64)
     assert device_map.quantile_map_torch(*[empty] * 6).shape == (0,)
+    with pytest.raises(TypeError, match="float64"):
+        device_map.quantile_map_torch(*[torch.ones(3)] * 6)
 
 
 @pytest.mark.bench

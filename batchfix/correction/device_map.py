@@ -15,9 +15,9 @@ CUDA): the same draws and, but for draws within float rounding of a quantile bou
      function), on the CPU for just those entries: they are rare in single-cell counts.
 
 Where a count may differ from numpy's: F(0) is exp(theta log p), as numpy's walk takes it, where numpy's closed form
-takes pow(p, theta); and torch's exp, log and pow may round the last bit otherwise than numpy's (on CUDA too, which
-also divides by a scalar through its reciprocal). Each moves a count only where its draw lies within float rounding
-of a quantile boundary.
+takes pow(p, theta); and torch's exp and log may round the last bit otherwise than numpy's (on CUDA more often).
+Each moves a count only where its draw lies within float rounding of a quantile boundary. The walks divide by k + 1
+held in a tensor on the device: CUDA divides by a CPU scalar through its reciprocal, which would round otherwise.
 """
 from __future__ import annotations
 
@@ -119,10 +119,10 @@ def walk_tails_torch(y: torch.Tensor, p0: torch.Tensor, theta: torch.Tensor,
     tail, mass = torch.zeros_like(y), p0.clone()  # F(k - 1) and P(k) along the walk
     if not len(y):
         return tail, mass
-    steps = torch.arange(int(y[-1].item()), dtype=y.dtype, device=y.device)
-    for k, start in enumerate(torch.searchsorted(y, steps, right=True).tolist()):  # start: the first y above k
+    steps = torch.arange(int(y[-1].item()) + 1, dtype=y.dtype, device=y.device)  # also each step's k + 1
+    for k, start in enumerate(torch.searchsorted(y, steps[:-1], right=True).tolist()):  # start: the first y above k
         tail[start:] += mass[start:]  # F(k)
-        mass[start:] = mass[start:] * q[start:] * (theta[start:] + k) / (k + 1)  # P(k + 1)
+        mass[start:] = mass[start:] * q[start:] * (theta[start:] + k) / steps[k + 1]  # P(k + 1)
     return tail, mass
 
 
@@ -135,6 +135,7 @@ def walk_quantile_torch(target: torch.Tensor, p0: torch.Tensor, theta: torch.Ten
     rows = torch.arange(len(target), device=target.device)
     current, tail = p0.clone(), torch.zeros_like(target)
     short = torch.zeros(len(target), dtype=torch.int32, device=target.device)  # steps with F(k) < target
+    steps = torch.arange(counts.WALK_STEPS + 2, dtype=target.dtype, device=target.device)  # each step's k + 1
     for k in range(counts.WALK_STEPS + 1):
         tail += current  # F(k)
         short += tail < target
@@ -144,7 +145,7 @@ def walk_quantile_torch(target: torch.Tensor, p0: torch.Tensor, theta: torch.Ten
             rows, tail, target, short, theta, q, current = (
                 _take(values, keep) for values in (rows, tail, target, short, theta, q, current))
         if k < counts.WALK_STEPS:
-            current = current * q * (theta + k) / (k + 1)  # P(k + 1)
+            current = current * q * (theta + k) / steps[k + 1]  # P(k + 1)
     reached = _where(short <= counts.WALK_STEPS)
     result.index_copy_(0, _take(rows, reached), _take(short, reached).to(result.dtype))
     return result
@@ -184,6 +185,8 @@ def quantile_map_torch(y: torch.Tensor, own_mean: torch.Tensor, ref_mean: torch.
     """counts.quantile_map on flat float64 tensors of one device (integer counts y): y moved from
     NB(own_mean, own_theta) to the same randomised quantile u of NB(ref_mean, ref_theta), on that device. Large
     counts, the far upper tail and P(0) underflow take counts.exact_quantile_map on the CPU."""
+    if y.dtype != torch.float64:
+        raise TypeError(f"quantile_map_torch maps float64 tensors, not {y.dtype}")
     out = torch.zeros_like(y)
     rows, (y, own_mean, ref_mean, own_theta, ref_theta, u) = gathered(y, own_mean, ref_mean, own_theta, ref_theta, u)
     own_sum, ref_sum = own_theta + own_mean, ref_theta + ref_mean
