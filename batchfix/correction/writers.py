@@ -35,7 +35,7 @@ from batchfix.correction.estimates import estimate
 from batchfix.correction.outputs import OutputKind, Tallies, check_empty_cells, corrected_chunks, output_kind
 from batchfix.correction.provenance import for_hdf5, layer_entries, provenance
 from batchfix.data import ondisk
-from batchfix.data.atomic import atomic_output, output_exists
+from batchfix.data.atomic import atomic_output, refuse_existing
 from batchfix.data.genome import infercnv_columns
 from batchfix.data.io import OutputKeys, check_h5ad_path, select_matrix
 from batchfix.errors import InputError
@@ -169,16 +169,13 @@ def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: Correctio
 
 
 def open_input(input_path: str | Path, output_path: str | Path, overwrite: bool) -> tuple[Path, Path]:
-    """(input, output) paths, checked: the input an .h5ad, the output neither the input, a folder nor (unless
-    overwrite) an existing file."""
+    """(input, output) paths, checked: the input an .h5ad, the output no folder, nothing else batchfix never replaces
+    (the input, a device, a FIFO, ...: refuse_existing) nor (unless overwrite) an existing file."""
     source = check_h5ad_path(input_path)
     target = Path(output_path).expanduser()
-    if target.exists() and target.samefile(source):
-        raise InputError(f"The output {target} is the input file; write the corrected file elsewhere.")
     if target.is_dir():
         raise InputError(f"The output {target} is a folder; name an .h5ad file.")
-    if target.exists() and not overwrite:
-        raise output_exists(target)
+    refuse_existing(target, overwrite, reads={"input": source})
     return source, target
 
 

@@ -8,13 +8,14 @@ import logging
 import os
 import re
 import socket
+import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
 from batchfix import signals
-from batchfix.errors import OutputError, OutputExistsError, UserError
+from batchfix.errors import InputError, OutputError, OutputExistsError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,10 @@ def atomic_output(target: Path, overwrite: bool, finish_on_signal: bool = False)
     existing file is never replaced; with it, an atomic rename replaces the old file in one step. Temporary
     files left by killed writers of the same target are removed first; a write that fails for lack of
     space or permission raises OutputError. A signal pending after the write abandons the output, unless
-    `finish_on_signal` (a checkpoint saved because a stop was asked for).
+    `finish_on_signal` (a checkpoint saved because a stop was asked for). What is not a regular file is never
+    replaced (`refuse_existing`).
     """
+    refuse_existing(target, overwrite)
     made = missing_folders(target.parent)
     tmp = None
     try:
@@ -139,6 +142,7 @@ def remove_empty(folders: list[Path]) -> None:
 
 def _move_into_place(tmp: Path, target: Path, overwrite: bool) -> None:
     if overwrite:
+        refuse_unreplaceable(target)  # again: the path may have changed while the output was written
         os.replace(tmp, target)
         return
     try:
@@ -157,10 +161,45 @@ def default_output(source: str | Path, output: str | None, suffix: str) -> Path:
     return Path(output).expanduser() if output else Path.cwd() / (Path(source).stem + suffix)
 
 
-def refuse_existing(target: Path, overwrite: bool) -> None:
-    """Refuse an output that exists unless overwrite (OutputExistsError)."""
+def refuse_existing(target: Path, overwrite: bool, reads: Mapping[str, str | Path | None] | None = None) -> None:
+    """Refuse an output path that holds what may not be replaced (`refuse_unreplaceable`), or, unless overwrite,
+    any file (OutputExistsError)."""
+    refuse_unreplaceable(target, reads)
     if target.exists() and not overwrite:
         raise output_exists(target)
+
+
+def refuse_unreplaceable(target: Path, reads: Mapping[str, str | Path | None] | None = None) -> None:
+    """Refuse (InputError, one line naming the path and what it is) an output path that holds anything but a regular
+    file: a folder, a device, a FIFO, a socket, a symbolic link (whose target the user did not name), or that is one
+    of the files the command reads (`reads`: {what it is, e.g. 'input' or 'checkpoint': its path})."""
+    try:
+        mode = os.lstat(target).st_mode
+    except OSError:  # nothing there (or no way to look): the write itself reports what is wrong
+        return
+    if not stat.S_ISREG(mode):
+        raise InputError(f"The output {target} is {file_kind(target, mode)}, which batchfix never replaces; name a "
+                         "new file or a regular one.")
+    for what, path in (reads or {}).items():
+        if path is not None and _same_file(target, path):
+            raise InputError(f"The output {target} is the {what} file this command reads; write the output "
+                             "elsewhere.")
+
+
+def file_kind(path: Path, mode: int) -> str:
+    """What a path that is no regular file is, in words."""
+    if stat.S_ISLNK(mode):
+        return f"a symbolic link (to {os.readlink(path)})"
+    kinds = {stat.S_ISDIR: "a folder", stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device",
+             stat.S_ISFIFO: "a named pipe (FIFO)", stat.S_ISSOCK: "a socket"}
+    return next((kind for test, kind in kinds.items() if test(mode)), "not a regular file")
+
+
+def _same_file(a: Path, b: str | Path) -> bool:
+    try:
+        return os.path.samefile(a, Path(b).expanduser())
+    except OSError:
+        return False
 
 
 def output_exists(target: Path) -> OutputExistsError:

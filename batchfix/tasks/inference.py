@@ -10,8 +10,9 @@ import torch
 
 from batchfix import signals
 from batchfix.config import AttentionConfig, CorrectConfig, CorrectionChoice, CorrectionSettings
+from batchfix.correction.provenance import refuse_key_collisions_in_file
 from batchfix.correction.writers import correct_file
-from batchfix.data.atomic import CORRECTED_SUFFIX, default_output
+from batchfix.data.atomic import CORRECTED_SUFFIX, default_output, refuse_existing
 from batchfix.data.io import input_path
 from batchfix.errors import Interrupted
 from batchfix.training.trained import load_trained
@@ -26,10 +27,12 @@ def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
         torch.set_num_threads(cfg.threads)
     source = input_path(cfg.input)
     output = default_output(source, cfg.output, CORRECTED_SUFFIX)
+    refuse_existing(output, cfg.overwrite, reads={"input": source, "checkpoint": cfg.checkpoint})
     earlier = file_identity(output)
     trained = load_trained(cfg.checkpoint)
     preset, options = (told or CorrectionChoice()).resolve(trained.correction)
     settings = CorrectionSettings(**asdict(options), **asdict(cfg.inference), preset=preset)
+    refuse_key_collisions_in_file(source, settings.key_added)
     try:
         written = correct_file(source, output, trained, settings, counts_layer=cfg.data.counts_layer,
                                batch_key=cfg.data.batch_key, overwrite=cfg.overwrite, progress=cfg.progress,

@@ -21,10 +21,11 @@ from batchfix.config import (
 from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.corrector import reference_index
 from batchfix.correction.extra_genes import add_extra_genes_from
+from batchfix.correction.provenance import refuse_key_collisions_in_file
 from batchfix.correction.recommendation import recommend_and_remember
 from batchfix.correction.writers import correct_adata, correct_file
 from batchfix.data import ondisk
-from batchfix.data.atomic import atomic_output
+from batchfix.data.atomic import atomic_output, refuse_unreplaceable
 from batchfix.data.io import input_path
 from batchfix.data.prepare import PreparedData
 from batchfix.errors import Interrupted
@@ -44,6 +45,9 @@ def train(cfg: TrainConfig, run_dir: str | Path, preset: str = DEFAULT_PRESET) -
     """
     run_dir = Path(run_dir)
     runfolder.check_reuse(run_dir, cfg.overwrite, cfg.resume)
+    source = input_path(cfg.data.path)  # never the corrected.h5ad that overwrite deletes and train writes again
+    refuse_unreplaceable(run_dir / runfolder.CORRECTED_H5AD, reads={"input": source})
+    refuse_key_collisions_in_file(source, cfg.correction.key_added)
     started = time.perf_counter()
     fitting.seed_and_threads(cfg.seed, cfg.threads)
     try:
