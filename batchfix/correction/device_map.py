@@ -164,17 +164,23 @@ def walked_counts(y: torch.Tensor, u: torch.Tensor, own_log0: torch.Tensor, own_
     return torch.where(walkable, walked, float("nan"))
 
 
-def gathered(y: torch.Tensor, own_mean: torch.Tensor, ref_mean: torch.Tensor, own_theta: torch.Tensor,
-             ref_theta: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(rows, [y, own_mean, ref_mean, own_theta, ref_theta, u] at rows) of the entries `may_move` keeps, ordered by
-    ascending count (counts above 255 last, in any order)."""
+def may_move_blocks(y: torch.Tensor, own_mean: torch.Tensor, ref_mean: torch.Tensor, own_theta: torch.Tensor,
+                    u: torch.Tensor) -> torch.Tensor:
+    """(n,) bool `may_move` of every entry, by blocks of CPU_BLOCK on the CPU."""
     keep = torch.empty(len(y), dtype=torch.bool, device=y.device)
 
     def screen(part: slice) -> None:
         keep[part] = may_move(y[part], own_mean[part], ref_mean[part], own_theta[part], u[part])
 
     _run_blocks(screen, len(y), CPU_BLOCK, y.device)
-    rows = _where(keep)
+    return keep
+
+
+def gathered(y: torch.Tensor, own_mean: torch.Tensor, ref_mean: torch.Tensor, own_theta: torch.Tensor,
+             ref_theta: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(rows, [y, own_mean, ref_mean, own_theta, ref_theta, u] at rows) of the entries `may_move` keeps, ordered by
+    ascending count (counts above 255 last, in any order)."""
+    rows = _where(may_move_blocks(y, own_mean, ref_mean, own_theta, u))
     values = [_take(values, rows) for values in (y, own_mean, ref_mean, own_theta, ref_theta, u)]
     order = torch.sort(values[0].clamp(max=255).to(torch.uint8), stable=True).indices
     return _take(rows, order), [_take(v, order) for v in values]

@@ -102,11 +102,37 @@ def uniform_rows(chunk: dict[str, np.ndarray], repeats: int, devices: list[str])
 
 
 def print_table(title: str, n: int, rows: list[tuple]) -> None:
+    """Entries/s of each row, and its wall-time ratio to the first row's."""
     baseline = rows[0][1]
-    print(f"\n{title}\n| method | entries/s | entries per CPU-s | x numpy 1 worker (wall) | differing |\n"
+    print(f"\n{title}\n| method | entries/s | entries per CPU-s | x {rows[0][0]} (wall) | differing |\n"
           "|---|---|---|---|---|")
     for name, wall, cpu, differing in rows:
         print(f"| {name} | {n / wall:,.0f} | {n / max(cpu, 1e-9):,.0f} | {baseline / wall:.1f} | {differing} |")
+
+
+def pow_closed_form(y: torch.Tensor, own_mean: torch.Tensor, ref_mean: torch.Tensor, own_theta: torch.Tensor,
+                    ref_theta: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """counts.quantile_map's test of which entries move, in torch on every entry (pow, in the inputs' dtype)."""
+    return (y > 0) | (u * torch.pow(own_theta / (own_theta + own_mean), own_theta)
+                      > torch.pow(ref_theta / (ref_theta + ref_mean), ref_theta))
+
+
+def closed_form_rows(chunk: dict[str, np.ndarray], repeats: int) -> list[tuple]:
+    """(method, wall s, CPU s, differing) of the pass over every entry: the closed form with pow in float64 (as
+    numpy's) and in float32 (differing: entries whose decision is not float64's), against device_map's bound, which
+    uses no exp, log or pow and keeps more entries, for the closed form on the gathered ones (differing: entries the
+    float64 closed form moves that the bound settles at 0; must be none)."""
+    tensors = [torch.from_numpy(chunk[name]) for name in MAP_ARGUMENTS]
+    singles = [values.float() for values in tensors]
+    wall, cpu, expected = timed(lambda: pow_closed_form(*tensors), repeats)
+    rows = [("closed form, float64 pow", wall, cpu, 0)]
+    wall, cpu, kept = timed(lambda: pow_closed_form(*singles), repeats)
+    rows.append(("closed form, float32 pow", wall, cpu, int((kept != expected).sum())))
+    screen = [tensors[index] for index in (0, 1, 2, 3, 5)]
+    wall, cpu, kept = timed(lambda: device_map.may_move_blocks(*screen), repeats)
+    share = f"{kept.double().mean().item():.1%} kept, the closed form moves {expected.double().mean().item():.1%}"
+    rows.append((f"device_map bound, float64 ({share})", wall, cpu, int((expected & ~kept).sum())))
+    return rows
 
 
 def print_profile(chunk: dict[str, np.ndarray]) -> None:
@@ -141,6 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         print_table("quantile map", len(y), map_rows(chunk, args.threads, args.repeats, devices))
         print_table("uniforms", len(y), uniform_rows(chunk, args.repeats, devices))
         if args.profile:
+            print_table("the pass over every entry", len(y), closed_form_rows(chunk, args.repeats))
             print_profile(chunk)
 
 
