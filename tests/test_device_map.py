@@ -117,7 +117,9 @@ def synthetic_grid() -> list[np.ndarray]:
     return [y, mean, mean * shift, theta, ref_theta, u]
 
 
-def test_a_grid_of_counts_up_to_1e5_maps_as_numpys():
+@pytest.mark.parametrize("block", [device_map.CPU_BLOCK, 1000])
+def test_a_grid_of_counts_up_to_1e5_maps_as_numpys(monkeypatch, block):
+    monkeypatch.setattr(device_map, "CPU_BLOCK", block)  # 1000: many blocks, none a multiple of the grid's rows
     arrays = synthetic_grid()
     y = arrays[0]
     assert y.max() >= 1e5 and (y == 0).mean() > 0.05

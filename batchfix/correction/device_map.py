@@ -151,17 +151,16 @@ def walk_quantile_torch(target: torch.Tensor, p0: torch.Tensor, theta: torch.Ten
     return result
 
 
-def walked_counts(y: torch.Tensor, u: torch.Tensor, own_log0: torch.Tensor, own_theta: torch.Tensor,
-                  own_q: torch.Tensor, ref_log0: torch.Tensor, ref_theta: torch.Tensor,
+def walked_counts(y: torch.Tensor, u: torch.Tensor, own_p0: torch.Tensor, own_theta: torch.Tensor,
+                  own_q: torch.Tensor, ref_p0: torch.Tensor, ref_theta: torch.Tensor,
                   ref_q: torch.Tensor) -> torch.Tensor:
-    """counts.quantile_map's pmf walk of ascending counts y up to WALK_STEPS (log P(0) of each NB given): the
-    mapped counts, NaN where the walk does not settle them (P(0) below exp(LOG_PMF_FLOOR), the far upper tail, a
-    quantile above WALK_STEPS)."""
-    walkable = (own_log0 > counts.LOG_PMF_FLOOR) & (ref_log0 > counts.LOG_PMF_FLOOR)
-    below, mass = walk_tails_torch(y, torch.exp(own_log0), own_theta, own_q)
-    walkable &= 1.0 - (below + mass) >= counts.WALK_TAIL_FLOOR  # away from the far upper tail
-    walked = walk_quantile_torch(below + u * mass, torch.exp(ref_log0), ref_theta, ref_q)
-    return torch.where(walkable, walked, float("nan"))
+    """counts.quantile_map's pmf walk of ascending counts y up to WALK_STEPS (P(0) of each NB given, above
+    exp(LOG_PMF_FLOOR): callers check): the mapped counts, NaN where the walk does not settle them (the far upper
+    tail, a quantile above WALK_STEPS)."""
+    below, mass = walk_tails_torch(y, own_p0, own_theta, own_q)
+    inner = 1.0 - (below + mass) >= counts.WALK_TAIL_FLOOR  # away from the far upper tail
+    walked = walk_quantile_torch(below + u * mass, ref_p0, ref_theta, ref_q)
+    return torch.where(inner, walked, float("nan"))
 
 
 def may_move_blocks(y: torch.Tensor, own_mean: torch.Tensor, ref_mean: torch.Tensor, own_theta: torch.Tensor,
@@ -198,13 +197,15 @@ def quantile_map_torch(y: torch.Tensor, own_mean: torch.Tensor, ref_mean: torch.
     own_sum, ref_sum = own_theta + own_mean, ref_theta + ref_mean
     own_p, ref_p, own_q, ref_q = own_theta / own_sum, ref_theta / ref_sum, own_mean / own_sum, ref_mean / ref_sum
     own_log0, ref_log0 = own_theta * torch.log(own_p), ref_theta * torch.log(ref_p)  # log P(0)
-    moving = (y > 0) | (u * torch.exp(own_log0) > torch.exp(ref_log0))  # counts.quantile_map's closed form
+    own_p0, ref_p0 = torch.exp(own_log0), torch.exp(ref_log0)
+    moving = (y > 0) | (u * own_p0 > ref_p0)  # counts.quantile_map's closed form, F(0) as exp(theta log p)
     small = int(torch.searchsorted(y, torch.tensor([float(counts.WALK_STEPS)], dtype=y.dtype, device=y.device),
                                    right=True).item())  # counts up to WALK_STEPS come first
     result = torch.full_like(y, float("nan"))
-    result[:small] = walked_counts(*(values[:small] for values in (y, u, own_log0, own_theta, own_q, ref_log0,
+    result[:small] = walked_counts(*(values[:small] for values in (y, u, own_p0, own_theta, own_q, ref_p0,
                                                                    ref_theta, ref_q)))
-    result = torch.where(moving, result, 0.0)
+    walkable = (own_log0 > counts.LOG_PMF_FLOOR) & (ref_log0 > counts.LOG_PMF_FLOOR)  # no underflow on the way
+    result = torch.where(moving, torch.where(walkable, result, float("nan")), 0.0)
     exact = _where(torch.isnan(result))
     if len(exact):
         arrays = [_take(values, exact).cpu().numpy() for values in (y, own_mean, own_theta, own_p, own_q, ref_mean,
