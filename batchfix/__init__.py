@@ -28,3 +28,8 @@ def __getattr__(name: str):
 
 
 __all__ = ["train", "correct", "evaluate", "BatchfixModel", "bundled_dataset", "settings", "__version__"]
+
+
+def __dir__() -> list[str]:
+    """The public API, lazy names included: what `batchfix.<Tab>` offers in IPython."""
+    return sorted(__all__)

@@ -104,3 +104,10 @@ def test_api_errors_are_user_errors_and_leave_the_anndata_unchanged(small_adata)
     with pytest.raises(ConfigError, match="trainer.max_epochs must be >= 1"):
         batchfix.train(small_adata, max_epochs=-1)
     assert not small_adata.layers and not small_adata.obsm and small_adata.var.equals(before.var)
+
+
+def test_tab_completion_offers_the_public_api():
+    """IPython completes `batchfix.<Tab>` from dir(): the lazy names too, and each of them resolves."""
+    names = dir(batchfix)
+    assert {"train", "correct", "evaluate", "BatchfixModel", "bundled_dataset", "settings"} <= set(names)
+    assert all(getattr(batchfix, name) is not None for name in names)
