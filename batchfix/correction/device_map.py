@@ -105,10 +105,9 @@ def may_move(y: torch.Tensor, own_mean: torch.Tensor, ref_mean: torch.Tensor, ow
     (log(1 + x) lies between x / (1 + x) and x) and log u <= u - 1, it surely does where
     u + ref_mean - own_mean p_own <= 1, here with SCREEN_MARGIN to spare. Most zeros (a small mean, a draw not
     close to 1) are settled by it."""
-    bound = own_mean * own_theta
-    bound /= own_theta + own_mean
-    torch.sub(torch.add(u, ref_mean, alpha=1.0 + SCREEN_MARGIN), bound, out=bound)
-    return (bound > 1.0 - SCREEN_MARGIN) | (y > 0)
+    bound = torch.add(u, ref_mean, alpha=1.0 + SCREEN_MARGIN)
+    bound.addcdiv_(own_mean * own_theta, own_theta + own_mean, value=-1.0)
+    return (bound > 1.0 - SCREEN_MARGIN).logical_or_(y > 0)
 
 
 def walk_tails_torch(y: torch.Tensor, p0: torch.Tensor, theta: torch.Tensor,
@@ -144,6 +143,8 @@ def walk_quantile_torch(target: torch.Tensor, p0: torch.Tensor, theta: torch.Ten
             result.index_copy_(0, _take(rows, finished), _take(short, finished).to(result.dtype))
             rows, tail, target, short, theta, q, current = (
                 _take(values, keep) for values in (rows, tail, target, short, theta, q, current))
+            if not len(rows):
+                break
         if k < counts.WALK_STEPS:
             current = current * q * (theta + k) / steps[k + 1]  # P(k + 1)
     reached = _where(short <= counts.WALK_STEPS)
@@ -185,15 +186,9 @@ def gathered(y: torch.Tensor, own_mean: torch.Tensor, ref_mean: torch.Tensor, ow
     return _take(rows, order), [_take(v, order) for v in values]
 
 
-def quantile_map_torch(y: torch.Tensor, own_mean: torch.Tensor, ref_mean: torch.Tensor, own_theta: torch.Tensor,
-                       ref_theta: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """counts.quantile_map on flat float64 tensors of one device (integer counts y): y moved from
-    NB(own_mean, own_theta) to the same randomised quantile u of NB(ref_mean, ref_theta), on that device. Large
-    counts, the far upper tail and P(0) underflow take counts.exact_quantile_map on the CPU."""
-    if y.dtype != torch.float64:
-        raise TypeError(f"quantile_map_torch maps float64 tensors, not {y.dtype}")
-    out = torch.zeros_like(y)
-    rows, (y, own_mean, ref_mean, own_theta, ref_theta, u) = gathered(y, own_mean, ref_mean, own_theta, ref_theta, u)
+def map_gathered(y: torch.Tensor, own_mean: torch.Tensor, ref_mean: torch.Tensor, own_theta: torch.Tensor,
+                 ref_theta: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """counts.quantile_map of entries in ascending count order (as `gathered` leaves them)."""
     own_sum, ref_sum = own_theta + own_mean, ref_theta + ref_mean
     own_p, ref_p, own_q, ref_q = own_theta / own_sum, ref_theta / ref_sum, own_mean / own_sum, ref_mean / ref_sum
     own_log0, ref_log0 = own_theta * torch.log(own_p), ref_theta * torch.log(ref_p)  # log P(0)
@@ -211,4 +206,15 @@ def quantile_map_torch(y: torch.Tensor, own_mean: torch.Tensor, ref_mean: torch.
         arrays = [_take(values, exact).cpu().numpy() for values in (y, own_mean, own_theta, own_p, own_q, ref_mean,
                                                                      ref_theta, ref_p, ref_q, u)]
         result.index_copy_(0, exact, torch.from_numpy(counts.exact_quantile_map(*arrays)).to(result.device))
-    return out.index_copy_(0, rows, result)
+    return result
+
+
+def quantile_map_torch(y: torch.Tensor, own_mean: torch.Tensor, ref_mean: torch.Tensor, own_theta: torch.Tensor,
+                       ref_theta: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """counts.quantile_map on flat float64 tensors of one device (integer counts y): y moved from
+    NB(own_mean, own_theta) to the same randomised quantile u of NB(ref_mean, ref_theta), on that device. Large
+    counts, the far upper tail and P(0) underflow take counts.exact_quantile_map on the CPU."""
+    if y.dtype != torch.float64:
+        raise TypeError(f"quantile_map_torch maps float64 tensors, not {y.dtype}")
+    rows, values = gathered(y, own_mean, ref_mean, own_theta, ref_theta, u)
+    return torch.zeros_like(y).index_copy_(0, rows, map_gathered(*values))
