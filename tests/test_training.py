@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -86,7 +87,30 @@ def cli_run(subset_h5ad, tmp_path_factory):
     result = run_cli(["train", *tiny_overrides(subset_h5ad), f"trainer.max_epochs={CLI_EPOCHS}",
                       f"hydra.run.dir={run_dir}"], cwd=work)
     assert result.returncode == 0, result.stderr[-4000:]
+    (work / "stdout.txt").write_text(result.stdout)  # captured: not a terminal, as under nohup or SLURM
     return run_dir
+
+
+def test_cli_output_to_a_file_tells_the_progress_and_every_stage(cli_run):
+    """Written to a file, a run shows its progress while it fits (steps, loss, elapsed, ETA) and each stage's start."""
+    out = (cli_run.parent / "stdout.txt").read_text()
+    steps = CLI_EPOCHS * STEPS_PER_EPOCH
+    assert f"Fitting: {steps} steps planned" in out
+    assert re.search(rf"Step {steps}/{steps} \(100%\), loss [0-9.]+, 0:00:\d\d elapsed, ETA 0:00:00", out), out
+    assert len(re.findall(rf"Step \d+/{steps} ", out)) >= 5
+    for stage in ("Preparing the data", "Calibrating the output", "Fitting the extra genes' decoder",
+                  "Correcting the training file"):
+        assert stage in out, f"no line for: {stage}"
+
+
+def test_early_stopping_says_when_it_ends_the_fit(subset_h5ad, tmp_path, caplog):
+    """A fit that early stopping ends (a learning rate far too high, patience 1) announces it in one line."""
+    caplog.set_level("INFO", logger="batchfix")
+    cfg = compose_train(subset_h5ad, "trainer.max_epochs=40", "fit.early_stopping_patience=1", "fit.learning_rate=0.3")
+    epochs = fitting.fit(cfg, fitting.load_training_data(cfg.data), tmp_path).trainer.current_epoch
+    assert epochs < 40
+    stops = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Early stopping")]
+    assert len(stops) == 1 and f"after epoch {epochs} of 40" in stops[0] and "val_elbo" in stops[0]
 
 
 def test_cli_train_writes_run_folder(cli_run, subset_h5ad):

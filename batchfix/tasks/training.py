@@ -20,7 +20,7 @@ from batchfix.config import (
 )
 from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.corrector import reference_index
-from batchfix.correction.extra_genes import add_extra_genes_from
+from batchfix.correction.extra_genes import MIN_CELLS, add_extra_genes_from
 from batchfix.correction.provenance import refuse_key_collisions_in_file
 from batchfix.correction.recommendation import recommend_and_remember
 from batchfix.correction.writers import correct_adata, correct_file
@@ -50,6 +50,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, preset: str = DEFAULT_PRESET) -
     refuse_key_collisions_in_file(source, cfg.correction.key_added)
     started = time.perf_counter()
     fitting.seed_and_threads(cfg.seed, cfg.threads)
+    log.info("Preparing the data: %s.", source)
     try:
         adata = fitting.read_training_file(cfg.data)  # read once: trained on, then corrected in memory
         prepared = fitting.load_training_data(cfg.data, adata, source=input_path(cfg.data.path))
@@ -99,7 +100,11 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
                   run_dir: Path, preset: str = DEFAULT_PRESET) -> dict:
     """model.ckpt (the best checkpoint, calibrated, with the correction it remembers), corrected.h5ad and the
     evaluation of a finished fit; returns the metrics so far."""
+    log.info("Calibrating the output on the training cells (best checkpoint: %s).", result.best_checkpoint.name)
     model = calibrated_model(result.best_checkpoint, prepared)
+    if model.config.likelihood == "nb":
+        log.info("Fitting the extra genes' decoder (genes detected in >= %d cells beyond the modelled ones).",
+                 MIN_CELLS)
     corrected_genes = add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
     model.remember_correction(remembered_correction(preset, cfg.correction))
     apply = f"python -m batchfix correct checkpoint={run_dir / runfolder.MODEL_CKPT} correction={{preset}}"
@@ -108,12 +113,15 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
     metrics = {**fit_metrics(result, prepared), "corrected_genes": corrected_genes,
                "recommendation": advice.as_dict()}
     correct_started = time.perf_counter()
+    log.info("Correcting the training file into %s.", run_dir / runfolder.CORRECTED_H5AD)
     corrected_path = write_corrected(cfg, model, adata, run_dir / runfolder.CORRECTED_H5AD)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
     attention_picture(cfg, model, run_dir)
     if cfg.evaluate:  # without labels: the label-free mixing scores (iLISI, PCR) and a UMAP by batch
         from batchfix.eval.evaluate import evaluate_file
 
+        log.info("Evaluating %s (batch mixing%s, gene-level fidelity).", corrected_path,
+                 "" if cfg.data.label_key is None else ", biology conservation")
         metrics["evaluation"] = evaluate_file(corrected_path, cfg.data.batch_key, cfg.data.label_key, run_dir,
                                               counts_layer=cfg.data.counts_layer, key_added=cfg.correction.key_added,
                                               max_cells=cfg.evaluation.max_cells,

@@ -32,6 +32,7 @@ from batchfix.data.streaming import prepare_streamed, use_streaming
 from batchfix.errors import ConfigError, InputError, Interrupted
 from batchfix.training.checkpoint_io import AtomicCheckpointIO
 from batchfix.training.module import BatchfixModule
+from batchfix.training.progress import ProgressLines, announce_early_stop, live_bar_watched
 from batchfix.training.trained import TRAINED_DATA_OPTIONS, load_trained
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,9 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, has_validation: bool) -> pl.T
                                  save_last=True, enable_version_counter=False), StopOnSignal(last)]
     if cfg.fit.early_stopping_patience and has_validation:
         callbacks.append(EarlyStopping(monitor=monitor, patience=cfg.fit.early_stopping_patience))
+    progress_bar = options.enable_progress_bar and live_bar_watched()  # in a log file a bar is only noise
+    if not progress_bar:
+        callbacks.append(ProgressLines())
     quiet_lightning_logs()
     try:
         return pl.Trainer(
@@ -140,7 +144,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, has_validation: bool) -> pl.T
             accelerator=options.accelerator, devices=options.devices, strategy=options.strategy,
             num_nodes=options.num_nodes, precision=resolve_precision(options.precision, options.accelerator),
             gradient_clip_val=options.gradient_clip_val, log_every_n_steps=options.log_every_n_steps,
-            enable_progress_bar=options.enable_progress_bar, enable_model_summary=options.enable_model_summary,
+            enable_progress_bar=progress_bar, enable_model_summary=options.enable_model_summary,
             deterministic=options.deterministic, **({} if has_validation else {"limit_val_batches": 0}),
         )
     except (MisconfigurationException, ValueError, RuntimeError, ImportError) as err:  # e.g. no such accelerator
@@ -235,6 +239,7 @@ def fit(cfg: TrainConfig, prepared: PreparedData, run_dir: Path) -> FitResult:
     except (Interrupted, SIGTERMException) as err:
         signum = err.signum if isinstance(err, Interrupted) else signal.SIGTERM
         raise Interrupted(signum, interruption_note(trainer, run_dir)) from None
+    announce_early_stop(trainer)
     return FitResult(trainer, module, len(datamodule.train_rows), time.perf_counter() - started)
 
 
