@@ -88,7 +88,7 @@ import pandas as pd
 import psutil
 import scipy.sparse as sp
 
-from batchfix.config import OUTPUT_MODES, REGIONAL_SHIFTS, SPREADS, CorrectionOptions, CorrectionSettings
+from batchfix.config import OUTPUT_MODES, REGIONAL_SHIFTS, SHRINKS, SPREADS, CorrectionOptions, CorrectionSettings
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import cnv, detection, fidelity, matrix_scores, metrics, reports
 from scripts import baselines
@@ -138,9 +138,9 @@ class MethodResult:
 
 def companion_settings(run: CorrectionOptions) -> dict[str, CorrectionSettings]:
     """The settings of the outputs corrected beside a run's own, by output name: the other output mode, the other
-    spread (counterfactual_SPREAD), the other regional shifts (counterfactual_regional_MODE) and each state
-    dependence of STATE_DEPENDENCES (counterfactual_state_W). Each is the run's own options (a variant's
-    overrides included) with the one it names changed."""
+    spread (counterfactual_SPREAD), the other regional shifts (counterfactual_regional_MODE), each state
+    dependence of STATE_DEPENDENCES (counterfactual_state_W) and the other shrink (counterfactual_shrink_MODE).
+    Each is the run's own options (a variant's overrides included) with the one it names changed."""
     own = CorrectionSettings(**dataclasses.asdict(run))
     others = {mode: dataclasses.replace(own, output_mode=mode) for mode in OUTPUT_MODES if mode != run.output_mode}
     others.update({f"counterfactual_{spread}": dataclasses.replace(own, spread=spread)
@@ -149,6 +149,8 @@ def companion_settings(run: CorrectionOptions) -> dict[str, CorrectionSettings]:
                    for shift in REGIONAL_SHIFTS if shift != run.regional_shift})
     others.update({f"counterfactual_state_{weight}": dataclasses.replace(own, state_dependence=weight)
                    for weight in STATE_DEPENDENCES if weight != run.state_dependence})
+    others.update({f"counterfactual_shrink_{shrink}": dataclasses.replace(own, shrink=shrink)
+                   for shrink in SHRINKS if shrink != run.shrink})
     return others
 
 

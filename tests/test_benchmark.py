@@ -265,7 +265,8 @@ def test_companion_outputs_keep_the_variants_correction_options():
     others = benchmark.companion_settings(cfg.correction)
     assert set(others) == {"denoised", "counterfactual_batch", "counterfactual_regional_apply",
                            "counterfactual_regional_keep_all", "counterfactual_regional_keep_input",
-                           "counterfactual_state_1.0"}
+                           "counterfactual_state_1.0", "counterfactual_shrink_none"}
+    assert others["counterfactual_shrink_none"].shrink == "none" and others["denoised"].shrink == "evidence"
     assert others["counterfactual_batch"].spread == "batch"
     assert others["counterfactual_regional_apply"].regional_shift == "apply"
     for name, settings in others.items():  # the variant's options, but for the one the name changes

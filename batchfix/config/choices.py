@@ -18,6 +18,7 @@ STREAM_CHOICES = ("auto", "true", "false")
 OUTPUT_MODES = ("counterfactual", "denoised")
 REGIONAL_SHIFTS = ("apply", "keep", "keep_all", "keep_input")  # batchfix.correction.regional.RegionalShift
 REGIONAL_ORDERS = ("genome", "shuffled")
+SHRINKS = ("evidence", "none")  # the corrected counts' shifts: weighted by their evidence | applied in full
 SPREADS = ("batch", "gene")  # the counterfactual output's residual scale: one per batch | per gene and batch, shrunk
 NEIGHBOR_METHODS = ("auto", "exact", "approximate")  # how batchfix.eval.metrics finds the scores' neighbour graphs
 # Hydra's own command-line flags: every other `--name` is an argparse habit (batchfix.config.help_text)

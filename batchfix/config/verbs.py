@@ -10,6 +10,7 @@ from batchfix.config.choices import (
     OUTPUT_MODES,
     REGIONAL_ORDERS,
     REGIONAL_SHIFTS,
+    SHRINKS,
     SPREADS,
     at_least,
     non_empty,
@@ -76,6 +77,10 @@ class CorrectionOptions:
     # 0.5 by default: every gene line up against 1 on the three development sets and against a stress set's truth,
     # Total within 0.004 of it (docs/results.md, Which form is the default)
     state_dependence: float = 0.5
+    # Corrected counts: evidence = each batch's shift of each gene weighted by how well the batch's cells measure it
+    # (empirical Bayes across genes, centred on no shift: a shift within its own noise is not applied, a
+    # well-measured one passes whole; batchfix.correction.evidence) | none = every estimated shift applied in full
+    shrink: str = "evidence"
     # Counterfactual output: the share of each cell's residual (its own deviation from what the decoder expects in
     # its batch) that is kept, on top of the spread k_b. 1 = all of it; 0 = none: the denoised output (decoded as
     # the reference) plus the reference's location; between trades within-type neighbours and HVGs for mixing and
@@ -89,6 +94,7 @@ class CorrectionOptions:
         within(f"{self.PREFIX}quantile_seed", self.quantile_seed, 0, 2**32 - 1)
         one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
         one_of(f"{self.PREFIX}spread", self.spread, SPREADS)
+        one_of(f"{self.PREFIX}shrink", self.shrink, SHRINKS)
         one_of(f"{self.PREFIX}regional_shift", self.regional_shift, REGIONAL_SHIFTS)
         one_of(f"{self.PREFIX}regional_order", self.regional_order, REGIONAL_ORDERS)
         at_least(f"{self.PREFIX}regional_window", self.regional_window, 2)

@@ -57,12 +57,14 @@ class CountTables:
     """One gene set's NB tables, float64 (batchfix.correction.estimates): `theta` and `ratio` (codes, decoder
     genes: the training batches', then the unseen batches' estimated from their cells), `reference_ratio`
     (decoder genes,) and `reference_theta` (decoder genes,; None: each count keeps its own batch's dispersion,
-    correction.spread=batch)."""
+    correction.spread=batch); `shift_weight` (codes, decoder genes): the weight of each batch's shift of each gene
+    (batchfix.correction.evidence; None: every shift applied in full)."""
 
     theta: np.ndarray
     ratio: np.ndarray
     reference_ratio: np.ndarray
     reference_theta: np.ndarray | None
+    shift_weight: np.ndarray | None = None
 
 
 def total_log_shift(tables: CountTables, shift: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -118,6 +120,8 @@ def count_distributions(net, genes: GeneSet, tables: CountTables, x: torch.Tenso
     if by_reference_cells:
         total = counterfactual.reference_cell_shift(total, codes, regional)
     index, known, missing = genes.model_index, codes.clamp_min(0).numpy(), (codes < 0).numpy()[:, None]
+    if tables.shift_weight is not None:  # each batch's shift of each gene weighted by its evidence
+        total = total * torch.from_numpy(np.where(missing, 1.0, tables.shift_weight[known]))
     ratio = np.where(missing, 1.0, tables.ratio[known][:, index])  # (B, k): the batch's observed / decoded mean
     library = x[:, genes.present].sum(-1, keepdim=True)  # (B, 1): this set's counts in the cell
     own_mean = (own[:, index] * library).double().numpy() * ratio

@@ -23,6 +23,7 @@ import torch
 
 from batchfix.correction import calibration, count_output, counterfactual, counts
 from batchfix.correction.count_output import CountTables
+from batchfix.correction.evidence import ShiftEvidenceSums
 from batchfix.correction.regional import RegionalShift, genome_smoother
 from batchfix.nn.attention import fused_attention
 
@@ -39,10 +40,12 @@ class Estimates:
     statistics: each batch code's location and spread (the counterfactual output; the log output reads them);
     count_tables: one `CountTables` per gene set of the bound model (corrected counts); state: the state shrink
     (state_dependence < 1); regional: the regional shift's smoother and mean shifts (reference cells' offsets
-    included). None (or empty) where the output does not use it."""
+    included); shift_prior_sd: per gene set, each batch code's prior sd of its shifts across genes (the evidence
+    weights', batchfix.correction.evidence, held in the tables). None (or empty) where the output does not use it."""
 
     statistics: calibration.Statistics | None = None
     count_tables: tuple[CountTables, ...] = ()
+    shift_prior_sd: tuple[np.ndarray, ...] = ()
     state: counterfactual.StateShrink | None = None
     regional: RegionalShift | None = None
 
@@ -53,7 +56,17 @@ class Estimates:
         regional = "none" if self.regional is None else "reference_cells" if self.regional.offset is not None \
             else "whole_change" if self.regional.whole else "decoder_term"
         return {"gene_sets_with_count_tables": len(self.count_tables), "state_shrink": self.state is not None,
-                "regional_split": regional, "batches_with_mean_shift": [batch_names[c] for c in with_mean]}
+                "regional_split": regional, "batches_with_mean_shift": [batch_names[c] for c in with_mean],
+                **({"shift_evidence": self.evidence_summary(batch_names)} if self.shift_prior_sd else {})}
+
+    def evidence_summary(self, batch_names: list[str]) -> dict:
+        """Per batch: its shifts' prior sd across the modelled genes, and over every corrected gene the median
+        weight of its shift and the share of genes whose shift was more than halved (batchfix.correction.evidence)."""
+        weights = np.hstack([tables.shift_weight for tables in self.count_tables])  # (codes, all genes)
+        return {name: {"prior_sd": round(float(self.shift_prior_sd[0][code]), 4),
+                       "median_weight": round(float(np.median(weights[code])), 4),
+                       "share_more_than_halved": round(float((weights[code] < 0.5).mean()), 4)}
+                for code, name in enumerate(batch_names)}
 
 
 def estimate(bound, rows, n_obs: int) -> tuple[Estimates, np.ndarray | None]:
@@ -69,7 +82,8 @@ def estimate(bound, rows, n_obs: int) -> tuple[Estimates, np.ndarray | None]:
         regional = False
     with fused_attention(bound.net), torch.no_grad():
         first = estimate_unseen(bound, rows, n_obs)
-        if regional or bound.settings.state_dependence < 1:
+        evidence = bound.counts_output and bound.settings.shrink == "evidence"
+        if regional or bound.settings.state_dependence < 1 or evidence:
             return estimate_mean_shift(bound, first, rows, n_obs, regional)
     return first, None
 
@@ -147,6 +161,34 @@ def batch_terms(bound, first: Estimates, x: torch.Tensor, mu: torch.Tensor, code
     return decoder.numpy(), (values.clamp_min(0.0).masked_fill(x.eq(0), 0.0) - observed).numpy() if whole else None
 
 
+def add_evidence(bound, first: Estimates, evidence: list[ShiftEvidenceSums], inputs: list[torch.Tensor],
+                 mu: torch.Tensor, codes: np.ndarray) -> None:
+    """One forward batch's shifts, counts and own-batch means of every count gene set (`inputs`: each set's
+    counts, (B, decoder genes)) into its `evidence` sums."""
+    code_tensor, known = torch.from_numpy(codes), np.maximum(codes, 0)
+    for genes, tables, values, sums in zip(bound.gene_sets, first.count_tables, inputs, evidence):
+        shift, own = counterfactual.log_mean_shift(bound.net, mu, code_tensor, bound.reference, genes.present,
+                                                   extra=genes.extra)
+        library = values[:, genes.present].sum(-1, keepdim=True)  # (B, 1)
+        means = (own * library).double().numpy() * tables.ratio[known]
+        sums.add(codes, shift.double().numpy(), values.double().numpy(), means)
+
+
+def weighted_tables(bound, first: Estimates, evidence: list[ShiftEvidenceSums]) -> tuple[tuple, tuple]:
+    """(each gene set's tables with the shift weights of its evidence, each set's (codes,) prior sd)."""
+    if not evidence:
+        return first.count_tables, ()
+    if bound.reference is None:
+        detected = [sums.detected_reference(tables, bound.batches.n_training, calibration.MIN_UNSEEN_CELLS)
+                    for tables, sums in zip(first.count_tables, evidence)]
+    else:
+        detected = list(first.count_tables)
+    weighted = [sums.weights(tables, genes.present.numpy())
+                for genes, tables, sums in zip(bound.gene_sets, detected, evidence)]
+    tables = tuple(dataclasses.replace(t, shift_weight=w) for t, (w, _) in zip(detected, weighted))
+    return tables, tuple(tau for _, tau in weighted)
+
+
 class MeanShiftSums:
     """Per batch code, over its cells: the sums of the term whose means the state shrink and the regional shift
     split against, of the whole change (keep_input on the log output), and the cell counts."""
@@ -176,10 +218,14 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int,
     normal = None
     if regional and bound.normal is not None:
         normal = (ReferenceCellSums if bound.counts_output else LogReferenceCellSums)(bound, first, n_codes)
+    evidence = [ShiftEvidenceSums(n_codes, len(genes.present)) for genes in bound.gene_sets] \
+        if bound.counts_output and bound.settings.shrink == "evidence" else []
     latents = np.empty((n_obs, bound.latent_dim), dtype=np.float32)
     for start in range(0, n_obs, bound.settings.chunk_size):
         stop = min(start + bound.settings.chunk_size, n_obs)
-        x = bound.model_input(rows.rows(start, stop), start)
+        chunk = rows.rows(start, stop)
+        x = bound.model_input(chunk, start)
+        inputs = [x] + [genes.observed(chunk) for genes in bound.gene_sets[1:]] if evidence else []
         for part, cells in bound.forward_batches(stop - start, start):
             codes = bound.batches.codes[cells]
             mu, _ = bound.net.encode(x[part])  # (B, latent)
@@ -188,10 +234,14 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int,
             sums.add(codes, term, change)
             if normal is not None:
                 normal.add(x[part], torch.from_numpy(term) if bound.counts_output else mu, codes, cells[0])
+            if evidence:
+                add_evidence(bound, first, evidence, [values[part] for values in inputs], mu, codes)
     state, shift = mean_shift(bound, sums, mode, regional)
     if shift is not None and normal is not None:
         shift = dataclasses.replace(shift, offset=normal.offset())
-    return dataclasses.replace(first, state=state, regional=shift), latents
+    tables, prior_sd = weighted_tables(bound, first, evidence)
+    return dataclasses.replace(first, count_tables=tables, shift_prior_sd=prior_sd, state=state,
+                               regional=shift), latents
 
 
 def mean_shift(bound, sums: MeanShiftSums, mode: str,

@@ -1,0 +1,99 @@
+"""Evidence-weighted shifts (correction.shrink=evidence, batchfix.correction.evidence): a shift within its own noise
+is not applied, a well-measured one passes; on a random split of one real batch the counts stay as they were, and a
+gene emptied from a whole batch is not given back to its cells."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import batchfix
+from batchfix.correction.count_output import CountTables
+from batchfix.correction.evidence import ShiftEvidenceSums
+from scripts import donor_biology, null_split
+
+TINY = dict(n_top_genes=300, genes_per_token=16, max_epochs=2, enable_progress_bar=False, seed=0)
+
+
+def test_a_shift_within_its_noise_gets_no_weight_and_a_measured_one_passes():
+    """Two batches of 100 cells over 200 genes: batch 0's shifts are pure noise around 0 (its mean shift squared
+    matches its variance), batch 1's a real shift of +-1 on genes of thousands of counts."""
+    rng = np.random.default_rng(0)
+    n_genes, n_cells = 200, 100
+    sums = ShiftEvidenceSums(2, n_genes)
+    counts = np.full(n_genes, 20.0)  # per batch: 20 counts a gene in total
+    noise_sd = np.sqrt(1.0 / (counts + 0.5))
+    sums.shift[0] = rng.normal(0.0, noise_sd) * n_cells
+    sums.counts[0], sums.means[0], sums.mean_squares[0] = counts, counts, counts**2 / n_cells
+    sums.shift[1] = rng.choice([-1.0, 1.0], n_genes) * n_cells
+    sums.counts[1], sums.means[1], sums.mean_squares[1] = 5000.0, 5000.0, 5000.0**2 / n_cells
+    sums.n_cells[:] = n_cells
+    tables = CountTables(theta=np.full((2, n_genes), 10.0), ratio=np.ones((2, n_genes)),
+                         reference_ratio=np.ones(n_genes), reference_theta=None)
+    present = np.ones(n_genes, dtype=bool)
+    present[-1] = False
+    weight, prior_sd = sums.weights(tables, present)
+    assert prior_sd[0] < 0.1 and weight[0, :-1].max() < 0.3  # noise: (almost) nothing applied
+    assert prior_sd[1] == pytest.approx(1.0, abs=0.01) and weight[1, :-1].min() > 0.99  # a measured shift passes
+    assert (weight[:, -1] == 1.0).all()  # a gene the input lacks: untouched
+
+
+@pytest.fixture(scope="module")
+def null_set(bundled_adata, subset):
+    """A random 50/50 split of the bundled batch sc_celseq2 (240 cells, the subset's 600 genes): nothing to
+    correct."""
+    split = null_split.null_split(bundled_adata[:, subset.var_names], "sc_celseq2", [0.5, 0.5], seed=0)
+    split.X = sp.csr_matrix(split.X, dtype=np.float32)
+    torch.set_num_threads(1)
+    return split, batchfix.train(split, batch_key="batch", label_key="cell_type", **TINY)
+
+
+def changed_share(raw, corrected) -> tuple[float, float]:
+    """(share of nonzero raw counts changed, share of raw zeros made positive)."""
+    raw, corrected = sp.csr_matrix(raw), sp.csr_matrix(corrected)
+    changed = (corrected != raw).multiply(raw > 0).nnz / raw.nnz
+    positive = corrected > 0
+    raised = (positive.nnz - positive.multiply(raw > 0).nnz) / (np.prod(raw.shape) - raw.nnz)
+    return changed, raised
+
+
+def test_a_random_split_of_one_batch_is_left_as_it_was(null_set):
+    split, model = null_set
+    out = batchfix.correct(split, model, copy=True)
+    changed, raised = changed_share(split.X, out.layers["batchfix_counts"])
+    assert changed <= 0.01 and raised <= 0.001, (changed, raised)
+    evidence = out.uns["batchfix"]["estimates"]["shift_evidence"]
+    assert set(evidence) == {"sc_celseq2_a", "sc_celseq2_b"}
+    assert all(entry["median_weight"] < 0.5 for entry in evidence.values())
+    # every shift applied in full moves counts that nothing calls for
+    full = batchfix.correct(split, model, copy=True, shrink="none")
+    assert changed_share(split.X, full.layers["batchfix_counts"])[0] > 0.02
+
+
+@pytest.fixture(scope="module")
+def donor_set(subset):
+    """The real 5-batch subset with genes of several detection levels emptied in every cell of one batch."""
+    donor = donor_biology.build(subset, "sc_celseq2_5cl_p1", seed=0)
+    donor.X = sp.csr_matrix(donor.X, dtype=np.float32)
+    torch.set_num_threads(1)
+    return donor, batchfix.train(donor, batch_key="batch", label_key="cell_type", **{**TINY, "n_top_genes": 200})
+
+
+def test_a_gene_emptied_from_a_whole_batch_is_neither_given_back_nor_taken_from_the_others(donor_set):
+    """The emptied batch's cells get none of the genes (<= 5 %), the other batches keep >= 0.8 of their
+    expressing cells; with every shift applied in full, both fail."""
+    donor, model = donor_set
+    genes = list(donor.uns["donor_biology"]["genes"])
+    emptied = (donor.obs["batch"].astype(str) == "sc_celseq2_5cl_p1").to_numpy()
+    columns = donor.var_names.get_indexer(genes)
+    raw = sp.csr_matrix(donor.X)[:, columns].toarray() > 0
+    for shrink in ("evidence", "none"):
+        counts = batchfix.correct(donor, model, copy=True, shrink=shrink).layers["batchfix_counts"]
+        expressed = sp.csr_matrix(counts)[:, columns].toarray() > 0
+        given = expressed[emptied].mean(axis=0)
+        kept = expressed[~emptied].mean(axis=0) / raw[~emptied].mean(axis=0)
+        if shrink == "evidence":
+            assert given.max() <= 0.05 and kept.min() >= 0.8, (dict(zip(genes, given.round(3))), kept.round(3))
+        else:
+            assert given.max() > 0.05 or kept.min() < 0.8
