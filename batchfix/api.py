@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import logging
 import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -57,6 +58,7 @@ NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a 
 # The correction options: keywords of batchfix.train (remembered by the model) and of batchfix.correct.
 CORRECTION_OPTIONS = tuple(option.name for option in fields(CorrectionOptions))
 INFERENCE_OPTIONS = tuple(option.name for option in fields(InferenceOptions))
+log = logging.getLogger(__name__)
 
 def train_config(**options) -> TrainConfig:
     """A validated TrainConfig from options named as in the config (`n_heads=8`, `max_epochs=20`, ...)."""
@@ -133,7 +135,11 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
         add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
     model.remember_correction(remembered_correction(preset, chosen))
     labels = None if label_key is None else adata.obs[label_key].astype(str).to_numpy()
-    recommend_and_remember(model, prepared, labels, 'batchfix.correct(adata, model, correction="{preset}")', cfg.seed)
+    advice = recommend_and_remember(model, prepared, labels, 'batchfix.correct(adata, model, correction="{preset}")',
+                                    cfg.seed)
+    if advice.preset != preset:  # a warning: shown in a notebook, where info lines are not by default
+        log.warning("batchfix recommends correction=%r for these data (trained with %r): %s.%s", advice.preset, preset,
+                    advice.reason, f" Apply it: {advice.command}" if advice.command else "")
     model.path = None  # the checkpoint it came from is gone: model.save(path) keeps it
     return model
 

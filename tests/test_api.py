@@ -111,3 +111,15 @@ def test_tab_completion_offers_the_public_api():
     names = dir(batchfix)
     assert {"train", "correct", "evaluate", "BatchfixModel", "bundled_dataset", "settings"} <= set(names)
     assert all(getattr(batchfix, name) is not None for name in names)
+
+
+def test_the_recommendation_reaches_a_notebook(small_h5ad):
+    """A notebook shows warnings, not info lines: a recommendation other than the trained correction is a warning,
+    seen on stderr by a Python session that configured no logging."""
+    script = (f"import anndata as ad, batchfix; from batchfix.correction import extra_genes; "
+              f"extra_genes.MAX_STEPS = 50; adata = ad.read_h5ad({str(small_h5ad)!r}); "
+              f"batchfix.train(adata, correction='conditions', **{TINY!r})")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "batchfix recommends correction='default' for these data (trained with 'conditions')" in result.stderr
