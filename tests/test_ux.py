@@ -321,3 +321,18 @@ def test_a_skipped_first_step_of_fp16_training_is_not_reported_as_a_scheduler_mi
         schedule.step()  # no optimizer step before it, as when the loss scaler skipped it
         warnings.warn("another warning")
     assert [str(w.message) for w in shown] == ["another warning"]
+
+
+def test_the_run_summary_names_a_high_model_misfit_and_what_to_do(tmp_path):
+    """A model that misfits many gene x batch pairs (PIT not uniform) is named in the summary with the genes failing
+    in the most batches; the bundled data's 0.5 % is not."""
+    from batchfix.cli.summary import run_summary
+
+    failing = {"b1": ["MALAT1", "ACTB", "TMSB4X"], "b2": ["ACTB", "GAPDH"], "b3": ["ACTB", "TMSB4X"]}
+    evaluation = {"scores": {}, "gene_fidelity": {}, "matrix_scores": {"PIT fails": 0.12, "pit_failing_genes": failing}}
+    summary = run_summary("evaluate", evaluation, tmp_path, [])
+    line = next(line for line in summary.splitlines() if "model misfit" in line)
+    assert "12.0% of gene x batch pairs" in line and "worst: ACTB, TMSB4X, MALAT1, GAPDH" in line
+    assert "fit.target_steps" in line and "metrics.md" in line
+    evaluation["matrix_scores"]["PIT fails"] = 0.005
+    assert "model misfit" not in run_summary("evaluate", evaluation, tmp_path, [])

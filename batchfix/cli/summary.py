@@ -25,7 +25,30 @@ def evaluation_summary(evaluation: dict) -> list[str]:
         f"{m} {'n/a' if genes.get(m) is None else f'{genes[m]:.3f}'}" for m in fidelity.GENE_METRICS))
     if evaluation.get("note"):
         lines.append(f"  note: {evaluation['note']}")
-    return lines
+    misfit = misfit_line(evaluation.get("matrix_scores") or {})
+    return lines + ([misfit] if misfit else [])
+
+
+MISFIT_SHARE = 0.05  # bundled data: 0.5 % of gene x batch pairs; 0.1 % fail by chance (detection.PIT_ALPHA)
+WORST_NAMED = 5
+
+
+def misfit_line(scores: dict) -> str | None:
+    """One line when the model misfits a high share of gene x batch pairs (their PIT is not uniform): the share, the
+    genes failing in the most batches, and what to do; None otherwise."""
+    share = scores.get("PIT fails")
+    if share is None or share < MISFIT_SHARE:
+        return None
+    ranked: dict[str, tuple[int, int]] = {}  # gene: (batches where it fails, its best rank within a batch)
+    for genes in scores.get("pit_failing_genes", {}).values():
+        for rank, gene in enumerate(genes):
+            batches, best = ranked.get(gene, (0, rank))
+            ranked[gene] = (batches + 1, min(best, rank))
+    worst = sorted(ranked, key=lambda gene: (-ranked[gene][0], ranked[gene][1]))[:WORST_NAMED]
+    return (f"  model misfit: {share:.1%} of gene x batch pairs (their raw counts' PIT is not uniform; worst: "
+            f"{', '.join(worst) or 'n/a'}): their corrected counts are less trustworthy; check the input holds raw "
+            "counts, try a longer fit (fit.target_steps), and test these genes on X with batch in the DE design "
+            "(metrics.md names them by batch)")
 
 
 def run_summary(verb: str, result: dict, folder: str | Path, written: list[str]) -> str:
