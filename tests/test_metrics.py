@@ -361,3 +361,10 @@ def test_umap_of_8192_cells_or_more(log_expr):
     twins = np.flatnonzero(source == source[0])[1:]  # resampled copies of the first cell
     spread = np.linalg.norm(coords - coords.mean(axis=0), axis=1).mean()
     assert np.linalg.norm(coords[twins] - coords[0], axis=1).mean() < 0.2 * spread
+
+
+def test_the_cnv_table_writes_an_undefined_relative_r_as_n_a():
+    """Where the uncorrected profiles do not correlate (r <= 0), cnv.py leaves relative_r None: the table says n/a."""
+    scores = {"retention_r": 0.12, "uncorrected_r": -0.05, "relative_r": None, "amplitude_ratio": 0.7, "n_genes": 900,
+              "n_windows": 12}
+    assert "| 0.120 | -0.050 | n/a | 0.700 | 900 | 12 |" in reports.cnv_markdown(scores)

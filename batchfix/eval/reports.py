@@ -13,10 +13,11 @@ def cnv_markdown(scores: Mapping) -> str:
     """CNV profile retention as a one-row markdown table, or its note."""
     if scores.get("retention_r") is None:
         return f"{scores.get('note', 'not computed')}\n"
+    values = ["n/a" if scores.get(name) is None else f"{scores[name]:.3f}"  # relative r: none where uncorrected r <= 0
+              for name in ("retention_r", "uncorrected_r", "relative_r", "amplitude_ratio")]
     return ("| CNV profile r | uncorrected r | relative r | amplitude ratio | genes | windows |\n"
             "|---|---|---|---|---|---|\n"
-            f"| {scores['retention_r']:.3f} | {scores['uncorrected_r']:.3f} | {scores['relative_r']:.3f} | "
-            f"{scores['amplitude_ratio']:.3f} | {scores.get('n_genes', 'n/a')} | {scores.get('n_windows', 'n/a')} |\n")
+            f"| {' | '.join(values)} | {scores.get('n_genes', 'n/a')} | {scores.get('n_windows', 'n/a')} |\n")
 
 
 def gene_markdown(scores: Mapping) -> str:
