@@ -1,13 +1,21 @@
 """The matrix-score registry (batchfix.eval.matrix_scores) on the real bundled counts."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
+import torch
 
+import batchfix
+from batchfix.correction import extra_genes
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import matrix_scores
-from batchfix.eval.matrix_scores import MatrixInput, score_matrix
+from batchfix.eval.matrix_scores import MatrixInput, corrected_matrix_scores, score_matrix
+
+TINY = dict(genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8, decoder_hidden=32, batch_size=64,
+            threads=1, enable_progress_bar=False, max_epochs=1, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +69,57 @@ def test_without_labels_only_the_label_free_scores_are_computed(bundled_genes):
     assert scores[matrix_scores.ZEROS_RAISED] == 0.0
     label_scores = [matrix_scores.DETECTION_WITHIN, matrix_scores.FALSE_DE_ZERO_RAW, matrix_scores.BATCH_DE_CALLS]
     assert all(np.isnan(scores[name]) for name in label_scores)
+
+
+# ---------------------------------------------------------------- the checks of the model that corrected the file
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(subset, tmp_path_factory):
+    """A tiny model (1 epoch, 200 genes) trained on the real subset and saved."""
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(extra_genes, "MAX_STEPS", 50)
+        model = batchfix.train(subset.copy(), n_top_genes=200, **TINY)
+    return model.save(tmp_path_factory.mktemp("model") / "model.ckpt")
+
+
+def checked(adata, batch_key: str = "batch", trained=None) -> dict:
+    return corrected_matrix_scores(adata, "batchfix", adata.var["batchfix_modelled"].to_numpy(), batch_key, None,
+                                   trained=trained)
+
+
+def test_a_file_corrected_with_all_batches_new_gets_its_model_checks(subset, tiny_checkpoint):
+    adata = subset.copy()
+    adata.obs["batch"] = "new_" + adata.obs["batch"].astype(str)
+    batchfix.correct(adata, tiny_checkpoint, all_batches_new=True)
+    scores = checked(adata)
+    assert scores[matrix_scores.PIT_FAILS] is not None and "model_checks_skipped" not in scores
+
+
+def test_a_renamed_batch_column_is_read_under_evaluates_batch_key(subset, tiny_checkpoint):
+    adata = subset.copy()
+    batchfix.correct(adata, tiny_checkpoint)
+    adata.obs = adata.obs.rename(columns={"batch": "donor"})
+    assert checked(adata, batch_key="donor")[matrix_scores.PIT_FAILS] is not None
+
+
+def test_model_checks_that_cannot_run_say_why(subset, tiny_checkpoint, tmp_path, caplog):
+    """A moved checkpoint and a model of other genes: no PIT, one warning and the reason in the result
+    (metrics.json's matrix_scores)."""
+    moved = shutil.copy(tiny_checkpoint, tmp_path / "moved.ckpt")
+    adata = subset.copy()
+    batchfix.correct(adata, moved)
+    (tmp_path / "moved.ckpt").unlink()
+    caplog.set_level("INFO", logger="batchfix")
+    scores = checked(adata)
+    assert scores[matrix_scores.PIT_FAILS] is None
+    assert f"no longer at {tmp_path / 'moved.ckpt'} (moved or deleted)" in scores["model_checks_skipped"]
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [scores["model_checks_skipped"]]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(extra_genes, "MAX_STEPS", 50)
+        other = batchfix.train(subset.copy(), n_top_genes=120, **TINY)
+    scores = checked(adata, trained=other)
+    assert scores[matrix_scores.PIT_FAILS] is None
+    assert "it is not the model that corrected the file" in scores["model_checks_skipped"]

@@ -114,21 +114,27 @@ def score_matrix(matrix: MatrixInput) -> dict[str, float]:
     return result
 
 
-def model_checks(adata, key_added: str, genes: np.ndarray, trained=None) -> dict | None:
+class NoModelChecks(Exception):
+    """Why the checks of the model that corrected a file cannot run; `expected`: a file without batchfix's counts,
+    where none are to be had."""
+
+    def __init__(self, why: str, expected: bool = False):
+        super().__init__(why)
+        self.expected = expected
+
+
+def model_checks(adata, key_added: str, genes: np.ndarray, trained=None, batch_key: str | None = None) -> dict:
     """The checks of the model that corrected the file, read from the checkpoint uns[key_added] names when that file
     is there unchanged (its sha256) and the output is corrected counts, on the genes of the mask `genes`: 'expected'
     (cells x genes P(count > 0) under each cell's reference NB), 'pit' (cells x genes, the observed counts'
-    randomised PIT under their own batch's NB) and 'reference' (its name); else None. The correction is rerun on
-    these cells with the options uns records (on a subsample the state dependence's batch means come from it).
-    `trained`: the model itself (a BatchfixModel), for a correction whose checkpoint was never saved."""
+    randomised PIT under their own batch's NB) and 'reference' (its name); else NoModelChecks says why not. The
+    correction is rerun on these cells with the options uns records (on a subsample the state dependence's batch
+    means come from it). `trained`: the model itself (a BatchfixModel), for a correction whose checkpoint was never
+    saved; `batch_key`: evaluate's batch column, read where the one the correction read was renamed."""
     info = adata.uns.get(key_added, {})
-    path, digest = Path(str(info.get("checkpoint", ""))), str(info.get("checkpoint_sha256", ""))
     if "log_transform" not in info:
-        return None
-    if trained is None:
-        if not digest or not path.is_file() or file_sha256(path) != digest:
-            return None
-        trained = load_trained(path)
+        raise NoModelChecks(f"uns['{key_added}'] records no corrected counts of batchfix", expected=True)
+    trained = trained if trained is not None else saved_model(info)
     params = dict(info["params"])
     names = {f.name for f in fields(CorrectionSettings)}
     options = {k: (list(v) if isinstance(v, np.ndarray) else v) for k, v in params.items() if k in names}
@@ -136,15 +142,43 @@ def model_checks(adata, key_added: str, genes: np.ndarray, trained=None) -> dict
     source = params["counts"]
     counts_layer = "X" if source == "X" else source[len("layers['"):-len("']")]
     if (adata.X is None) if counts_layer == "X" else (counts_layer not in adata.layers):
-        return None  # a subsample holds the counts evaluate compares with, not those the correction read
-    columns, expected, pit = writers.model_checks(adata, trained, settings, counts_layer, params.get("batch_key"))
+        # a subsample holds the counts evaluate compares with, not those the correction read
+        raise NoModelChecks(f"the scored cells lack {source}, the counts the correction read")
+    recorded = params.get("batch_key")
+    columns, expected, pit = correction_checks(adata, trained, settings, counts_layer,
+                                               recorded if recorded in adata.obs or batch_key is None else batch_key)
     position = pd.Series(np.arange(len(columns)), index=columns).reindex(np.flatnonzero(genes))
-    if position.isna().any():
-        return None
-    keep = position.to_numpy(dtype=np.int64)
     where = trained.path.name if trained.path else "in memory"
+    if position.isna().any():
+        raise NoModelChecks(f"the model given ({where}) lacks {int(position.isna().sum())} of the {len(position)} "
+                            "genes the file's model corrected: it is not the model that corrected the file")
+    keep = position.to_numpy(dtype=np.int64)
     return {"expected": expected[:, keep], "pit": pit[:, keep],
             "reference": f"reference NB of the model that corrected the file ({where}, its options)"}
+
+
+def saved_model(info: dict):
+    """The checkpoint uns names, when it is there unchanged since it corrected the file."""
+    path, digest = Path(str(info.get("checkpoint", ""))), str(info.get("checkpoint_sha256", ""))
+    if not digest:
+        raise NoModelChecks("the model that corrected the file was never saved: batchfix.evaluate(..., model=model) "
+                            "takes it")
+    if not path.is_file():
+        raise NoModelChecks(f"the checkpoint that corrected the file is no longer at {path} (moved or deleted): "
+                            "put it back, or pass it as batchfix.evaluate(..., model=PATH)")
+    if file_sha256(path) != digest:
+        raise NoModelChecks(f"the checkpoint {path} changed since it corrected the file")
+    return load_trained(path)
+
+
+def correction_checks(adata, trained, settings: CorrectionSettings, counts_layer: str,
+                      batch_key: str | None) -> tuple[np.ndarray, ...]:
+    """writers.model_checks, for a file corrected already: batches the model was not trained on are accepted (the
+    correction refused them unless all_batches_new=true)."""
+    output, rows = writers.prepared_output(adata, trained, settings, counts_layer, batch_key, all_batches_new=True)
+    parts = [output.model_checks(rows.rows(start, min(start + settings.chunk_size, adata.n_obs)), start)
+             for start in range(0, adata.n_obs, settings.chunk_size)]  # each: (columns, expected, pit) of its cells
+    return parts[0][0], np.vstack([part[1] for part in parts]), np.vstack([part[2] for part in parts])
 
 
 def corrected_matrix_scores(adata, layer: str, genes: np.ndarray, batch_key: str, label_key: str | None,
@@ -160,14 +194,19 @@ def corrected_matrix_scores(adata, layer: str, genes: np.ndarray, batch_key: str
                 "note": f"{counts_layer or 'X'} does not hold raw counts: the matrix scores were not computed."}
     labels = adata.obs[label_key].astype(str).to_numpy() if label_key else None
     matrix = MatrixInput(adata.layers[layer][:, genes], raw, labels, adata.obs[batch_key].astype(str).to_numpy())
-    model = model_checks(adata, layer, genes, trained)
-    if model is not None:
+    try:
+        model, skipped = model_checks(adata, layer, genes, trained, batch_key), None
         matrix.pit = model["pit"]
         if labels is not None:
             matrix.expected_nonzero, matrix.reference = model["expected"], model["reference"]
+    except NoModelChecks as why:
+        skipped = f"No model checks (PIT, detection against the correcting model): {why}."
+        log.log(logging.INFO if why.expected else logging.WARNING, skipped)
     scores = score_matrix(matrix)
     result = {**{k: None if np.isnan(v) else v for k, v in scores.items()},
               "layer": layer, "n_genes": int(np.count_nonzero(genes)), "reference": matrix.reference, **values}
+    if skipped:
+        result["model_checks_skipped"] = skipped
     if matrix.pit is not None:
         result["pit_failing_genes"] = failing_genes(matrix, np.asarray(adata.var_names[genes]).astype(str))
     return result

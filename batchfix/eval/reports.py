@@ -50,10 +50,12 @@ def matrix_markdown(scores: Mapping) -> str:
     """The matrix scores (batchfix.eval.matrix_scores) as a one-row markdown table, with the reference used."""
     if scores.get("note"):
         return f"{scores['note']}\n"
-    columns = [k for k in scores if k not in ("layer", "n_genes", "reference", "pit_failing_genes")]
+    columns = [k for k in scores if k not in ("layer", "n_genes", "reference", "pit_failing_genes",
+                                              "model_checks_skipped")]
     cells = ["n/a" if scores[c] is None else _format_cell(scores[c], 3) for c in columns]
     failing = "".join(f"- {batch}: {', '.join(genes)}\n"
                       for batch, genes in scores.get("pit_failing_genes", {}).items())
     return ("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n| " + " | ".join(cells) + " |\n\n"
             f"On {scores['n_genes']} genes; expected nonzero shares from the {scores['reference']}.\n"
-            + (f"\nGenes the model misfits (PIT not uniform, worst first), by batch:\n{failing}" if failing else ""))
+            + (f"\nGenes the model misfits (PIT not uniform, worst first), by batch:\n{failing}" if failing else "")
+            + (f"\n{scores['model_checks_skipped']}\n" if scores.get("model_checks_skipped") else ""))
