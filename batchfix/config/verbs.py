@@ -141,10 +141,29 @@ class InferenceOptions(ForwardOptions):
     # Dynamically quantized int8 linear layers (CPU): corrected values move slightly, and it was not faster on the
     # default model (docs/benchmarks.md, INT8).
     int8: bool = False
+    # One part of the correction, for independent jobs (a SLURM array): i/N writes OUT.shard-i-of-N, the cells of
+    # part i of N; merge/N writes OUT from the N parts. null = every cell (under torchrun: each rank its part, rank 0
+    # merges). Parts start where a one-process run starts a forward batch, so they give its numbers.
+    shard: Optional[str] = None
 
     def __post_init__(self):
         super().__post_init__()
         at_least(f"{self.PREFIX}chunk_size", self.chunk_size, 1)
+        self.shard_part()
+
+    def shard_part(self) -> tuple[int | None, int] | None:
+        """(i, N) of shard=i/N, (None, N) of merge/N, None without a shard; a malformed one refused in one line."""
+        if self.shard is None:
+            return None
+        index, _, count = str(self.shard).partition("/")
+        try:
+            part = (None if index.strip() == "merge" else int(index), int(count))
+        except ValueError:
+            part = (-1, 0)
+        if part[1] < 1 or (part[0] is not None and not 0 <= part[0] < part[1]):
+            raise ConfigError(f"{self.PREFIX}shard must be i/N with 0 <= i < N (e.g. 0/4), or merge/N; got "
+                              f"{self.shard!r}.")
+        return part
 
 
 @dataclass

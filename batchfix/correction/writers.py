@@ -21,6 +21,7 @@ input is opened read-only and never modified; the output appears (atomically) on
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 import anndata as ad
@@ -32,7 +33,14 @@ import scipy.sparse as sp
 from batchfix.config import CorrectionSettings
 from batchfix.correction.corrector import BoundModel
 from batchfix.correction.estimates import estimate
-from batchfix.correction.outputs import OutputKind, Tallies, check_empty_cells, corrected_chunks, output_kind
+from batchfix.correction.outputs import (
+    ChunkOutput,
+    OutputKind,
+    Tallies,
+    check_empty_cells,
+    corrected_chunks,
+    output_kind,
+)
 from batchfix.correction.provenance import for_hdf5, layer_entries, provenance
 from batchfix.data import ondisk
 from batchfix.data.atomic import atomic_output, refuse_existing
@@ -183,16 +191,17 @@ class CsrAppender:
     """A CSR matrix in an open .h5ad (anndata's encoding), written a block of rows at a time; the number of
     stored values need not be known in advance."""
 
-    def __init__(self, group: h5py.Group, name: str, shape: tuple[int, int]):
+    def __init__(self, group: h5py.Group, name: str, shape: tuple[int, int],
+                 compression: dict = ondisk.LAYER_COMPRESSION):
         csr = group.create_group(name)
         csr.attrs.update(ondisk.CSR_ENCODING)
         csr.attrs["shape"] = np.array(shape, dtype=np.int64)
         position = ondisk.index_dtype(shape[0] * shape[1], shape[1])
         block = max(1, ondisk.CHUNK_BYTES // 4)
         self.data = csr.create_dataset("data", shape=(0,), maxshape=(None,), dtype=np.float32, chunks=(block,),
-                                       **ondisk.LAYER_COMPRESSION)
+                                       **compression)
         self.indices = csr.create_dataset("indices", shape=(0,), maxshape=(None,), dtype=position, chunks=(block,),
-                                          **ondisk.LAYER_COMPRESSION)
+                                          **compression)
         self.indptr = csr.create_dataset("indptr", shape=(shape[0] + 1,), dtype=position)
         self.indptr[0] = 0
         self.n_rows = self.n_stored = 0
@@ -218,35 +227,54 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
     unless overwrite=True. The input is opened read-only.
     """
     source, target = open_input(input_path, output_path, overwrite)
-    batch_key, counts_layer = data_keys(trained, batch_key, counts_layer)
     with ondisk.open_anndata(source) as src:
-        var_names = ondisk.read_var_names(src)
-        n_obs = ondisk.n_obs_of(src)
-        rows = ondisk.open_rows(ondisk.matrix_element(src, counts_layer))
-        if rows.shape != (n_obs, len(var_names)):
-            raise InputError(f"{source}: the matrix is {rows.shape} but obs x var is {(n_obs, len(var_names))}.")
-        batch = None
-        if settings.output_mode == "counterfactual":
-            batch = cell_batches(ondisk.read_obs_column(src, batch_key), batch_key, ondisk.obs_columns(src),
-                                 trained.batch_categories, all_batches_new)
-        normal = None if settings.normal_key is None else normal_cells(
-            ondisk.read_obs_column(src, settings.normal_key), settings, ondisk.obs_columns(src))
-        bound = BoundModel(trained, var_names, settings, source_name(counts_layer), batch, batch_key,
-                           ondisk.read_obs_names(src), normal)
+        bound, rows, n_obs = bind_file(src, source, trained, settings, counts_layer, batch_key, all_batches_new)
         output = output_kind(bound, *estimate(bound, rows, n_obs))
         with atomic_output(target, overwrite) as tmp, h5py.File(tmp, "w") as dst:
             write_streamed(src, dst, output, rows, n_obs, progress)
-    log.info("Wrote %s (%d cells; layers %s (%s) with %d corrected genes, %d missing; reference: %s).", target,
-             n_obs, list(layer_entries(bound)), settings.output_mode, int(bound.corrected_mask.sum()),
-             len(bound.missing_genes), bound.reference_name)
+    log_written(target, bound, n_obs)
     return target
+
+
+def bind_file(src: h5py.File, source: Path, trained: BatchfixModel, settings: CorrectionSettings,
+              counts_layer: str | None, batch_key: str | None, all_batches_new: bool) -> tuple[BoundModel, object, int]:
+    """(the model bound to an open input's genes and cells, a reader of its rows (X or counts_layer), its number
+    of cells)."""
+    batch_key, counts_layer = data_keys(trained, batch_key, counts_layer)
+    var_names = ondisk.read_var_names(src)
+    n_obs = ondisk.n_obs_of(src)
+    rows = ondisk.open_rows(ondisk.matrix_element(src, counts_layer))
+    if rows.shape != (n_obs, len(var_names)):
+        raise InputError(f"{source}: the matrix is {rows.shape} but obs x var is {(n_obs, len(var_names))}.")
+    batch = None
+    if settings.output_mode == "counterfactual":
+        batch = cell_batches(ondisk.read_obs_column(src, batch_key), batch_key, ondisk.obs_columns(src),
+                             trained.batch_categories, all_batches_new)
+    normal = None if settings.normal_key is None else normal_cells(
+        ondisk.read_obs_column(src, settings.normal_key), settings, ondisk.obs_columns(src))
+    bound = BoundModel(trained, var_names, settings, source_name(counts_layer), batch, batch_key,
+                       ondisk.read_obs_names(src), normal)
+    return bound, rows, n_obs
+
+
+def log_written(target: Path, bound: BoundModel, n_obs: int) -> None:
+    log.info("Wrote %s (%d cells; layers %s (%s) with %d corrected genes, %d missing; reference: %s).", target,
+             n_obs, list(layer_entries(bound)), bound.settings.output_mode, int(bound.corrected_mask.sum()),
+             len(bound.missing_genes), bound.reference_name)
 
 
 def write_streamed(src: h5py.File, dst: h5py.File, output: OutputKind, rows, n_obs: int, progress: bool) -> None:
     """The input's content and the correction's new entries, chunk by chunk, into the open output."""
-    bound = output.bound
-    settings = bound.settings
-    keys = OutputKeys(settings.key_added)
+    chunks = corrected_chunks(output, rows, n_obs, output.bound.settings.chunk_size, progress)
+    tallies = write_correction(src, dst, output.bound, n_obs, chunks)
+    write_provenance(dst, output.bound, output.estimates, tallies, n_obs)
+
+
+def write_correction(src: h5py.File, dst: h5py.File, bound: BoundModel, n_obs: int,
+                     chunks: Iterable[tuple[int, int, ChunkOutput]]) -> Tallies:
+    """The input's content, then the latents and layers of `chunks` (start, stop, outputs), which cover every cell
+    once in row order, into the open output; returns the chunks' tallies summed."""
+    keys = OutputKeys(bound.settings.key_added)
     names = layer_names(keys)
     ondisk.copy_file_except(src, dst, top_skip={"var"},
                             skip={"layers": set(names.values()), "obsm": {keys.latent}, "uns": {keys.uns}})
@@ -255,14 +283,25 @@ def write_streamed(src: h5py.File, dst: h5py.File, output: OutputKind, rows, n_o
                                           keys.corrected: bound.corrected_mask, **coordinates},
                                defaults={"highly_variable": bound.modelled_mask})
     shape = (n_obs, bound.n_vars)
-    kinds = list(names) if bound.counts_output else ["log"]
-    writers = {kind: CsrAppender(dst["layers"], names[kind], shape) for kind in kinds}
+    writers = {kind: CsrAppender(dst["layers"], names[kind], shape) for kind in output_layers(bound)}
     latent = ondisk.create_array(dst["obsm"], keys.latent, (n_obs, bound.latent_dim))
     tallies = Tallies()
-    for start, stop, chunk in corrected_chunks(output, rows, n_obs, settings.chunk_size, progress):
+    for start, stop, chunk in chunks:
         latent[start:stop] = chunk.latent
         tallies += chunk.tallies
         for kind, matrix_rows in chunk.layers.items():
             writers[kind].append(matrix_rows)
-    check_empty_cells(bound, tallies, n_obs)  # an input of empty cells leaves no output
-    ondisk.write_uns_entry(dst, keys.uns, for_hdf5(provenance(bound, output.estimates, tallies)))
+    return tallies
+
+
+def output_layers(bound: BoundModel) -> list[str]:
+    """The kinds of layer the bound model's output holds ('log', and 'counts' for the corrected counts)."""
+    return [kind for kind in layer_names(OutputKeys(bound.settings.key_added)) if bound.counts_output or kind == "log"]
+
+
+def write_provenance(dst: h5py.File, bound: BoundModel, estimates, tallies: Tallies, n_obs: int, **extra) -> None:
+    """uns[key_added] of the open output (with `extra` entries), once every cell is written; an input of empty
+    cells leaves no output."""
+    check_empty_cells(bound, tallies, n_obs)
+    info = {**provenance(bound, estimates, tallies), **extra}
+    ondisk.write_uns_entry(dst, OutputKeys(bound.settings.key_added).uns, for_hdf5(info))

@@ -3,6 +3,7 @@ imports Lightning (batchfix.training.trained loads the checkpoint): a correction
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from batchfix.correction.provenance import refuse_key_collisions_in_file
 from batchfix.correction.writers import correct_file
 from batchfix.data.atomic import CORRECTED_SUFFIX, default_output, refuse_existing
 from batchfix.data.io import input_path
-from batchfix.errors import Interrupted
+from batchfix.errors import ConfigError, Interrupted
 from batchfix.training.trained import load_trained
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,7 @@ def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
     settings = CorrectionSettings(**asdict(options), **asdict(cfg.inference), preset=preset)
     refuse_key_collisions_in_file(source, settings.key_added)
     try:
-        written = correct_file(source, output, trained, settings, counts_layer=cfg.data.counts_layer,
-                               batch_key=cfg.data.batch_key, overwrite=cfg.overwrite, progress=cfg.progress,
-                               all_batches_new=cfg.all_batches_new)
+        written = correct_parts(cfg, source, output, trained, settings)
     except (Interrupted, OSError) as err:
         # A signal that lands inside h5py's C code can surface as an OSError of the interrupted read or write.
         signum = err.signum if isinstance(err, Interrupted) else signals.pending()
@@ -47,6 +46,30 @@ def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
                  else "was complete before the signal came")
         raise Interrupted(signum, f"; {output} {state}") from None
     return written
+
+
+def correct_parts(cfg: CorrectConfig, source: Path, output: Path, trained, settings: CorrectionSettings) -> Path:
+    """One process corrects every cell (`correct_file`); inference.shard=i/N part i into its shard file, merge/N
+    the shards into the output; under torchrun each rank its part, merged by rank 0 (batchfix.correction.shards)."""
+    part = settings.shard_part()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if part is None and world_size == 1:
+        return correct_file(source, output, trained, settings, counts_layer=cfg.data.counts_layer,
+                            batch_key=cfg.data.batch_key, overwrite=cfg.overwrite, progress=cfg.progress,
+                            all_batches_new=cfg.all_batches_new)
+    if part is not None and world_size > 1:
+        raise ConfigError(f"inference.shard={settings.shard} names a part for independent jobs; under torchrun "
+                          f"(WORLD_SIZE={world_size}) each rank is its part: leave it out.")
+    from batchfix.correction import shards
+
+    job = shards.FileJob(source, output, cfg.data.counts_layer, cfg.data.batch_key, cfg.all_batches_new,
+                         cfg.overwrite, cfg.progress)
+    if part is None:
+        return shards.correct_distributed(job, trained, settings)
+    index, count = part
+    if index is None:
+        return shards.merge_shards(job, trained, settings, count)
+    return shards.correct_shard(job, trained, settings, index, count)
 
 
 def attention(cfg: AttentionConfig) -> list[Path]:

@@ -21,6 +21,12 @@ input's other groups, memory is flat: every chunk needs the same).
     python -m scripts.bench.bench_correct --cells 100000 --checkpoint RUN/model.ckpt --workdir bench_work
     python -m scripts.bench.bench_correct --cells 20000 --regional-shift apply keep   # the regional option's cost
     python -m scripts.bench.bench_correct --cells 1000 100000 --all-genes --max-seconds 300
+
+With --processes N ..., the whole `python -m batchfix correct` verb is timed instead (start to exit: imports, the
+estimate pass, the correction, the merge) with each number of processes (torchrun above 1; --threads each), and its
+cells/s compared with one process's:
+
+    python -m scripts.bench.bench_correct --cells 40000 --processes 1 2 --threads 1
 """
 from __future__ import annotations
 
@@ -183,6 +189,34 @@ def report(n_cells: int, n_genes: int, input_path: Path, output_path: Path, reco
     return row
 
 
+def verb_seconds(input_path: Path, output_path: Path, checkpoint: Path, processes: int, args) -> float:
+    """Wall time of `python -m batchfix correct` on the file with `processes` processes (torchrun above 1)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else []
+    command = [sys.executable, *launcher, "-m", "batchfix", "correct", f"input={input_path}", f"output={output_path}",
+               f"checkpoint={checkpoint}", f"threads={args.threads}", "progress=false", "overwrite=true",
+               f"inference.chunk_size={args.chunk_size}", f"inference.batch_size={args.batch_size}"]
+    started = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ,
+                                                                        "OMP_NUM_THREADS": str(args.threads)})
+    return time.perf_counter() - started
+
+
+def process_rows(n_cells: int, input_path: Path, output_path: Path, checkpoint: Path, args) -> list[dict]:
+    """The verb's cells/s with each of --processes, and its ratio to the first's."""
+    rows = []
+    for processes in args.processes:
+        output_path.unlink(missing_ok=True)
+        seconds = verb_seconds(input_path, output_path, checkpoint, processes, args)
+        rows.append({"cells": n_cells, "processes": processes, "threads_each": args.threads,
+                     "seconds": round(seconds, 1), "cells_per_s": round(n_cells / seconds, 1),
+                     "speedup": round(rows[0]["seconds"] / seconds, 2) if rows else 1.0,
+                     "load_average": round(os.getloadavg()[0], 1)})
+        print(f"{n_cells:,} cells, {processes} process(es) x {args.threads} thread(s): {seconds:,.1f} s, "
+              f"{n_cells / seconds:,.0f} cells/s, x{rows[-1]['speedup']:.2f} (load average "
+              f"{rows[-1]['load_average']})", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cells", type=int, nargs="+", default=[100_000, 1_000_000])
@@ -197,6 +231,8 @@ def main() -> None:
                         choices=REGIONAL_SHIFTS, help="correction.regional_shift: each one given is timed on each file")
     parser.add_argument("--all-genes", action="store_true",
                         help="every gene of the bundled data in the input, not only the model's")
+    parser.add_argument("--processes", type=int, nargs="+",
+                        help="time the whole verb with each number of processes (torchrun above 1) instead")
     parser.add_argument("--keep", action="store_true", help="keep the generated inputs and outputs")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--child", nargs=3, metavar=("INPUT", "OUTPUT", "CHECKPOINT"), help=argparse.SUPPRESS)
@@ -220,7 +256,9 @@ def main() -> None:
             generate(input_path, n_cells, genes)
             print(f"Generated {input_path} ({input_path.stat().st_size / 2**20:,.0f} MB) in "
                   f"{time.perf_counter() - began:.0f} s.", flush=True)
-        for shift in args.regional_shift:
+        if args.processes:
+            rows += process_rows(n_cells, input_path, output_path, checkpoint, args)
+        for shift in [] if args.processes else args.regional_shift:
             output_path.unlink(missing_ok=True)
             records = measure(input_path, output_path, checkpoint, argparse.Namespace(**{**vars(args),
                                                                                        "regional_shift": [shift]}))
