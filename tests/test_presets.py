@@ -186,3 +186,19 @@ def test_a_log_scale_model_is_measured_on_its_log1p_scale(log_scale_subset):
     model = batchfix.train(log_scale_subset, batch_key="batch", label_key="cell_type", scale="log", **TINY_API)
     advice = model.recommendation
     assert advice["preset"] == "default" and 0 < advice["gene_effect"] < recommendation.PROTOCOL_EFFECT
+
+
+def test_a_chromosome_fragment_is_not_a_regional_shift():
+    """A window cut at a chromosome holding two modelled genes is those genes' own effect: not counted."""
+    from batchfix.correction.regional import GenomeSmoother
+
+    chromosome = ["1"] * 60 + ["Y"] * 2 + [None]
+    full = recommendation.full_windows(GenomeSmoother(chromosome, recommendation.REGIONAL_WINDOW))
+    assert full[:60].eq(1).all() and full[60:].eq(0).all()
+
+
+def test_a_batch_wide_regional_shift_is_named_with_the_call_that_keeps_it():
+    preset, reason = recommendation.rule(0.3, 0.9, "donor_F", 0.0, "labels")
+    assert preset == "default" and "donor_F carries a copy-number-sized regional shift in all its cells" in reason
+    assert "the default fits\"" not in reason and not reason.endswith("the default fits")
+    assert recommendation.rule(0.3, 0.1, "donor_F", 0.0, "labels")[1].endswith("the default fits")

@@ -9,7 +9,9 @@ Measured on at most SAMPLE_CELLS training cells (seeded), from what the model le
   difference between batches at the same cell state);
 - **regional batch shift**: each batch's deviation of those log means from their mean over batches, smoothed
   along the genome as correction.regional_window smooths (100 genes), its largest absolute value over genes and
-  batches: a copy-number change that every cell of a batch carries shows there (one copy of two: log 1.5 = 0.41);
+  batches whose window holds at least MIN_WINDOW_GENES modelled genes (a window cut at a chromosome of two
+  modelled genes is those genes' own effect, not a region's): a copy-number change that every cell of a batch
+  carries shows there (one copy of two: log 1.5 = 0.41);
 - **states in one batch only**: the share of cells whose state (label, or a k-means cluster of the latent
   without labels) has at least CONFINED_SHARE of its cells in one batch.
 
@@ -17,7 +19,9 @@ The rule (thresholds from the development sets: docs/results.md, Presets):
 - `patient_cnv` where some batch carries a copy-number-sized regional shift (>= CNV_SHIFT) and states live in one
   batch only (>= CONFINED_CELLS of the cells): patients as batches, a clone in all of one patient's cells;
 - `protocols` where the gene-wise batch effect is chemistry-sized (>= PROTOCOL_EFFECT);
-- else the default.
+- else the default; where a batch still carries a copy-number-sized regional shift (across all its states: a
+  donor's constitutional copy number, sex chromosomes), the reason names it, says the default removes it from
+  that batch's cells, and gives the call that keeps it (patient_cnv).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ CLUSTERS = 10  # k-means clusters of the latent standing in for states without l
 REGIONAL_WINDOW = CorrectionOptions.regional_window  # what the default output calls regional
 PROTOCOL_EFFECT = 0.85  # between the stress sets of sd 0.5 (0.64, default best) and 1.0 (1.05, protocols best)
 CNV_SHIFT = 0.3
+MIN_WINDOW_GENES = 10  # modelled genes a window needs for its regional shift to count
 CONFINED_CELLS = 0.2
 
 
@@ -70,7 +75,8 @@ def recommend(model: BatchfixModel, prepared: PreparedData, labels: np.ndarray |
     latents, log_means = batch_log_means(model, prepared, cells)  # (cells, k), (batches, G)
     gene_effect = float(np.median(log_means.std(axis=0))) if len(log_means) > 1 else 0.0
     deviation = torch.as_tensor(log_means - log_means.mean(axis=0), dtype=torch.float32)
-    regional = GenomeSmoother(list(model.module.hparams.chromosome), REGIONAL_WINDOW)(deviation).abs()  # (batches, G)
+    smoother = GenomeSmoother(list(model.module.hparams.chromosome), REGIONAL_WINDOW)
+    regional = smoother(deviation).abs() * full_windows(smoother)  # (batches, G)
     peaks = regional.max(dim=1).values  # (batches,)
     worst = int(peaks.argmax())
     regional_shift = float(peaks[worst])
@@ -81,6 +87,8 @@ def recommend(model: BatchfixModel, prepared: PreparedData, labels: np.ndarray |
     confined = confined_share(states, prepared.batch_index[cells])
     preset, reason = rule(gene_effect, regional_shift, model.batch_categories[worst], confined, source)
     applying = command.format(preset=preset) if preset != "default" else ""
+    if preset == "default" and regional_shift >= CNV_SHIFT:
+        reason += f"; to keep it: {command.format(preset='patient_cnv')}"
     return Recommendation(preset, reason, applying, round(gene_effect, 3), round(regional_shift, 3),
                           model.batch_categories[worst], round(confined, 3), source)
 
@@ -107,7 +115,19 @@ def rule(gene_effect: float, regional_shift: float, regional_batch: str, confine
     if gene_effect >= PROTOCOL_EFFECT:
         return "protocols", (f"{measured}: chemistry-sized gene-wise effects, which protocols (each gene's "
                              "dispersion mapped to the reference's) mixes better")
+    if regional_shift >= CNV_SHIFT:
+        return "default", (f"{measured}: the default fits the states; but {regional_batch} carries a "
+                           "copy-number-sized regional shift in all its cells (if batches are donors: their "
+                           "constitutional copy number or sex chromosomes), which the default removes from that "
+                           "batch as a batch effect (a gene without any count in a whole batch stays absent)")
     return "default", f"{measured}: the default fits"
+
+
+def full_windows(smoother: GenomeSmoother) -> torch.Tensor:
+    """(G,) 1.0 for the genes whose regional window holds at least MIN_WINDOW_GENES placed genes, else 0.0."""
+    width = torch.empty(len(smoother.order), dtype=torch.float32)
+    width[smoother.order] = (smoother.high - smoother.low).float()
+    return (width >= MIN_WINDOW_GENES).float() * smoother.placed.float()
 
 
 @torch.no_grad()
