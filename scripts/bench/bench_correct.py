@@ -26,7 +26,7 @@ With --processes N ..., the whole `python -m batchfix correct` verb is timed ins
 estimate pass, the correction, the merge) with each number of processes (torchrun above 1; --threads each), and its
 cells/s compared with one process's:
 
-    python -m scripts.bench.bench_correct --cells 40000 --processes 1 2 --threads 1
+    python -m scripts.bench.bench_correct --cells 40000 --processes 1 2 1 2 1 2 --threads 1 --keep
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import os
 import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -189,31 +190,40 @@ def report(n_cells: int, n_genes: int, input_path: Path, output_path: Path, reco
     return row
 
 
-def verb_seconds(input_path: Path, output_path: Path, checkpoint: Path, processes: int, args) -> float:
-    """Wall time of `python -m batchfix correct` on the file with `processes` processes (torchrun above 1)."""
+def verb_seconds(input_path: Path, output_path: Path, checkpoint: Path, processes: int, args) -> tuple[float, float]:
+    """(wall, CPU) seconds of `python -m batchfix correct` on the file with `processes` processes (torchrun above 1);
+    the CPU time is every process's, user and system."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else []
     command = [sys.executable, *launcher, "-m", "batchfix", "correct", f"input={input_path}", f"output={output_path}",
                f"checkpoint={checkpoint}", f"threads={args.threads}", "progress=false", "overwrite=true",
                f"inference.chunk_size={args.chunk_size}", f"inference.batch_size={args.batch_size}"]
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ,
                                                                         "OMP_NUM_THREADS": str(args.threads)})
-    return time.perf_counter() - started
+    wall = time.perf_counter() - started
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
 
 
 def process_rows(n_cells: int, input_path: Path, output_path: Path, checkpoint: Path, args) -> list[dict]:
-    """The verb's cells/s with each of --processes, and its ratio to the first's."""
+    """The verb's cells/s with each of --processes (in turn, so a repeated list interleaves them), and the ratio of
+    each number of processes' median wall time to the first's."""
     rows = []
     for processes in args.processes:
         output_path.unlink(missing_ok=True)
-        seconds = verb_seconds(input_path, output_path, checkpoint, processes, args)
-        rows.append({"cells": n_cells, "processes": processes, "threads_each": args.threads,
-                     "seconds": round(seconds, 1), "cells_per_s": round(n_cells / seconds, 1),
-                     "speedup": round(rows[0]["seconds"] / seconds, 2) if rows else 1.0,
-                     "load_average": round(os.getloadavg()[0], 1)})
-        print(f"{n_cells:,} cells, {processes} process(es) x {args.threads} thread(s): {seconds:,.1f} s, "
-              f"{n_cells / seconds:,.0f} cells/s, x{rows[-1]['speedup']:.2f} (load average "
-              f"{rows[-1]['load_average']})", flush=True)
+        load = os.getloadavg()[0]
+        wall, cpu = verb_seconds(input_path, output_path, checkpoint, processes, args)
+        rows.append({"cells": n_cells, "processes": processes, "threads_each": args.threads, "seconds": round(wall, 1),
+                     "cpu_seconds": round(cpu, 1), "cells_per_s": round(n_cells / wall, 1),
+                     "load_average_before": round(load, 1)})
+        print(f"{n_cells:,} cells, {processes} process(es) x {args.threads} thread(s): {wall:,.1f} s "
+              f"({cpu:,.1f} s of CPU), {n_cells / wall:,.0f} cells/s (load average before: {load:.1f})", flush=True)
+    median = {n: statistics.median(r["seconds"] for r in rows if r["processes"] == n) for n in args.processes}
+    first = args.processes[0]
+    for n, seconds in median.items():
+        print(f"median of {n} process(es): {seconds:,.1f} s, {n_cells / seconds:,.0f} cells/s, "
+              f"x{median[first] / seconds:.2f} against {first}", flush=True)
     return rows
 
 
