@@ -357,3 +357,13 @@ def test_all_empty_matrix_rejected(small_adata, write_h5ad):
     with pytest.raises(InputError) as err:
         read_for_training(path)
     assert str(path) in str(err.value) and "no non-empty" in str(err.value)
+
+
+def test_float16_counts_are_read_exactly(small_adata, write_h5ad):
+    """Counts stored as float16 (whole numbers up to 2048 are exact there) arrive as the same float32 counts."""
+    counts = np.asarray(small_adata.X, dtype=np.float64)
+    counts[0, :3] = [2047, 2048, 1025]
+    small_adata.X = counts.astype(np.float16)
+    assert (small_adata.X.astype(np.float64) == counts).all()  # the file holds these counts exactly
+    read = expression_input(read_h5ad(write_h5ad(small_adata, "float16.h5ad")), DataKeys())
+    assert read.counts.dtype == np.float32 and (read.counts.toarray() == counts).all()

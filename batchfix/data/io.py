@@ -180,6 +180,8 @@ def as_float32_csr(matrix) -> sp.csr_matrix:
         major, minor = matrix.shape if matrix.format == "csr" else matrix.shape[::-1]
         check_sparse_structure(matrix.indptr, len(matrix.indices), major, fmt=matrix.format)
         check_sparse_indices(matrix.indices, minor)
+    if dtype == np.float16:  # scipy.sparse holds no float16; float32 holds each float16 value exactly
+        matrix = matrix.astype(np.float32)
     matrix = sp.csr_matrix(matrix) if sp.issparse(matrix) else sp.csr_matrix(np.asarray(matrix))
     with np.errstate(invalid="ignore"):
         too_large = int((np.abs(matrix.data) > np.finfo(np.float32).max).sum()) if matrix.nnz else 0
