@@ -97,3 +97,18 @@ def test_a_gene_emptied_from_a_whole_batch_is_neither_given_back_nor_taken_from_
             assert given.max() <= 0.05 and kept.min() >= 0.8, (dict(zip(genes, given.round(3))), kept.round(3))
         else:
             assert given.max() > 0.05 or kept.min() < 0.8
+
+
+def test_the_weights_reach_the_file_and_the_run_summary(null_set, tmp_path):
+    from batchfix.cli.summary import run_summary
+    from batchfix.config import CorrectionSettings
+    from batchfix.correction.writers import correct_file
+    from batchfix.tasks.training import shift_evidence
+
+    split, model = null_set
+    split.write_h5ad(tmp_path / "split.h5ad")
+    correct_file(tmp_path / "split.h5ad", tmp_path / "out.h5ad", model, CorrectionSettings(), progress=False)
+    evidence = shift_evidence(tmp_path / "out.h5ad", "batchfix")
+    assert set(evidence) == {"sc_celseq2_a", "sc_celseq2_b"}
+    text = run_summary("train", {"shift_evidence": evidence}, tmp_path, [])
+    assert "shifts weighted by their evidence (correction.shrink): median weight sc_celseq2_a 0.00" in text

@@ -62,6 +62,12 @@ def run_summary(verb: str, result: dict, folder: str | Path, written: list[str])
         lines.append(f"  corrected counts: {genes['modelled'] + genes['extra']} genes ({genes['modelled']} modelled, "
                      f"{genes['extra']} through the second decoder); {genes['uncorrected']} genes detected in fewer "
                      "than 3 cells keep their counts (var['batchfix_corrected'] is False)")
+    evidence = result.get("shift_evidence")
+    if evidence:
+        lines.append("  shifts weighted by their evidence (correction.shrink): median weight "
+                     + ", ".join(f"{batch} {entry['median_weight']:.2f}" for batch, entry in evidence.items())
+                     + "; genes whose shift was more than halved "
+                     + ", ".join(f"{entry['share_more_than_halved']:.1%}" for entry in evidence.values()))
     advice = result.get("recommendation")
     if advice:
         lines.append(f"  recommended correction: {advice['preset']}: {advice['reason']}"

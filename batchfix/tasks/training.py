@@ -116,6 +116,7 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
     log.info("Correcting the training file into %s.", run_dir / runfolder.CORRECTED_H5AD)
     corrected_path = write_corrected(cfg, model, adata, run_dir / runfolder.CORRECTED_H5AD)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
+    metrics["shift_evidence"] = shift_evidence(corrected_path, cfg.correction.key_added)
     attention_picture(cfg, model, run_dir)
     if cfg.evaluate:  # without labels: the label-free mixing scores (iLISI, PCR) and a UMAP by batch
         from batchfix.eval.evaluate import evaluate_file
@@ -151,6 +152,14 @@ def write_corrected(cfg: TrainConfig, model: BatchfixModel, adata: ad.AnnData | 
         adata.write_h5ad(tmp, compression="gzip", compression_opts=1)
     log.info("Wrote %s (%d cells; layers['%s'] (%s)).", target, adata.n_obs, settings.key_added, settings.output_mode)
     return target
+
+
+def shift_evidence(path: Path, key: str) -> dict | None:
+    """uns[key]['estimates']['shift_evidence'] of a corrected file (how much each batch's shifts were weighted
+    down, batchfix.correction.evidence), None where the correction weighted none."""
+    with h5py.File(path, "r") as f:
+        node = f.get(f"uns/{key}/estimates/shift_evidence")
+        return None if node is None else ondisk.read_elem(node)
 
 
 def fit_metrics(result: fitting.FitResult, prepared: PreparedData) -> dict:
