@@ -132,6 +132,25 @@ def test_correct_takes_batch_key_and_counts_layer_from_the_checkpoint(sample_ada
     assert sha256(source) == before
 
 
+def test_correct_reads_x_with_counts_layer_x_and_says_so_when_the_trained_layer_is_missing(sample_adata, checkpoint,
+                                                                                          tmp_path):
+    """A model trained on layers['counts'] meets a file with its counts in X: the error names data.counts_layer=X
+    (not null, which means the trained layer again), and data.counts_layer=X (as `correct --help` lists it) reads X."""
+    adata = sample_adata.copy()
+    adata.X = adata.layers.pop("counts")
+    source = tmp_path / "in.h5ad"
+    adata.write_h5ad(source)
+    base = ["correct", f"input={source}", f"output={tmp_path / 'out.h5ad'}", f"checkpoint={checkpoint}",
+            "progress=false", "threads=1"]
+    for told in ([], ["data.counts_layer=null"]):
+        refused = cli([*base, *told], tmp_path)
+        assert refused.returncode == 1 and "Layer 'counts' not found" in refused.stderr
+        assert "data.counts_layer=X reads X" in refused.stderr and "=null to read X" not in refused.stderr
+    result = cli([*base, "data.counts_layer=X"], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert ad.read_h5ad(tmp_path / "out.h5ad").uns["batchfix"]["params"]["counts"] == "X"
+
+
 def test_a_checkpoint_without_data_options_loads_with_the_old_defaults(checkpoint, tmp_path):
     saved = torch.load(checkpoint, weights_only=True)
     del saved["hyper_parameters"]["data"]
