@@ -151,6 +151,14 @@ def test_correct_reads_x_with_counts_layer_x_and_says_so_when_the_trained_layer_
     assert ad.read_h5ad(tmp_path / "out.h5ad").uns["batchfix"]["params"]["counts"] == "X"
 
 
+def test_a_group_option_set_to_null_is_one_line(tmp_path):
+    for verb, meant in (("correct", "leave correction out for the checkpoint's"), ("train", "for the default")):
+        result = cli([verb, "correction=null"], tmp_path)
+        assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1, result.stderr[-2000:]
+        assert "correction= names one of conf/correction/ (conditions, default," in result.stderr
+        assert meant in result.stderr
+
+
 def test_a_checkpoint_without_data_options_loads_with_the_old_defaults(checkpoint, tmp_path):
     saved = torch.load(checkpoint, weights_only=True)
     del saved["hyper_parameters"]["data"]

@@ -96,6 +96,21 @@ def check_overrides(args: list[str], verb: str) -> None:
             continue
         if key not in known and key not in groups:
             raise unknown_option_error(key, SCHEMAS[verb])
+        if key in groups and not arg.startswith("~") and arg.split("=", 1)[1].strip().lower() in ("null", "none", ""):
+            raise group_without_entry(key, verb)
+
+
+def group_without_entry(group: str, verb: str):
+    """The error for `correction=null` (or `model=null`, ...): a group option names one of its entries."""
+    from importlib import resources
+
+    from batchfix.errors import ConfigError
+
+    entries = sorted(entry.name.removesuffix(".yaml") for entry in resources.files("batchfix.conf").joinpath(group)
+                     .iterdir() if entry.name.endswith(".yaml"))
+    default = "the checkpoint's" if verb == "correct" and group == "correction" else "the default"
+    return ConfigError(f"{group}= names one of conf/{group}/ ({', '.join(entries)}), not null: leave {group} out "
+                       f"for {default}.")
 
 
 def quoting_hint(args: list[str]) -> str:
