@@ -189,10 +189,14 @@ def check_empty_cells(bound: BoundModel, tallies: Tallies, n_obs: int) -> None:
         raise InputError(f"All {n_obs} cells of the input ({bound.source}) have no counts {what}: there is no "
                          "expression to correct. Is this the right file (and counts_layer)?")
     if tallies.n_empty_modelled:
-        log.warning("%d of %d cells have no counts in any of the model's genes (%d of them in no gene at all): "
-                    "their corrected values are what the model decodes from an empty cell (the same for every "
-                    "such cell of a batch), not a measurement. Remove them first, e.g. "
-                    "scanpy.pp.filter_cells(adata, min_counts=1).", tallies.n_empty_modelled, n_obs, tallies.n_empty)
+        key = bound.settings.key_added
+        what = (f"their layers['{key}'] values are what the model decodes from an empty cell (the same for every "
+                "such cell of a batch), not a measurement" if bound.kind == "denoised" else
+                f"their corrected values stay zero, but their obsm['X_{key}'] is the latent of an empty cell (the same "
+                "for every such cell), so they cluster together")
+        log.warning("%d of %d cells have no counts in any of the model's genes (%d of them in no gene at all): %s. "
+                    "Remove them first, e.g. scanpy.pp.filter_cells(adata, min_counts=1).", tallies.n_empty_modelled,
+                    n_obs, tallies.n_empty, what)
 
 
 def corrected_chunks(output: OutputKind, rows, n_obs: int, chunk_size: int,
