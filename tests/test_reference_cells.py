@@ -153,3 +153,21 @@ def test_the_reference_level_is_shrunk_by_its_noise_and_an_artefact_above_it_is_
     assert smoother.mean_variance(torch.from_numpy(variance))[0, 100].item() == pytest.approx(0.04 / 100)
     fewer = estimates.regional_offset(smoother, prior, level[:3], variance[:3], np.array([True, True, True, False]))
     assert fewer[3].abs().max() == 0.0  # a batch without enough reference cells keeps its profile
+
+
+def test_normal_values_that_match_no_cell_are_named(subset, caplog):
+    """Of the values given, those no cell has are named in a warning (the others still pick the reference cells);
+    none matching is refused with the column's values."""
+    from batchfix.config import CorrectionSettings
+    from batchfix.correction.writers import normal_cells
+
+    columns = list(subset.obs.columns)
+    settings = CorrectionSettings(normal_key="cell_type", normal_values=["A549", "T cell", "H1975"])
+    with caplog.at_level("WARNING", logger="batchfix"):
+        normal = normal_cells(subset.obs["cell_type"], settings, columns)
+    assert (normal == subset.obs["cell_type"].isin(["A549", "H1975"]).to_numpy()).all() and normal.any()
+    assert "correction.normal_values ['T cell'] match no cell of obs column 'cell_type'" in caplog.text
+    assert "those of ['A549', 'H1975']. Its values: ['A549', 'H1975'" in caplog.text
+    with pytest.raises(InputError, match=r"no cell of obs column 'cell_type' has one of them. Its values: \['A549'"):
+        normal_cells(subset.obs["cell_type"], CorrectionSettings(normal_key="cell_type", normal_values=["T cell"]),
+                     columns)

@@ -105,6 +105,13 @@ def normal_cells(values: pd.Series | None, settings: CorrectionSettings, columns
         present = sorted(pd.unique(labels))
         raise InputError(f"correction.normal_values={wanted}: no cell of obs column '{key}' has one of them. Its "
                          f"values: {present[:20]}{' ...' if len(present) > 20 else ''}.")
+    found = set(labels[normal])
+    unmatched = [value for value in wanted if value not in found]
+    if unmatched:
+        present = sorted(pd.unique(labels))
+        log.warning("correction.normal_values %s match no cell of obs column '%s' (a typo?); the reference cells are "
+                    "those of %s. Its values: %s%s.", unmatched, key, [v for v in wanted if v in found],
+                    present[:20], " ..." if len(present) > 20 else "")
     return normal
 
 
