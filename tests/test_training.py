@@ -422,3 +422,21 @@ def test_the_epoch_plan_follows_the_data():
     assert planned_epochs(trainer, fit, 7032) == 1  # 1,000,000 cells: one pass
     assert planned_epochs(trainer, FitConfig(target_steps=10**6), 1) == fit.max_auto_epochs
     assert planned_epochs(TrainerConfig(max_epochs=3), fit, 8) == 3
+
+
+def test_a_log_scale_runs_summary_speaks_of_log_values_not_counts(log_scale_subset, tmp_path):
+    """A model of log values writes no counts: its summary says what it wrote (the modelled genes' log values; the
+    others are left out of the layer), as the corrected file holds it."""
+    from batchfix.cli.summary import run_summary
+
+    log_scale_subset.write_h5ad(tmp_path / "log.h5ad")
+    metrics = tasks.train(compose_train(tmp_path / "log.h5ad", "trainer.max_epochs=1", "data.scale=log",
+                                        "model.likelihood=gaussian"), tmp_path / "run")
+    summary = run_summary("train", metrics, tmp_path / "run", [])
+    assert "corrected counts" not in summary
+    assert f"corrected log-scale values of the {N_TOP_GENES} modelled genes (a model of log values writes no counts); " \
+           f"the other {600 - N_TOP_GENES} genes are left out of the corrected layer (zero there; X keeps them)" in summary
+    corrected = ad.read_h5ad(tmp_path / "run" / "corrected.h5ad")
+    assert "batchfix_counts" not in corrected.layers
+    others = ~corrected.var["batchfix_modelled"].to_numpy()
+    assert others.sum() == 600 - N_TOP_GENES and abs(corrected.layers["batchfix"][:, others]).sum() == 0

@@ -58,7 +58,11 @@ def run_summary(verb: str, result: dict, folder: str | Path, written: list[str])
         lines.append(f"  {result['n_cells']} cells, {result['n_genes']} genes, {result['epochs']} epochs "
                      f"({result['steps']} steps) in {result['fit_seconds']:.0f} s; precision {result['precision']}")
     genes = result.get("corrected_genes")
-    if genes:
+    if genes and result.get("scale") == "log":
+        lines.append(f"  corrected log-scale values of the {genes['modelled']} modelled genes (a model of log values "
+                     f"writes no counts); the other {genes['uncorrected']} genes are left out of the corrected layer "
+                     "(zero there; X keeps them)")
+    elif genes:
         lines.append(f"  corrected counts: {genes['modelled'] + genes['extra']} genes ({genes['modelled']} modelled, "
                      f"{genes['extra']} through the second decoder); {genes['uncorrected']} genes detected in fewer "
                      "than 3 cells keep their counts (var['batchfix_corrected'] is False)")

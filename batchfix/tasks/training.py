@@ -167,6 +167,7 @@ def fit_metrics(result: fitting.FitResult, prepared: PreparedData) -> dict:
     trainer = result.trainer
     return {
         "n_cells": int(prepared.n_cells),
+        "scale": str(result.module.hparams.scale),  # counts, or log: a model of log values, which writes no counts
         "streamed": prepared.disk is not None,
         "n_genes": len(prepared.genes),
         "n_tokens": result.module.windows.n_tokens,
