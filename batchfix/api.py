@@ -134,14 +134,19 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
         model = calibrated_model(result.best_checkpoint, prepared)
         add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
     model.remember_correction(remembered_correction(preset, chosen))
-    labels = None if label_key is None else adata.obs[label_key].astype(str).to_numpy()
-    advice = recommend_and_remember(model, prepared, labels, 'batchfix.correct(adata, model, correction="{preset}")',
-                                    cfg.seed)
-    if advice.preset != preset:  # a warning: shown in a notebook, where info lines are not by default
-        log.warning("batchfix recommends correction=%r for these data (trained with %r): %s.%s", advice.preset, preset,
-                    advice.reason, f" Apply it: {advice.command}" if advice.command else "")
+    recommend_in_notebook(model, prepared, None if label_key is None else adata.obs[label_key], preset, cfg.seed)
     model.path = None  # the checkpoint it came from is gone: model.save(path) keeps it
     return model
+
+
+def recommend_in_notebook(model: BatchfixModel, prepared, labels, preset: str, seed: int) -> None:
+    """The recommended correction, remembered by the model; one other than `preset`, the correction trained with, is
+    a warning, which a notebook shows (info lines it does not, by default)."""
+    advice = recommend_and_remember(model, prepared, None if labels is None else labels.astype(str).to_numpy(),
+                                    'batchfix.correct(adata, model, correction="{preset}")', seed)
+    if advice.preset != preset:
+        log.warning("batchfix recommends correction=%r for these data (trained with %r): %s.%s", advice.preset, preset,
+                    advice.reason, f" Apply it: {advice.command}" if advice.command else "")
 
 
 def require_in_memory(adata: ad.AnnData, verb: str) -> None:
