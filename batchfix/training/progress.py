@@ -1,5 +1,6 @@
-"""Progress of a fit as log lines, for output that no one watches live (nohup, a SLURM log file, a pipe):
-steps done of planned, the loss, the time spent and left; and one line when early stopping ends the fit."""
+"""Progress of a fit as log lines, for output that no one watches live (nohup, a SLURM log file, a pipe), where
+Lightning's progress bar is not drawn: steps done of planned, the loss, the time spent and left; and one line when
+early stopping ends the fit."""
 from __future__ import annotations
 
 import logging
@@ -40,12 +41,14 @@ class ProgressLines(Callback):
         self.every_steps = max(1, self.planned // LINES_PER_FIT)
         self.first_step = trainer.global_step  # a resumed fit goes on from there
         self.started = self.last_line = time.perf_counter()
-        log.info("Fitting: %d steps planned, a progress line every %d steps or %s.", self.planned, self.every_steps,
-                 clock(self.every_seconds))
+        if trainer.is_global_zero:  # one process speaks for all under DDP
+            log.info("Fitting: %d steps planned, a progress line every %d steps or %s.", self.planned,
+                     self.every_steps, clock(self.every_seconds))
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs, *args) -> None:
         step, now = trainer.global_step, time.perf_counter()
-        if step % self.every_steps and now - self.last_line < self.every_seconds and step != self.planned:
+        due = step % self.every_steps == 0 or now - self.last_line >= self.every_seconds or step == self.planned
+        if not (due and trainer.is_global_zero):
             return
         self.last_line = now
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
@@ -59,7 +62,7 @@ class ProgressLines(Callback):
 def announce_early_stop(trainer: pl.Trainer) -> bool:
     """One line when early stopping ended the fit before its planned epochs (returns whether it did)."""
     stopper = trainer.early_stopping_callback
-    if stopper is None or not stopper.stopped_epoch:
+    if stopper is None or not stopper.stopped_epoch or not trainer.is_global_zero:
         return False
     log.info("Early stopping after epoch %d of %d (step %d): %s did not improve for %d validations; the best "
              "checkpoint (%s %.1f) is kept.", stopper.stopped_epoch + 1, trainer.max_epochs, trainer.global_step,
