@@ -434,8 +434,9 @@ def test_a_log_scale_runs_summary_speaks_of_log_values_not_counts(log_scale_subs
                                         "model.likelihood=gaussian"), tmp_path / "run")
     summary = run_summary("train", metrics, tmp_path / "run", [])
     assert "corrected counts" not in summary
-    assert f"corrected log-scale values of the {N_TOP_GENES} modelled genes (a model of log values writes no counts); " \
-           f"the other {600 - N_TOP_GENES} genes are left out of the corrected layer (zero there; X keeps them)" in summary
+    assert (f"corrected log-scale values of the {N_TOP_GENES} modelled genes (a model of log values writes no "
+            f"counts); the other {600 - N_TOP_GENES} genes are left out of the corrected layer (zero there; X keeps "
+            "them)") in summary
     corrected = ad.read_h5ad(tmp_path / "run" / "corrected.h5ad")
     assert "batchfix_counts" not in corrected.layers
     others = ~corrected.var["batchfix_modelled"].to_numpy()
