@@ -315,13 +315,6 @@ def test_a_corrected_file_goes_into_infercnvpy_with_its_reference_from_the_layer
     assert set(corrected.uns["cnv"]["chr_pos"]) <= {f"chr{c}" for c in [*range(1, 23), "X", "Y"]}
 
 
-def test_threads_map_the_same_counts_as_one_call(mapped):
-    m = mapped
-    threaded = counts.quantile_map_threads(m["y"], m["own_mean"], m["ref_mean"], m["own_theta"], m["ref_theta"],
-                                           m["u"], workers=2)
-    np.testing.assert_array_equal(threaded, m["out"])
-
-
 def test_spread_batch_keeps_each_batchs_dispersion_and_spread_gene_maps_to_the_references(trained, subset,
                                                                                         monkeypatch):
     """correction.spread on counts: batch (the default) moves only the mean, each count keeping its batch's NB
@@ -329,14 +322,16 @@ def test_spread_batch_keeps_each_batchs_dispersion_and_spread_gene_maps_to_the_r
     import batchfix
 
     model, _ = trained
+    from batchfix.correction import device_map
+
     seen = {}
-    original = counts.quantile_map_threads
+    original = device_map.quantile_map_torch
 
-    def recording(y, own_mean, ref_mean, own_theta, ref_theta, u, workers):
-        seen.setdefault("same", []).append(np.array_equal(own_theta, ref_theta))
-        return original(y, own_mean, ref_mean, own_theta, ref_theta, u, workers)
+    def recording(y, own_mean, ref_mean, own_theta, ref_theta, u):
+        seen.setdefault("same", []).append(torch.equal(own_theta, ref_theta))
+        return original(y, own_mean, ref_mean, own_theta, ref_theta, u)
 
-    monkeypatch.setattr(counts, "quantile_map_threads", recording)
+    monkeypatch.setattr(device_map, "quantile_map_torch", recording)
     batchfix.correct(subset, model, copy=True)
     assert all(seen.pop("same"))
     batchfix.correct(subset, model, copy=True, spread="gene")

@@ -15,7 +15,7 @@ import pandas as pd
 import scipy.sparse as sp
 import torch
 
-from batchfix.correction import counterfactual, counts
+from batchfix.correction import counterfactual, counts, device_map
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def mapped_counts(net, genes: GeneSet, tables: CountTables, x: torch.Tensor, mu:
     # of its quantile interval, deterministic as ComBat-seq's mapping is: a draw there would only add noise to each
     # cell's own profile (within-type neighbours 0.648 with draws everywhere, ComBat 0.850, bundled data).
     uniform = np.where(nb.observed == 0, counts.counter_uniform(seed, cell_keys, genes.keys), 0.5)
-    mapped = counts.quantile_map_threads(nb.observed.ravel(), nb.own_mean.ravel(), nb.ref_mean.ravel(),
-                                         nb.own_theta.ravel(), nb.ref_theta.ravel(), uniform.ravel(),
-                                         torch.get_num_threads())
+    flat = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64).ravel())
+            for a in (nb.observed, nb.own_mean, nb.ref_mean, nb.own_theta, nb.ref_theta, uniform)]
+    mapped = device_map.quantile_map_torch(*flat).numpy()  # counts.quantile_map's counts, in torch
     return nb.observed, mapped.reshape(nb.observed.shape)

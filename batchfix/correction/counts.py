@@ -40,7 +40,6 @@ for a named one. A batch the model never saw gets its ratio and dispersion from 
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from scipy import special, stats
@@ -54,7 +53,6 @@ DISPERSION_PRIOR_CELLS = 20.0
 MIN_THETA, MAX_THETA = 1e-3, 1e4  # theta above MAX_THETA is Poisson for any count a cell holds
 RATIO_PRIOR_COUNTS = 0.5  # pseudo-counts of a batch's observed / decoded mean ratio (CountSums.ratio)
 SEARCH_STEPS = 8  # steps from the guess before the quantile search hands over to scipy's inverse
-MIN_ENTRIES_PER_THREAD = 100_000  # a smaller part is not worth a thread of its own
 # The pmf walk (`walk_tails`, `walk_quantile`): counts up to WALK_STEPS, P(0) above exp(LOG_PMF_FLOOR) (no
 # underflow on the way), and 1 - F_b(y) at least WALK_TAIL_FLOOR (its digits kept in the lower tail's arithmetic)
 WALK_STEPS = 64
@@ -267,20 +265,6 @@ def exact_quantile_map(y: np.ndarray, own_mean: np.ndarray, theta: np.ndarray, p
         result[far] = log_tails.log_quantile_map(y[far], own_mean[far], theta[far], p[far], q[far], ref_mean[far],
                                                  ref_theta[far], ref_p[far], ref_q[far], u[far], survival[far])
     return result
-
-
-def quantile_map_threads(y: np.ndarray, own_mean: np.ndarray, ref_mean: np.ndarray, own_theta: np.ndarray,
-                         ref_theta: np.ndarray, u: np.ndarray, workers: int) -> np.ndarray:
-    """`quantile_map` on `workers` threads, each mapping one contiguous part of the flat arrays (scipy's special
-    functions release the GIL): the same counts as one call."""
-    if workers <= 1 or len(y) < 2 * MIN_ENTRIES_PER_THREAD:
-        return quantile_map(y, own_mean, ref_mean, own_theta, ref_theta, u)
-    bounds = np.linspace(0, len(y), min(workers, len(y) // MIN_ENTRIES_PER_THREAD) + 1).astype(np.int64)
-    parts = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-    with ThreadPoolExecutor(len(parts)) as pool:
-        mapped = pool.map(lambda part: quantile_map(y[part], own_mean[part], ref_mean[part], own_theta[part],
-                                                    ref_theta[part], u[part]), parts)
-        return np.concatenate(list(mapped))
 
 
 class DispersionSums:
