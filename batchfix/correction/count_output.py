@@ -117,11 +117,11 @@ def count_distributions(net, genes: GeneSet, tables: CountTables, x: torch.Tenso
     if not genes.extra:
         shift = counterfactual.applied_shift(shift, codes, state, None if by_reference_cells else regional)
     total = total_log_shift(tables, shift, codes)
-    if by_reference_cells:
-        total = counterfactual.reference_cell_shift(total, codes, regional)
     index, known, missing = genes.model_index, codes.clamp_min(0).numpy(), (codes < 0).numpy()[:, None]
     if tables.shift_weight is not None:  # each batch's shift of each gene weighted by its evidence
         total = total * torch.from_numpy(np.where(missing, 1.0, tables.shift_weight[known]))
+    if by_reference_cells:  # the regional part: the batch's own, from its reference cells (shrunk by its noise)
+        total = counterfactual.reference_cell_shift(total, codes, regional)
     ratio = np.where(missing, 1.0, tables.ratio[known][:, index])  # (B, k): the batch's observed / decoded mean
     library = x[:, genes.present].sum(-1, keepdim=True)  # (B, 1): this set's counts in the cell
     own_mean = (own[:, index] * library).double().numpy() * ratio

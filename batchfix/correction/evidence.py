@@ -15,7 +15,9 @@ ComBat shrinks its location by an empirical-Bayes prior across genes, here centr
     tau_b^2   = max(0, mean_g s_bg^2 - mean_g v_bg): the spread of the batch's true shifts across its genes
     lambda_bg = tau_b^2 / (tau_b^2 + v_bg)
 
-and each cell's whole shift of gene g (state-dependent part included) is multiplied by lambda_bg. A well-measured
+and each cell's whole shift of gene g (state-dependent part included) is multiplied by lambda_bg; with reference
+cells (correction.normal_key) the regional part is then the batch's own, as its reference cells measured it (shrunk
+by its own noise: estimates.regional_offset). A well-measured
 shift (v << tau^2) passes unchanged; one within its own noise is not applied; where every shift of a batch is noise
 (tau = 0) the batch's counts stay exactly as they were, since a count mapped to its own distribution is its own.
 The weights come from the data alone: no tuned constant. Only the counts' shift is weighted (the log-scale model's
