@@ -143,7 +143,8 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, co
     """The written correction equals what the reloaded model.ckpt computes on the same cells (the default
     state_dependence=0.5: half of each cell's deviation from its batch's mean log-mean shift is applied; the default
     regional_shift=keep: each batch's mean log-mean shift over its cells, smoothed along the genome; each count
-    mapped from its batch's NB to the reference's at its randomised quantile)."""
+    mapped from its batch's NB to the reference's at its randomised quantile; correction.shrink=evidence: each batch's
+    shift of a gene weighted by its evidence)."""
     trained = load_trained(cli_run / "model.ckpt")
     net = trained.net
     source = ad.read_h5ad(subset_h5ad)
@@ -159,11 +160,25 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, co
                              torch.ones(len(trained.batch_categories)))
     ones = torch.ones(len(trained.batch_categories))
     state = counterfactual.StateShrink(CorrectionSettings().state_dependence, mean_shift, ones)  # the default 0.5
+    decoder_shift = shift.double().numpy()
     shift = counterfactual.applied_shift(shift, codes, state, regional).double().numpy()
-    ratio = net.count_ratio.double().numpy()  # each batch's observed / decoded mean; the reference's: geometric mean
-    shift += np.log(np.exp(np.log(ratio).mean(axis=0)) / ratio[codes.numpy()])
+    ratio = net.count_ratio.double().numpy()  # each batch's observed / decoded mean
     own_mean = (own * x.sum(-1, keepdim=True)).double().numpy() * ratio[codes.numpy()]
     own_theta = net.count_theta.double().numpy()[codes.numpy()]
+    # The reference's ratio: the geometric mean over the batches, but those without any count of a gene
+    batches = [codes.numpy() == b for b in range(len(trained.batch_categories))]
+    observed = np.stack([x.double().numpy()[rows].sum(axis=0) for rows in batches])  # (batches, G)
+    kept = (observed > 0) | (observed == 0).all(axis=0)
+    reference_ratio = np.exp((np.log(ratio) * kept).sum(axis=0) / kept.sum(axis=0))
+    ratio_shift = np.log(reference_ratio / ratio)  # (batches, G)
+    # correction.shrink=evidence: each batch's shift of a gene times tau^2 / (tau^2 + v) (batchfix.correction.evidence)
+    mean_total = np.stack([decoder_shift[rows].mean(axis=0) for rows in batches]) + ratio_shift
+    means = np.stack([own_mean[rows].sum(axis=0) for rows in batches])
+    squares = np.stack([np.square(own_mean[rows]).sum(axis=0) for rows in batches])
+    variance = 1 / (observed + 0.5) + squares / (net.count_theta.double().numpy() * (means + 0.5) ** 2)
+    tau2 = np.maximum(np.square(mean_total).mean(axis=1) - variance.mean(axis=1), 0.0)[:, None]
+    weight = tau2 / (tau2 + variance)
+    shift = (shift + ratio_shift[codes.numpy()]) * weight[codes.numpy()]
     reference_theta = own_theta  # correction.spread=batch (the default): each count keeps its batch's dispersion
     drawn = counts.counter_uniform(CorrectionSettings().quantile_seed, counts.name_keys(source.obs_names),
                                    counts.name_keys(trained.genes))
