@@ -684,3 +684,11 @@ def test_a_corrected_input_is_corrected_again_under_the_same_key(trained_run, ri
     for _ in range(2):
         batchfix.correct(again, checkpoint, key_added="bf")
     assert again.uns["bf"]["layers"].keys() == out.uns["bf"]["layers"].keys()
+
+
+def test_correct_names_a_condition_that_is_constant_within_each_batch(trained_run, subset, caplog):
+    adata = subset.copy()
+    first = sorted(adata.obs["batch"].astype(str).unique())[:2]
+    adata.obs["disease"] = np.where(adata.obs["batch"].astype(str).isin(first), "case", "control")
+    batchfix.correct(adata, load_trained(trained_run["checkpoint"]), copy=True)
+    assert "obs column 'disease' is constant within each batch" in caplog.text

@@ -367,3 +367,16 @@ def test_float16_counts_are_read_exactly(small_adata, write_h5ad):
     assert (small_adata.X.astype(np.float64) == counts).all()  # the file holds these counts exactly
     read = expression_input(read_h5ad(write_h5ad(small_adata, "float16.h5ad")), DataKeys())
     assert read.counts.dtype == np.float32 and (read.counts.toarray() == counts).all()
+
+
+def test_a_condition_constant_within_each_batch_is_named_with_its_de_route(caplog):
+    from batchfix.data.io import batch_level_columns
+
+    batch = np.array(["d1", "d1", "d2", "d3", "d3", "d4"])
+    columns = {"disease": ["covid", "covid", "healthy", "covid", "covid", "healthy"],  # per donor: named
+               "sample": ["s1", "s1", "s2", "s3", "s3", "s4"],  # another name of the batch: not a condition
+               "cell_type": ["T", "B", "T", "T", "B", "B"],  # varies within a batch
+               "batch": batch}
+    assert batch_level_columns(columns.items(), batch, "batch") == ["disease"]
+    assert "obs column 'disease' is constant within each batch (covid: d1, d3; healthy: d2, d4)" in caplog.text
+    assert "~disease with the batches as replicates" in caplog.text

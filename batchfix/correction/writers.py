@@ -45,7 +45,7 @@ from batchfix.correction.provenance import for_hdf5, layer_entries, provenance
 from batchfix.data import ondisk
 from batchfix.data.atomic import atomic_output, refuse_existing
 from batchfix.data.genome import infercnv_columns
-from batchfix.data.io import OutputKeys, check_h5ad_path, select_matrix
+from batchfix.data.io import OutputKeys, batch_level_columns, check_h5ad_path, select_matrix
 from batchfix.errors import InputError
 from batchfix.training.trained import BatchfixModel
 
@@ -126,6 +126,7 @@ def prepared_output(adata: ad.AnnData, trained: BatchfixModel, settings: Correct
     if settings.output_mode == "counterfactual":
         batch = cell_batches(adata.obs[batch_key] if batch_key in adata.obs else None, batch_key,
                              list(map(str, adata.obs.columns)), trained.batch_categories, all_batches_new)
+        batch_level_columns(adata.obs.items(), batch, batch_key)
     normal = normal_cells(adata.obs[settings.normal_key] if settings.normal_key in adata.obs else None, settings,
                           list(map(str, adata.obs.columns)))
     bound = BoundModel(trained, adata.var_names, settings, source_name(counts_layer), batch, batch_key,
@@ -257,6 +258,8 @@ def bind_file(src: h5py.File, source: Path, trained: BatchfixModel, settings: Co
     if settings.output_mode == "counterfactual":
         batch = cell_batches(ondisk.read_obs_column(src, batch_key), batch_key, ondisk.obs_columns(src),
                              trained.batch_categories, all_batches_new)
+        batch_level_columns(((c, ondisk.read_obs_column(src, c)) for c in ondisk.obs_columns(src) if c != batch_key),
+                            batch, batch_key)
     normal = None if settings.normal_key is None else normal_cells(
         ondisk.read_obs_column(src, settings.normal_key), settings, ondisk.obs_columns(src))
     bound = BoundModel(trained, var_names, settings, source_name(counts_layer), batch, batch_key,

@@ -314,3 +314,26 @@ def expression_input(adata: ad.AnnData, keys: DataKeys, scale: str = "counts",
         path=source,
         rows=np.flatnonzero(cell_ok),
     )
+
+
+def batch_level_columns(columns, batch: np.ndarray, batch_key: str) -> list[str]:
+    """The obs columns (from `columns`, (name, values) pairs) constant within each batch, with at least two values
+    and fewer values than batches (a condition per donor, not another name of the batch): correcting by batch
+    removes their differences too. Each is named in one warning line with the DE route that works."""
+    batch = np.asarray(batch).astype(str)
+    n_batches = len(np.unique(batch))
+    found = []
+    for name, values in columns:
+        if name == batch_key or values is None:
+            continue
+        frame = pd.DataFrame({"batch": batch, "value": pd.Series(values).astype(str).to_numpy()})
+        per_batch = frame.groupby("batch", sort=True)["value"].nunique()
+        n_values = frame["value"].nunique()
+        if (per_batch == 1).all() and 2 <= n_values < n_batches:
+            found.append(str(name))
+            groups = frame.drop_duplicates().groupby("value")["batch"].apply(list).to_dict()
+            log.warning("obs column '%s' is constant within each batch (%s): correcting by '%s' removes its "
+                        "differences with the batches'. For DE between its values, pseudobulk the raw counts per "
+                        "batch and test ~%s with the batches as replicates (docs/corrected-matrix.md).", name,
+                        "; ".join(f"{value}: {', '.join(b)}" for value, b in groups.items()), batch_key, name)
+    return found
