@@ -202,3 +202,21 @@ def test_a_batch_wide_regional_shift_is_named_with_the_call_that_keeps_it():
     assert preset == "default" and "donor_F carries a copy-number-sized regional shift in all its cells" in reason
     assert "the default fits\"" not in reason and not reason.endswith("the default fits")
     assert recommendation.rule(0.3, 0.1, "donor_F", 0.0, "labels")[1].endswith("the default fits")
+
+
+def test_the_printed_command_is_complete_and_quoted(tmp_path):
+    """Run as printed, the recommended command corrects the training file (not the bundled one), with the run's
+    data options, paths quoted for a shell."""
+    import shlex
+
+    from batchfix.config import TrainConfig, validated
+    from batchfix.tasks.training import correct_command
+
+    data = tmp_path / "my data {1}.h5ad"
+    cfg = validated({"data": {"path": str(data), "batch_key": "donor id", "counts_layer": "counts"}}, TrainConfig)
+    command = correct_command(cfg, tmp_path / "run").format(preset="protocols")
+    words = shlex.split(command)
+    assert words[:4] == ["python", "-m", "batchfix", "correct"]
+    assert f"input={data}" in words and f"checkpoint={tmp_path / 'run' / 'model.ckpt'}" in words
+    assert {"correction=protocols", "data.batch_key=donor id", "data.counts_layer=counts"} <= set(words)
+    assert f"output={tmp_path / 'run' / 'corrected.recommended.h5ad'}" in words

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
 import time
 from pathlib import Path
 
@@ -107,7 +108,7 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
                  MIN_CELLS)
     corrected_genes = add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
     model.remember_correction(remembered_correction(preset, cfg.correction))
-    apply = f"python -m batchfix correct checkpoint={run_dir / runfolder.MODEL_CKPT} correction={{preset}}"
+    apply = correct_command(cfg, run_dir)
     advice = recommend_and_remember(model, prepared, training_labels(cfg, adata), apply, cfg.seed)
     model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
     metrics = {**fit_metrics(result, prepared), "corrected_genes": corrected_genes,
@@ -152,6 +153,22 @@ def write_corrected(cfg: TrainConfig, model: BatchfixModel, adata: ad.AnnData | 
         adata.write_h5ad(tmp, compression="gzip", compression_opts=1)
     log.info("Wrote %s (%d cells; layers['%s'] (%s)).", target, adata.n_obs, settings.key_added, settings.output_mode)
     return target
+
+
+def correct_command(cfg: TrainConfig, run_dir: Path) -> str:
+    """The command that corrects the training file with this run's model and a preset ({preset}), complete and
+    quoted for a shell: input, checkpoint, the data options the run used, and an output beside the run's own."""
+    def quoted(value) -> str:  # for a shell, and kept whole by str.format
+        return shlex.quote(str(value)).replace("{", "{{").replace("}", "}}")
+
+    data = cfg.data
+    parts = ["python -m batchfix correct", f"input={quoted(input_path(data.path))}",
+             f"checkpoint={quoted(run_dir / runfolder.MODEL_CKPT)}",
+             f"output={quoted(run_dir / 'corrected.recommended.h5ad')}", "correction={preset}",
+             f"data.batch_key={quoted(data.batch_key)}"]
+    if data.counts_layer is not None:
+        parts.append(f"data.counts_layer={quoted(data.counts_layer)}")
+    return " ".join(parts)
 
 
 def shift_evidence(path: Path, key: str) -> dict | None:
