@@ -120,6 +120,18 @@ def test_the_parts_start_where_one_process_starts_a_forward_batch_and_cover_ever
         assert all(start == n_obs or (start % 64) % 24 == 0 for start, _ in parts)
 
 
+def test_the_denoised_output_in_three_parts_is_the_one_process_file(files, tmp_path):
+    """The denoised output has no estimate pass: each part encodes its own cells, in the one-process batches."""
+    trained, settings = files["trained"], command_line_settings(files["trained"], output_mode="denoised")
+    torch.set_num_threads(1)
+    single = correct_file(files["input"], tmp_path / "single.h5ad", trained, settings, progress=False)
+    job = shards.FileJob(files["input"], tmp_path / "out.h5ad", progress=False)
+    for index in (2, 0, 1):
+        shards.correct_shard(job, trained, settings, index, 3)
+    assert_same_correction(shards.merge_shards(job, trained, settings, 3), single, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.h5ad", "single.h5ad"]
+
+
 @pytest.mark.slow
 def test_torchrun_ranks_write_the_one_process_file(files, tmp_path):
     output = tmp_path / "out.h5ad"
