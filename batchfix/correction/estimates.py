@@ -183,7 +183,7 @@ def weighted_tables(bound, first: Estimates, evidence: list[ShiftEvidenceSums]) 
                     for tables, sums in zip(first.count_tables, evidence)]
     else:
         detected = list(first.count_tables)
-    weighted = [sums.weights(tables, genes.present.numpy())
+    weighted = [sums.weights(tables, genes.present.numpy(), calibration.MIN_UNSEEN_CELLS)
                 for genes, tables, sums in zip(bound.gene_sets, detected, evidence)]
     tables = tuple(dataclasses.replace(t, shift_weight=w) for t, (w, _) in zip(detected, weighted))
     return tables, tuple(tau for _, tau in weighted)

@@ -6,26 +6,28 @@ counts moves counts however little the data support it: on a random split of one
 corrected counts changed, and a gene absent from a whole batch (a donor's missing chrY) was given to its cells.
 
 So each batch's shift of each gene is weighted by how well the input's cells of that batch measure it, as
-ComBat shrinks its location by an empirical-Bayes prior across genes, here centred on no shift:
+ComBat shrinks its location by an empirical-Bayes prior across genes, here centred on no shift and adaptive
+(Stephens 2017's adaptive shrinkage, `shrinkage`):
 
     s_bg      = the batch's mean total log-mean shift over its input cells (decoder shift + log(r_ref / r_b))
     v_bg      = its sampling variance: the delta method on the batch's total count of the gene,
                 1 / (Y_bg + 1/2) + sum_c m_cg^2 / (theta_bg (M_bg + 1/2)^2)   (Poisson part + the NB's excess;
                 Y the batch's counts, M = sum_c m_cg and m_cg the model's mean of the count in its own batch)
-    tau_b^2   = max(0, mean_g s_bg^2 - mean_g v_bg): the spread of the batch's true shifts across its genes
-    lambda_bg = tau_b^2 / (tau_b^2 + v_bg)
+    prior     = a mixture of N(0, sigma_k^2) over the batch's genes, sigma_k on a grid from 0 to the largest
+                shift, its weights fitted by maximum likelihood to the s_bg given their v_bg
+    lambda_bg = E[true shift | s_bg] / s_bg under that prior
 
 and each cell's whole shift of gene g (state-dependent part included) is multiplied by lambda_bg; with reference
 cells (correction.normal_key) the regional part is then the batch's own, as its reference cells measured it (shrunk
-by its own noise: estimates.regional_offset). A well-measured
-shift (v << tau^2) passes unchanged; one within its own noise is not applied; where every shift of a batch is noise
-(tau = 0) the batch's counts stay exactly as they were, since a count mapped to its own distribution is its own.
-The weights come from the data alone: no tuned constant. Only the counts' shift is weighted (the log-scale model's
-output is not).
+by its own noise: estimates.regional_offset). A shift far beyond its noise passes nearly whole; one within its
+noise is not applied; where every shift of a batch is noise (the prior all at 0) the batch's counts stay exactly as
+they were, since a count mapped to its own distribution is its own. The weights come from the data alone: no tuned
+constant. Only the counts' shift is weighted (the log-scale model's output is not).
 
-With the average reference, a training batch that has no count of a gene in any of its cells in the input is left
-out of that gene's reference ratio (`detected_reference`): a whole batch without a gene is biology (a female donor's
-chrY, a knockout), not a technical effect, and its level would otherwise lower every other batch's counts of it.
+A batch that has no count of a gene in any of its cells in the input lacks it as biology (a female donor's chrY, a
+knockout), not as a technical effect: its shift of that gene is not applied (its cells keep their zeros), and with
+the average reference it is left out of that gene's reference ratio (`detected_reference`), which its level would
+otherwise lower for every other batch.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ import numpy as np
 from batchfix.correction.count_output import CountTables
 
 HALF_COUNT = 0.5  # the pseudo-count of a batch's total, as in its ratio (counts.RATIO_PRIOR_COUNTS)
+EM_STEPS = 100  # EM iterations of the prior's mixture weights (converged well before on the development sets)
 
 
 class ShiftEvidenceSums:
@@ -71,16 +74,49 @@ class ShiftEvidenceSums:
         return dataclasses.replace(tables, reference_ratio=np.where(absent.any(axis=0), reference,
                                                                     tables.reference_ratio))
 
-    def weights(self, tables: CountTables, present: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """((codes, genes) lambda, (codes,) tau): each batch's weight of each gene's shift (1 for genes the input
-        lacks and batches without cells) and its prior's sd over the input's genes."""
+    def weights(self, tables: CountTables, present: np.ndarray, min_cells: int) -> tuple[np.ndarray, np.ndarray]:
+        """((codes, genes) lambda, (codes,) the prior's sd): each batch's posterior weight of each gene's shift under
+        its adaptive prior (`shrinkage`; 1 for genes the input lacks and batches without cells), and 0 where the
+        batch (of at least `min_cells` cells) has no count of the gene at all: a gene absent from a whole batch is
+        biology, which no technical shift gives back."""
         n = np.maximum(self.n_cells, 1)[:, None]
         ratio_shift = np.log(tables.reference_ratio[None, :] / tables.ratio[:len(n)])
         mean_shift = self.shift / n + ratio_shift  # (codes, genes)
         variance = (1.0 / (self.counts + HALF_COUNT)
                     + self.mean_squares / (tables.theta[:len(n)] * np.square(self.means + HALF_COUNT)))
-        tau2 = np.maximum(np.square(mean_shift[:, present]).mean(axis=1) - variance[:, present].mean(axis=1), 0.0)
-        weight = tau2[:, None] / (tau2[:, None] + variance)
-        weight[:, ~present] = 1.0
-        weight[self.n_cells == 0] = 1.0
-        return weight, np.sqrt(tau2)
+        weight, prior_sd = np.ones_like(mean_shift), np.zeros(len(n))
+        for code in np.flatnonzero(self.n_cells > 0):
+            weight[code, present], prior_sd[code] = shrinkage(mean_shift[code, present], variance[code, present])
+        absent = (self.counts == 0) & (self.n_cells[:, None] >= min_cells) & present[None, :]
+        weight[absent] = 0.0
+        return weight, prior_sd
+
+
+def shrinkage(shift: np.ndarray, variance: np.ndarray, steps: int = EM_STEPS) -> tuple[np.ndarray, float]:
+    """((genes,) E[true shift | shift] / shift, the prior's sd) for shifts measured with these sampling variances,
+    under a prior across genes fitted to them: a mixture of N(0, sigma_k^2) on a grid from 0 (no shift) to the
+    largest shift seen, its weights by maximum likelihood (EM), as adaptive shrinkage (Stephens 2017, Biostatistics
+    18:275) does. Shifts within their noise meet a prior at 0 and get weight ~0; a shift far beyond its noise meets
+    the wide components and passes nearly whole; no constant is tuned."""
+    spread = np.sqrt(np.maximum(np.square(shift) - variance, 0.0).max(initial=0.0))
+    floor = np.sqrt(variance.min(initial=1.0)) / 10
+    sigma = np.concatenate([[0.0], floor * np.sqrt(2.0) ** np.arange(int(np.ceil(2 * np.log2(
+        max(2 * spread, 2 * floor) / floor))) + 1)])  # (K,)
+    total = sigma[None, :] ** 2 + variance[:, None]  # (genes, K)
+    log_likelihood = -0.5 * (np.log(2 * np.pi * total) + np.square(shift)[:, None] / total)
+    mix = np.full(len(sigma), 1.0 / len(sigma))
+    for _ in range(steps):
+        posterior = responsibilities(log_likelihood, mix)
+        mix = posterior.mean(axis=0)
+    posterior = responsibilities(log_likelihood, mix)
+    weight = (posterior * (sigma[None, :] ** 2 / total)).sum(axis=1)
+    return weight, float(np.sqrt((mix * sigma**2).sum()))
+
+
+def responsibilities(log_likelihood: np.ndarray, mix: np.ndarray) -> np.ndarray:
+    """(genes, K) each component's posterior probability for each gene."""
+    with np.errstate(divide="ignore"):
+        joint = log_likelihood + np.log(mix)[None, :]
+    joint -= joint.max(axis=1, keepdims=True)
+    probability = np.exp(joint)
+    return probability / probability.sum(axis=1, keepdims=True)
