@@ -54,10 +54,11 @@ NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a 
                                    "an in-memory AnnData is trained from memory; files too large for it stream "
                                    "with the command line (data.stream)"),
                    **dict.fromkeys(("max_cells", "neighbors"),
-                                   "the Python API does not evaluate: score with batchfix.eval.metrics")}
+                                   "the Python API does not evaluate: score with batchfix.eval.metrics"),
+                   "shard": "parts of a file are corrected over processes by the command line (inference.shard)"}
 # The correction options: keywords of batchfix.train (remembered by the model) and of batchfix.correct.
 CORRECTION_OPTIONS = tuple(option.name for option in fields(CorrectionOptions))
-INFERENCE_OPTIONS = tuple(option.name for option in fields(InferenceOptions))
+INFERENCE_OPTIONS = tuple(option.name for option in fields(InferenceOptions) if option.name not in NOT_API_OPTIONS)
 log = logging.getLogger(__name__)
 
 def train_config(**options) -> TrainConfig:
@@ -211,6 +212,8 @@ def correct_keywords(options: dict) -> tuple[dict, InferenceOptions]:
     unknown keyword is refused naming the option meant."""
     known = [*CORRECTION_OPTIONS, *INFERENCE_OPTIONS, *inspect.signature(correct).parameters]
     for name in options:
+        if name in NOT_API_OPTIONS:
+            raise ConfigError(f"'{name}' is not an option of batchfix.correct: {NOT_API_OPTIONS[name]}.")
         if name not in CORRECTION_OPTIONS and name not in INFERENCE_OPTIONS:
             close = difflib.get_close_matches(name, known, n=3)
             raise ConfigError(f"Unknown option '{name}' of batchfix.correct" +

@@ -123,3 +123,8 @@ def test_the_recommendation_reaches_a_notebook(small_h5ad):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "batchfix recommends correction='default' for these data (trained with 'conditions')" in result.stderr
+
+
+def test_correct_refuses_the_command_lines_shard_option(small_adata):
+    with pytest.raises(ConfigError, match="'shard' is not an option of batchfix.correct: parts of a file"):
+        batchfix.correct(small_adata, "model.ckpt", shard="0/2")
