@@ -41,7 +41,7 @@ from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.extra_genes import add_extra_genes_from
 from batchfix.correction.provenance import refuse_key_collisions
 from batchfix.correction.recommendation import recommend_and_remember
-from batchfix.correction.writers import correct_adata
+from batchfix.correction.writers import correct_adata, normal_cells
 from batchfix.errors import ConfigError
 from batchfix.training import fitting
 from batchfix.training.trained import BatchfixModel, load_trained
@@ -128,6 +128,7 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
     require_in_memory(adata, "train")
     cfg = train_config(**options, **correction_options)
     preset, chosen = CorrectionChoice(correction, correction_options).resolve()
+    normal_cells(adata.obs.get(chosen.normal_key or ""), chosen, list(adata.obs.columns))  # refused before training
     fitting.seed_and_threads(cfg.seed, cfg.threads)
     prepared = fitting.load_training_data(cfg.data, adata)
     with tempfile.TemporaryDirectory(prefix="batchfix-train-") as scratch:

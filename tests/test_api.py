@@ -15,7 +15,7 @@ import pytest
 import batchfix
 from batchfix.api import train_config
 from batchfix.correction import extra_genes
-from batchfix.errors import ConfigError
+from batchfix.errors import ConfigError, InputError
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "data" / "tiny_run_seed0.npz"
@@ -128,3 +128,9 @@ def test_the_recommendation_reaches_a_notebook(small_h5ad):
 def test_correct_refuses_the_command_lines_shard_option(small_adata):
     with pytest.raises(ConfigError, match="'shard' is not an option of batchfix.correct: parts of a file"):
         batchfix.correct(small_adata, "model.ckpt", shard="0/2")
+
+
+def test_train_refuses_normal_values_no_cell_has_before_training(small_adata):
+    with pytest.raises(InputError, match=r"normal_values=\['no_such_type'\]: no cell of obs column 'cell_type'"):
+        batchfix.train(small_adata, normal_key="cell_type", normal_values=["no_such_type"], max_epochs=1,
+                       threads=1, enable_progress_bar=False, n_top_genes=200, genes_per_token=16)

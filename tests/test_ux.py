@@ -372,3 +372,18 @@ def test_the_run_summary_names_a_high_model_misfit_and_what_to_do(tmp_path):
     assert "fit.target_steps" in line and "metrics.md" in line
     evaluation["matrix_scores"]["PIT fails"] = 0.005
     assert "model misfit" not in run_summary("evaluate", evaluation, tmp_path, [])
+
+
+@pytest.mark.parametrize("normal, message", [
+    (["correction.normal_key=cell_type", "correction.normal_values=[no_such_type]"],
+     "correction.normal_values=['no_such_type']: no cell of obs column 'cell_type' has one of them"),
+    (["correction.normal_key=no_such_column", "correction.normal_values=[x]"],
+     "correction.normal_key='no_such_column': obs has no such column")])
+def test_train_refuses_normal_cells_the_input_lacks_before_training(subset_h5ad, tmp_path, normal, message):
+    run = tmp_path / "run"
+    result = cli(["train", f"data.path={subset_h5ad}", "evaluate=false", f"hydra.run.dir={run}", *TINY_CLI,
+                  *normal], tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [f"batchfix train: error: {message}" + result.stderr.split(message)[1]
+                                                  .strip()]
+    assert "Epoch" not in result.stdout + result.stderr and not run.exists()

@@ -74,6 +74,30 @@ def require_data_keys(path: str | None, data) -> None:
                  {"data.counts_layer": data.counts_layer})
 
 
+def require_normal_cells(path: str | None, correction) -> None:
+    """Refuse correction.normal_key / normal_values that name no obs column, or values no cell has, before training
+    (the correction at its end would refuse them): reads that one column of the input."""
+    if correction.normal_key is None:
+        return
+    import anndata as ad
+    import h5py
+    import pandas as pd
+
+    from batchfix.correction.writers import normal_cells
+    from batchfix.data.header import header, input_path
+
+    path = input_path(path)
+    found = header(path)
+    if found is None:
+        return
+    columns = found[0]
+    values = None
+    if correction.normal_key in columns:
+        with h5py.File(path, "r") as file:
+            values = pd.Series(ad.io.read_elem(file["obs"][correction.normal_key]))
+    normal_cells(values, correction, columns)
+
+
 def config_groups() -> set[str]:
     """The preset groups of conf/ (`data`, `model`, ...): `model=default` chooses a preset, not an option."""
     from importlib import resources

@@ -5,7 +5,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from batchfix.cli.common import require_data_keys, require_inputs, run, user_errors_reported
+from batchfix.cli.common import require_data_keys, require_inputs, require_normal_cells, run, user_errors_reported
 from batchfix.cli.summary import run_summary
 from batchfix.config import TrainConfig, validated
 from batchfix.runfolder import RUN_OUTPUTS, remove_if_unused
@@ -20,6 +20,7 @@ def main(cfg: DictConfig) -> float | None:
         options = validated(cfg, TrainConfig)  # before the heavy imports: a bad option is reported at once
         require_inputs(("data.path", options.data.path), ("data.gtf", options.data.gtf))
         require_data_keys(options.data.path, options.data)
+        require_normal_cells(options.data.path, options.correction)
         from batchfix import tasks
         from batchfix.eval.metrics import headline
 
