@@ -152,8 +152,13 @@ def recommend_in_notebook(model: BatchfixModel, prepared, labels, preset: str, s
 
 
 def require_in_memory(adata: ad.AnnData, verb: str) -> None:
-    """Refuse, before any work, an AnnData backed by its file (read_h5ad(..., backed='r')): the API works in
-    memory; the command line streams files."""
+    """Refuse, before any work, what is no AnnData, or one backed by its file (read_h5ad(..., backed='r')): the API
+    works in memory; the command line streams files."""
+    if not isinstance(adata, ad.AnnData):
+        from batchfix.errors import InputError
+
+        raise InputError(f"batchfix.{verb} takes an AnnData (cells x genes), got {type(adata).__name__}: "
+                         f"anndata.AnnData(X=..., obs=...) makes one, anndata.read_h5ad reads a file.")
     if getattr(adata, "isbacked", False):
         from batchfix.errors import InputError
 
@@ -200,6 +205,9 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, correction:
     """
     require_in_memory(adata, "correct")
     told, inference = correct_keywords(options)
+    if not isinstance(model, (BatchfixModel, str, Path)):
+        raise ConfigError(f"model must be a BatchfixModel (batchfix.train, BatchfixModel.load) or a checkpoint's path, "
+                          f"got {type(model).__name__}.")
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
     preset, chosen = CorrectionChoice(correction, told).resolve(trained.correction)
     settings = CorrectionSettings(**asdict(chosen), **asdict(inference), preset=preset)

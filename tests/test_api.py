@@ -134,3 +134,18 @@ def test_train_refuses_normal_values_no_cell_has_before_training(small_adata):
     with pytest.raises(InputError, match=r"normal_values=\['no_such_type'\]: no cell of obs column 'cell_type'"):
         batchfix.train(small_adata, normal_key="cell_type", normal_values=["no_such_type"], max_epochs=1,
                        threads=1, enable_progress_bar=False, n_top_genes=200, genes_per_token=16)
+
+
+@pytest.mark.parametrize("verb", ["train", "correct", "evaluate"])
+def test_the_api_refuses_what_is_no_anndata_in_one_line(verb):
+    call = {"train": lambda data: batchfix.train(data), "correct": lambda data: batchfix.correct(data, "model.ckpt"),
+            "evaluate": lambda data: batchfix.evaluate(data)}[verb]
+    with pytest.raises(InputError, match=rf"batchfix\.{verb} takes an AnnData \(cells x genes\), got ndarray"):
+        call(np.ones((3, 3)))
+
+
+@pytest.mark.parametrize("model", [None, 3])
+def test_correct_refuses_a_model_that_is_neither_a_model_nor_a_path(small_adata, model):
+    with pytest.raises(ConfigError, match=rf"model must be a BatchfixModel .* or a checkpoint's path, got "
+                                          rf"{type(model).__name__}\."):
+        batchfix.correct(small_adata, model, copy=True)
