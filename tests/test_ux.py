@@ -387,3 +387,17 @@ def test_train_refuses_normal_cells_the_input_lacks_before_training(subset_h5ad,
     assert result.stderr.strip().splitlines() == [f"batchfix train: error: {message}" + result.stderr.split(message)[1]
                                                   .strip()]
     assert "Epoch" not in result.stdout + result.stderr and not run.exists()
+
+
+@pytest.mark.parametrize("verb, option", [("correct", "input"), ("correct", "checkpoint"), ("train", "data.path"),
+                                          ("evaluate", "input")])
+def test_a_folder_named_as_an_input_file_is_one_line_naming_its_files(tmp_path, verb, option):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "model.ckpt").write_bytes(b"")
+    result = cli([verb, f"{option}={folder}", *(["checkpoint=x"] if option == "input" and verb == "correct" else []),
+                  f"hydra.run.dir={tmp_path / 'out'}"], tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    what = "Checkpoint" if option == "checkpoint" else "Input file"
+    assert result.stderr.strip() == (f"batchfix {verb}: error: {what} {folder} is a folder ({option}= names a file); "
+                                     f"files in it: ['model.ckpt'].")

@@ -53,10 +53,14 @@ def require_inputs(*named_paths: tuple[str, str | None]) -> None:
     for option, path in named_paths:
         if path in (None, "", "bundled"):
             continue
+        error = CheckpointError if option == "checkpoint" else InputError
+        what = "Checkpoint" if option == "checkpoint" else "Input file"
         if not Path(path).expanduser().exists():
-            error = CheckpointError if option == "checkpoint" else InputError
-            what = "Checkpoint" if option == "checkpoint" else "Input file"
             raise error(f"{what} not found: {Path(path).expanduser()} ({option}=)")
+        if Path(path).expanduser().is_dir():
+            inside = sorted(entry.name for entry in Path(path).expanduser().iterdir() if entry.is_file())
+            raise error(f"{what} {Path(path).expanduser()} is a folder ({option}= names a file); files in it: "
+                        f"{inside[:10]}{' ...' if len(inside) > 10 else ''}.")
 
 
 def require_keys(path: str | None, obs: dict[str, tuple[str, str | None]],
