@@ -401,3 +401,15 @@ def test_a_folder_named_as_an_input_file_is_one_line_naming_its_files(tmp_path, 
     what = "Checkpoint" if option == "checkpoint" else "Input file"
     assert result.stderr.strip() == (f"batchfix {verb}: error: {what} {folder} is a folder ({option}= names a file); "
                                      f"files in it: ['model.ckpt'].")
+
+
+@pytest.mark.parametrize("verb, option", [("correct", "input"), ("train", "data.path"), ("attention", "input")])
+def test_a_file_that_is_no_hdf5_is_named_as_such_by_every_verb(tmp_path, verb, option):
+    text = tmp_path / "cells.h5ad"
+    text.write_text("barcode,gene\n")
+    run = [f"hydra.run.dir={tmp_path / 'run'}"] if verb == "train" else ["checkpoint=x"]
+    result = cli([verb, f"{option}={text}", *run], tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.startswith(f"batchfix {verb}: error: {text} is not an .h5ad file (no HDF5 signature; got 8 "
+                                    "leading bytes b'barcode,'). Convert it with anndata/scanpy first")
+    assert text.read_text() == "barcode,gene\n" and not (tmp_path / "run").exists()

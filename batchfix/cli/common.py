@@ -45,6 +45,9 @@ def user_errors_reported(verb: str, on_error: Callable[[], None] | None = None) 
         report(verb, str(err), err.exit_status if isinstance(err, Interrupted) else 1)
 
 
+H5AD_OPTIONS = ("input", "data.path")  # the options naming an .h5ad file
+
+
 def require_inputs(*named_paths: tuple[str, str | None]) -> None:
     """Refuse a named input file that does not exist, before seconds of imports (torch, scanpy) are spent on
     it; null (or 'bundled' for data) is the bundled dataset and always there."""
@@ -61,6 +64,10 @@ def require_inputs(*named_paths: tuple[str, str | None]) -> None:
             inside = sorted(entry.name for entry in Path(path).expanduser().iterdir() if entry.is_file())
             raise error(f"{what} {Path(path).expanduser()} is a folder ({option}= names a file); files in it: "
                         f"{inside[:10]}{' ...' if len(inside) > 10 else ''}.")
+        if option in H5AD_OPTIONS:
+            from batchfix.data.io import check_h5ad_path
+
+            check_h5ad_path(path)  # an HDF5 signature: a text or empty file is named as such, before the imports
 
 
 def require_keys(path: str | None, obs: dict[str, tuple[str, str | None]],
