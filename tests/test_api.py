@@ -149,3 +149,12 @@ def test_correct_refuses_a_model_that_is_neither_a_model_nor_a_path(small_adata,
     with pytest.raises(ConfigError, match=rf"model must be a BatchfixModel .* or a checkpoint's path, got "
                                           rf"{type(model).__name__}\."):
         batchfix.correct(small_adata, model, copy=True)
+
+
+@pytest.mark.parametrize("n_cells", [0, 5])
+def test_evaluate_names_a_file_of_too_few_cells_not_a_single_batch(small_adata, n_cells):
+    few = small_adata[:n_cells].copy()  # the first cells share one batch
+    few.layers["batchfix"] = few.X.copy()
+    few.obsm["X_batchfix"] = np.zeros((n_cells, 2), dtype=np.float32)
+    with pytest.raises(InputError, match=rf"Scoring needs at least 90 cells .* the file has {n_cells}\."):
+        batchfix.evaluate(few, label_key=None)

@@ -79,8 +79,8 @@ def evaluate_file(
     log.info("Reading %s ...", source)
     adata, subsample = read_for_scoring(path, batch_key, label_key, max_cells, OutputKeys(key_added),
                                         counts_layer)
+    metrics.check_enough_cells(adata.obs)  # first: a file of no or few cells is named as such, not as one batch
     metrics.check_obs_keys(adata.obs, batch_key, label_key)
-    metrics.check_enough_cells(adata.obs)
     embeddings, info = metrics.evaluation_embeddings(adata, OutputKeys(key_added), counts_layer)
     neighbors = metrics.resolve_neighbors(neighbors, adata.n_obs)
     log.info("Scoring %d cells (%s neighbours; %s): %s ...", adata.n_obs, neighbors,
