@@ -413,3 +413,14 @@ def test_a_file_that_is_no_hdf5_is_named_as_such_by_every_verb(tmp_path, verb, o
     assert result.stderr.startswith(f"batchfix {verb}: error: {text} is not an .h5ad file (no HDF5 signature; got 8 "
                                     "leading bytes b'barcode,'). Convert it with anndata/scanpy first")
     assert text.read_text() == "barcode,gene\n" and not (tmp_path / "run").exists()
+
+
+def test_attention_on_a_file_of_no_cells_is_one_line_and_writes_nothing(sample_adata, checkpoint, tmp_path):
+    empty = tmp_path / "empty.h5ad"
+    sample_adata[:0].copy().write_h5ad(empty)
+    result = cli(["attention", f"input={empty}", f"checkpoint={checkpoint}", "group_by=sample", "threads=1",
+                  f"output={tmp_path / 'maps'}"], tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip() == (f"batchfix attention: error: {empty} holds no cells: the attention maps average "
+                                     "the attention of its cells.")
+    assert not (tmp_path / "maps").exists()

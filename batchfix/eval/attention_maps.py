@@ -118,6 +118,8 @@ def attention_maps(trained: BatchfixModel, path, group_by: str | None, settings:
     source = check_h5ad_path(path)
     with ondisk.open_anndata(source) as f:
         n_obs = ondisk.n_obs_of(f)
+        if n_obs == 0:
+            raise InputError(f"{source} holds no cells: the attention maps average the attention of its cells.")
         groups = obs_column(f, group_by) if group_by else np.full(n_obs, "all cells")
         rows = np.arange(n_obs)
         if max_cells is not None and max_cells < n_obs:
