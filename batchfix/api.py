@@ -255,6 +255,11 @@ def evaluate(adata: ad.AnnData, *, batch_key: str = DataConfig.batch_key, label_
     from batchfix.eval.evaluate import evaluate_file
 
     require_in_memory(adata, "evaluate")
+    if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
+        from batchfix.errors import OutputError
+
+        raise OutputError(f"out_dir {out_dir} is a file: name a folder (new or existing) for metrics.json, metrics.md "
+                          f"and umap.png.")
     validated(dict(data=dict(batch_key=batch_key, label_key=label_key, counts_layer=counts_layer),
                    correction=dict(key_added=key_added), evaluation=dict(max_cells=max_cells, neighbors=neighbors)),
               EvaluateConfig)

@@ -15,7 +15,7 @@ import pytest
 import batchfix
 from batchfix.api import train_config
 from batchfix.correction import extra_genes
-from batchfix.errors import ConfigError, InputError
+from batchfix.errors import ConfigError, InputError, OutputError
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).resolve().parent / "data" / "tiny_run_seed0.npz"
@@ -158,3 +158,11 @@ def test_evaluate_names_a_file_of_too_few_cells_not_a_single_batch(small_adata, 
     few.obsm["X_batchfix"] = np.zeros((n_cells, 2), dtype=np.float32)
     with pytest.raises(InputError, match=rf"Scoring needs at least 90 cells .* the file has {n_cells}\."):
         batchfix.evaluate(few, label_key=None)
+
+
+def test_evaluate_refuses_an_out_dir_that_is_a_file_before_scoring(small_adata, tmp_path):
+    taken = tmp_path / "metrics.h5ad"
+    taken.write_bytes(b"kept")
+    with pytest.raises(OutputError, match=rf"out_dir {taken} is a file: name a folder"):
+        batchfix.evaluate(small_adata, label_key=None, out_dir=taken)
+    assert taken.read_bytes() == b"kept"
