@@ -424,3 +424,10 @@ def test_attention_on_a_file_of_no_cells_is_one_line_and_writes_nothing(sample_a
     assert result.stderr.strip() == (f"batchfix attention: error: {empty} holds no cells: the attention maps average "
                                      "the attention of its cells.")
     assert not (tmp_path / "maps").exists()
+
+
+@pytest.mark.parametrize("verb", ["train", "correct", "attention"])
+def test_an_absurd_thread_count_is_refused_as_an_option_not_blamed_on_the_checkpoint(tmp_path, verb):
+    result = cli([verb, "threads=100000", *(["checkpoint=x"] if verb != "train" else [])], tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.strip() == f"batchfix {verb}: error: threads must be in [1, {4 * os.cpu_count()}], got 100000."

@@ -3,6 +3,7 @@ the others with a message naming the option and what it accepts."""
 from __future__ import annotations
 
 import math
+import os
 
 from batchfix.errors import ConfigError
 
@@ -35,6 +36,14 @@ def one_of(option: str, value, choices) -> None:
 def at_least(option: str, value, minimum, what: str = "") -> None:
     if not (value >= minimum and math.isfinite(value)):  # NaN and inf are refused too
         raise ConfigError(f"{option} must be >= {minimum}{what}, got {value!r}.")
+
+
+def thread_count(value: int | None) -> None:
+    """threads: null, or 1 .. 4 x this machine's cores (beyond, threads only wait on each other; 100,000 of them
+    exhaust memory while torch starts them)."""
+    if value is not None:
+        at_least("threads", value, 1, " (or null: all cores)")
+        within("threads", value, 1, 4 * (os.cpu_count() or 1))
 
 
 def within(option: str, value, low, high, high_open: bool = False) -> None:

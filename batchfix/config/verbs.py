@@ -15,6 +15,7 @@ from batchfix.config.choices import (
     at_least,
     non_empty,
     one_of,
+    thread_count,
     within,
 )
 from batchfix.config.groups import DataConfig, DataKeys, FitConfig, ModelConfig, TrainerConfig
@@ -198,8 +199,7 @@ class TrainConfig:
 
     def __post_init__(self):
         within("seed", self.seed, 0, 2**32 - 1)
-        if self.threads is not None:
-            at_least("threads", self.threads, 1, " (or null: all cores)")
+        thread_count(self.threads)
         non_empty("resume", self.resume)
         if self.data.scale == "counts" and self.model.likelihood == "gaussian":
             raise ConfigError("model.likelihood=gaussian is for log-scale input: set data.scale=log as well.")
@@ -239,8 +239,7 @@ class CorrectConfig:
             non_empty(name, getattr(self, name))
         if not self.checkpoint or not str(self.checkpoint).strip():
             raise ConfigError("correct needs checkpoint=<run folder>/model.ckpt.")
-        if self.threads is not None:
-            at_least("threads", self.threads, 1, " (or null: all cores)")
+        thread_count(self.threads)
 
 
 @dataclass
@@ -301,8 +300,7 @@ class AttentionConfig:
         if self.max_cells is not None:
             at_least("max_cells", self.max_cells, 1, " (or null: every cell)")
         at_least("resolution", self.resolution, 2)
-        if self.threads is not None:
-            at_least("threads", self.threads, 1, " (or null: all cores)")
+        thread_count(self.threads)
 
 
 SCHEMAS = {"train": TrainConfig, "correct": CorrectConfig, "evaluate": EvaluateConfig, "attention": AttentionConfig}
