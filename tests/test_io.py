@@ -380,3 +380,13 @@ def test_a_condition_constant_within_each_batch_is_named_with_its_de_route(caplo
     assert batch_level_columns(columns.items(), batch, "batch") == ["disease"]
     assert "obs column 'disease' is constant within each batch (covid: d1, d3; healthy: d2, d4)" in caplog.text
     assert "~disease with the batches as replicates" in caplog.text
+
+
+def test_missing_batch_values_name_the_cells_and_what_to_do(small_adata, write_h5ad):
+    small_adata.obs["batch"] = small_adata.obs["batch"].astype(object)
+    small_adata.obs.iloc[[3, 9], small_adata.obs.columns.get_loc("batch")] = np.nan
+    cells = small_adata.obs_names[[3, 9]].tolist()
+    with pytest.raises(InputError) as err:
+        read_for_training(write_h5ad(small_adata))
+    assert str(err.value) == (f"obs column 'batch' has 2 missing values (cells {cells}): every cell needs one. Drop "
+                              "those cells (adata[adata.obs['batch'].notna()]) or fill them in.")

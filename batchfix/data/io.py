@@ -139,7 +139,9 @@ def warn_if_labels_follow_batches(labels: np.ndarray, batch: np.ndarray, label_k
 def obs_strings(values: pd.Series, key: str) -> np.ndarray:
     """An obs column as strings; missing values are refused."""
     if values.isna().any():
-        raise InputError(f"obs column '{key}' has {int(values.isna().sum())} missing values.")
+        first = values.index[values.isna().to_numpy()][:3].tolist()
+        raise InputError(f"obs column '{key}' has {int(values.isna().sum())} missing values (cells {first}): every "
+                         f"cell needs one. Drop those cells (adata[adata.obs['{key}'].notna()]) or fill them in.")
     return values.astype(str).to_numpy()
 
 
