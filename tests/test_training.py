@@ -23,6 +23,7 @@ from hydra import compose, initialize_config_module
 from batchfix import tasks
 from batchfix.config import CorrectionSettings, TrainConfig, validated
 from batchfix.correction import calibration, counterfactual, counts
+from batchfix.correction.evidence import shrinkage
 from batchfix.correction.regional import GenomeSmoother, RegionalShift
 from batchfix.errors import InputError
 from batchfix.training import fitting
@@ -171,13 +172,13 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, co
     kept = (observed > 0) | (observed == 0).all(axis=0)
     reference_ratio = np.exp((np.log(ratio) * kept).sum(axis=0) / kept.sum(axis=0))
     ratio_shift = np.log(reference_ratio / ratio)  # (batches, G)
-    # correction.shrink=evidence: each batch's shift of a gene times tau^2 / (tau^2 + v) (batchfix.correction.evidence)
+    # correction.shrink=evidence: each batch's shift of a gene times its posterior weight (correction.evidence)
     mean_total = np.stack([decoder_shift[rows].mean(axis=0) for rows in batches]) + ratio_shift
     means = np.stack([own_mean[rows].sum(axis=0) for rows in batches])
     squares = np.stack([np.square(own_mean[rows]).sum(axis=0) for rows in batches])
     variance = 1 / (observed + 0.5) + squares / (net.count_theta.double().numpy() * (means + 0.5) ** 2)
-    tau2 = np.maximum(np.square(mean_total).mean(axis=1) - variance.mean(axis=1), 0.0)[:, None]
-    weight = tau2 / (tau2 + variance)
+    weight = np.stack([shrinkage(mean_total[b], variance[b])[0] for b in range(len(batches))])  # the adaptive prior
+    weight[observed == 0] = 0.0  # a batch without any count of a gene keeps its zeros
     shift = (shift + ratio_shift[codes.numpy()]) * weight[codes.numpy()]
     reference_theta = own_theta  # correction.spread=batch (the default): each count keeps its batch's dispersion
     drawn = counts.counter_uniform(CorrectionSettings().quantile_seed, counts.name_keys(source.obs_names),
