@@ -193,6 +193,7 @@ def test_the_wheel_holds_every_module_and_data_file(wheel):
     assert "batchfix/conf/train.yaml" in inside and "batchfix/bundled/cellbench5.h5ad" in inside
 
 
+@pytest.mark.slow  # imports torch, lightning and scanpy from the wheel (~15 s): in the slow run, which CI runs too
 def test_every_module_imports_from_the_installed_wheel(installed):
     done = run_installed(installed, IMPORT_EVERY_MODULE)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -96,6 +96,7 @@ def assert_same_correction(merged: Path, single: Path, n_shards: int) -> None:
     assert info == plain(one.uns["batchfix"])
 
 
+@pytest.mark.slow  # two correct processes and a merge (~20 s): in the slow run, which CI runs too
 def test_independent_jobs_and_their_merge_write_the_one_process_file(files, tmp_path):
     output = tmp_path / "out.h5ad"
     jobs = [subprocess.Popen([sys.executable, "-m", "batchfix", *correct_args(files, output, f"inference.shard={i}/2")],
