@@ -692,3 +692,19 @@ def test_correct_names_a_condition_that_is_constant_within_each_batch(trained_ru
     adata.obs["disease"] = np.where(adata.obs["batch"].astype(str).isin(first), "case", "control")
     batchfix.correct(adata, load_trained(trained_run["checkpoint"]), copy=True)
     assert "obs column 'disease' is constant within each batch" in caplog.text
+
+
+def test_repeated_cell_names_are_named_since_their_draws_are_shared(trained_run, subset, caplog):
+    adata = subset.copy()
+    adata.obs_names = ["cell"] * 10 + list(adata.obs_names[10:])
+    batchfix.correct(adata, load_trained(trained_run["checkpoint"]), copy=True)
+    assert "9 cells share their obs_name with an earlier cell" in caplog.text
+
+
+def test_a_checkpoint_that_cannot_be_loaded_for_lack_of_memory_is_not_called_corrupt(trained_run, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError("simulated")
+
+    monkeypatch.setattr(torch, "load", out_of_memory)
+    with pytest.raises(MemoryError, match="simulated"):
+        load_trained(trained_run["checkpoint"])

@@ -140,6 +140,11 @@ class BoundModel:
             self.corrected_mask[extra.columns] = True
         self.gene_sets = [modelled] + ([extra] if extra is not None and len(extra.columns) else [])
         self.cell_keys = counts.name_keys(obs_names)
+        repeated_names = pd.Index(obs_names).duplicated().sum()
+        if repeated_names:
+            log.warning("%d cells share their obs_name with an earlier cell: cells of one name share their zeros' "
+                        "random draws (keyed by name). Make the names unique first (adata.obs_names_make_unique(), "
+                        "or prefix each batch's barcodes when concatenating).", repeated_names)
 
     @property
     def kind(self) -> str:

@@ -152,6 +152,8 @@ def load_trained(path: str | Path) -> BatchfixModel:
         raise CheckpointError(f"Checkpoint not found: {path}")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except (MemoryError, PermissionError, IsADirectoryError):  # the machine or the path, not the file's content
+        raise
     except Exception as err:
         raise CheckpointError(
             f"Cannot load checkpoint {path}: it is truncated, corrupt, or holds objects other than tensors "
