@@ -113,6 +113,7 @@ def test_tab_completion_offers_the_public_api():
     assert all(getattr(batchfix, name) is not None for name in names)
 
 
+@pytest.mark.slow  # a fresh Python process that trains (~10-40 s): with the slow checks, which CI runs
 def test_the_recommendation_reaches_a_notebook(small_h5ad):
     """A notebook shows warnings, not info lines: a recommendation other than the trained correction is a warning,
     seen on stderr by a Python session that configured no logging."""
