@@ -56,7 +56,8 @@ def test_benchmark_runs_batchfix_in_both_output_modes(tmp_path):
     # from the same model
     modes = ["batchfix counterfactual (PCA)", "batchfix denoised (PCA)", "batchfix counterfactual_gene (PCA)",
              "batchfix counterfactual_regional_apply (PCA)", "batchfix counterfactual_regional_keep_all (PCA)",
-             "batchfix counterfactual_regional_keep_input (PCA)", "batchfix counterfactual_state_1.0 (PCA)"]
+             "batchfix counterfactual_regional_keep_input (PCA)", "batchfix counterfactual_state_1.0 (PCA)",
+             "batchfix counterfactual_shrink_none (PCA)"]
     assert set(modes + ["batchfix latent", "Unintegrated PCA"]) == set(rows.index)
     # 200 cells leave no (batch, label) group of 30 cells: within-type neighbours are not scored.
     genes = ["DE-rank agreement", "Marker recall", "HVG conservation"]
