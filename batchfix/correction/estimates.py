@@ -150,28 +150,31 @@ def count_tables(net, genes, count_sums: list[counts.CountSums], reference: int 
 
 
 def batch_terms(bound, first: Estimates, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, whole: bool):
-    """(the term whose batch means are estimated, the whole change or None) for one forward batch: the decoder
-    term and, with `whole`, the floored output's change (log output); the log-mean shift (counts)."""
+    """(the term whose batch means are estimated, the whole change or None, the own batch's mean fractions or None)
+    for one forward batch: the decoder term and, with `whole`, the floored output's change (log output); the
+    log-mean shift and the fractions it came from (counts)."""
     code_tensor = torch.from_numpy(codes)
     if bound.counts_output:
-        shift, _ = counterfactual.log_mean_shift(bound.net, mu, code_tensor, bound.reference, bound.present)
-        return shift.numpy(), None
+        shift, own = counterfactual.log_mean_shift(bound.net, mu, code_tensor, bound.reference, bound.present)
+        return shift.numpy(), None, own
     values, decoder, observed, _ = counterfactual.output_terms(
         bound.net, x, mu, code_tensor, bound.reference, first.statistics, bound.present)
-    return decoder.numpy(), (values.clamp_min(0.0).masked_fill(x.eq(0), 0.0) - observed).numpy() if whole else None
+    return decoder.numpy(), (values.clamp_min(0.0).masked_fill(x.eq(0), 0.0) - observed).numpy() if whole else None, \
+        None
 
 
 def add_evidence(bound, first: Estimates, evidence: list[ShiftEvidenceSums], inputs: list[torch.Tensor],
-                 mu: torch.Tensor, codes: np.ndarray) -> None:
+                 mu: torch.Tensor, codes: np.ndarray, modelled: tuple[np.ndarray, torch.Tensor]) -> None:
     """One forward batch's shifts, counts and own-batch means of every count gene set (`inputs`: each set's
-    counts, (B, decoder genes)) into its `evidence` sums."""
+    counts, (B, decoder genes)) into its `evidence` sums; `modelled`: the modelled genes' (shift, own fractions),
+    already decoded for the mean shift (`batch_terms`)."""
     code_tensor, known = torch.from_numpy(codes), np.maximum(codes, 0)
     for genes, tables, values, sums in zip(bound.gene_sets, first.count_tables, inputs, evidence):
-        shift, own = counterfactual.log_mean_shift(bound.net, mu, code_tensor, bound.reference, genes.present,
-                                                   extra=genes.extra)
+        shift, own = modelled if not genes.extra else counterfactual.log_mean_shift(
+            bound.net, mu, code_tensor, bound.reference, genes.present, extra=True)
         library = values[:, genes.present].sum(-1, keepdim=True)  # (B, 1)
         means = (own * library).double().numpy() * tables.ratio[known]
-        sums.add(codes, shift.double().numpy(), values.double().numpy(), means)
+        sums.add(codes, np.asarray(shift, dtype=np.float64), values.double().numpy(), means)
 
 
 def weighted_tables(bound, first: Estimates, evidence: list[ShiftEvidenceSums]) -> tuple[tuple, tuple]:
@@ -230,12 +233,12 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int,
             codes = bound.batches.codes[cells]
             mu, _ = bound.net.encode(x[part])  # (B, latent)
             latents[cells] = mu.numpy()
-            term, change = batch_terms(bound, first, x[part], mu, codes, whole)
+            term, change, own = batch_terms(bound, first, x[part], mu, codes, whole)
             sums.add(codes, term, change)
             if normal is not None:
                 normal.add(x[part], torch.from_numpy(term) if bound.counts_output else mu, codes, cells[0])
             if evidence:
-                add_evidence(bound, first, evidence, [values[part] for values in inputs], mu, codes)
+                add_evidence(bound, first, evidence, [values[part] for values in inputs], mu, codes, (term, own))
     state, shift = mean_shift(bound, sums, mode, regional)
     if shift is not None and normal is not None:
         shift = dataclasses.replace(shift, offset=normal.offset())

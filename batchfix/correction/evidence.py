@@ -35,9 +35,10 @@ import dataclasses
 
 import numpy as np
 
+from batchfix.correction import counts
 from batchfix.correction.count_output import CountTables
 
-HALF_COUNT = 0.5  # the pseudo-count of a batch's total, as in its ratio (counts.RATIO_PRIOR_COUNTS)
+HALF_COUNT = counts.RATIO_PRIOR_COUNTS  # the pseudo-count of a batch's total, as in its ratio
 EM_STEPS = 100  # EM iterations of the prior's mixture weights (converged well before on the development sets)
 
 

@@ -136,10 +136,11 @@ def prepared_output(adata: ad.AnnData, trained: BatchfixModel, settings: Correct
 
 
 def model_checks(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
-                 counts_layer: str | None = None, batch_key: str | None = None) -> tuple[np.ndarray, ...]:
+                 counts_layer: str | None = None, batch_key: str | None = None,
+                 all_batches_new: bool = False) -> tuple[np.ndarray, ...]:
     """`CountsOutput.model_checks` of every cell of an in-memory AnnData: (the modelled genes' input columns, (cells,
     genes) expected detection of the corrected counts, (cells, genes) the observed counts' randomised PIT)."""
-    output, rows = prepared_output(adata, trained, settings, counts_layer, batch_key)
+    output, rows = prepared_output(adata, trained, settings, counts_layer, batch_key, all_batches_new)
     if not output.bound.counts_output:
         raise InputError("The model checks need corrected counts: the counterfactual output of a negative "
                          f"binomial model (this one: {settings.output_mode}, {trained.config.likelihood}).")

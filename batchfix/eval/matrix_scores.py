@@ -145,8 +145,10 @@ def model_checks(adata, key_added: str, genes: np.ndarray, trained=None, batch_k
         # a subsample holds the counts evaluate compares with, not those the correction read
         raise NoModelChecks(f"the scored cells lack {source}, the counts the correction read")
     recorded = params.get("batch_key")
-    columns, expected, pit = correction_checks(adata, trained, settings, counts_layer,
-                                               recorded if recorded in adata.obs or batch_key is None else batch_key)
+    # a file corrected already: batches the model was not trained on are accepted (all_batches_new)
+    columns, expected, pit = writers.model_checks(adata, trained, settings, counts_layer,
+                                                  recorded if recorded in adata.obs or batch_key is None else batch_key,
+                                                  all_batches_new=True)
     position = pd.Series(np.arange(len(columns)), index=columns).reindex(np.flatnonzero(genes))
     where = trained.path.name if trained.path else "in memory"
     if position.isna().any():
@@ -169,16 +171,6 @@ def saved_model(info: dict):
     if file_sha256(path) != digest:
         raise NoModelChecks(f"the checkpoint {path} changed since it corrected the file")
     return load_trained(path)
-
-
-def correction_checks(adata, trained, settings: CorrectionSettings, counts_layer: str,
-                      batch_key: str | None) -> tuple[np.ndarray, ...]:
-    """writers.model_checks, for a file corrected already: batches the model was not trained on are accepted (the
-    correction refused them unless all_batches_new=true)."""
-    output, rows = writers.prepared_output(adata, trained, settings, counts_layer, batch_key, all_batches_new=True)
-    parts = [output.model_checks(rows.rows(start, min(start + settings.chunk_size, adata.n_obs)), start)
-             for start in range(0, adata.n_obs, settings.chunk_size)]  # each: (columns, expected, pit) of its cells
-    return parts[0][0], np.vstack([part[1] for part in parts]), np.vstack([part[2] for part in parts])
 
 
 def corrected_matrix_scores(adata, layer: str, genes: np.ndarray, batch_key: str, label_key: str | None,
