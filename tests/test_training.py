@@ -181,9 +181,8 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, co
     weight[observed == 0] = 0.0  # a batch without any count of a gene keeps its zeros
     shift = (shift + ratio_shift[codes.numpy()]) * weight[codes.numpy()]
     reference_theta = own_theta  # correction.spread=batch (the default): each count keeps its batch's dispersion
-    drawn = counts.counter_uniform(CorrectionSettings().quantile_seed, counts.name_keys(source.obs_names),
-                                   counts.name_keys(trained.genes))
-    uniform = np.where(x.numpy() == 0, drawn, 0.5)  # a zero's quantile drawn, a positive count's the middle
+    uniform = counts.counter_uniform(CorrectionSettings().quantile_seed, counts.name_keys(source.obs_names),
+                                     counts.name_keys(trained.genes))  # every count's quantile drawn
     expected = counts.quantile_map(x.double().numpy().ravel(), own_mean.ravel(),
                                    (own_mean * np.exp(shift)).ravel(), own_theta.ravel(),
                                    reference_theta.ravel(), uniform.ravel()).reshape(x.shape)

@@ -133,16 +133,24 @@ def count_distributions(net, genes: GeneSet, tables: CountTables, x: torch.Tenso
     return CountDistributions(observed, own_mean, ref_mean, own_theta, ref_theta)
 
 
+def interval_points(seed: int, cell_keys: np.ndarray, gene_keys: np.ndarray) -> np.ndarray:
+    """(cells, genes) where in its own quantile interval each count is taken from: a draw per (seed, cell, gene).
+
+    Every count's quantile is drawn, zeros and positives alike, so the mapped counts of a batch follow the reference's
+    distribution exactly (a count moves only with the probability the two distributions give it). Taking a positive
+    count's middle instead, as ComBat-seq's deterministic mapping does, keeps small counts where they are under a
+    small shift and so leaves part of every low-count gene's batch effect: on the platform pair it left 0.59 of the
+    within-label between-batch spread where draws leave 0.41 (ComBat 0.39; docs/lab/count-draws.md)."""
+    return counts.counter_uniform(seed, cell_keys, gene_keys)
+
+
 def mapped_counts(net, genes: GeneSet, tables: CountTables, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor,
                   cell_keys: np.ndarray, reference: int | None, seed: int, state=None,
                   regional=None) -> tuple[np.ndarray, np.ndarray]:
     """(observed, corrected) counts (B, k) of the set's output genes for cells with input `x` (B, decoder genes),
     latents `mu` and batch `codes`."""
     nb = count_distributions(net, genes, tables, x, mu, codes, reference, state, regional)
-    # A zero's quantile is drawn (its share of positives is then the reference's); a positive count takes the middle
-    # of its quantile interval, deterministic as ComBat-seq's mapping is: a draw there would only add noise to each
-    # cell's own profile (within-type neighbours 0.648 with draws everywhere, ComBat 0.850, bundled data).
-    uniform = np.where(nb.observed == 0, counts.counter_uniform(seed, cell_keys, genes.keys), 0.5)
+    uniform = interval_points(seed, cell_keys, genes.keys)
     flat = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64).ravel())
             for a in (nb.observed, nb.own_mean, nb.ref_mean, nb.own_theta, nb.ref_theta, uniform)]
     mapped = device_map.quantile_map_torch(*flat).numpy()  # counts.quantile_map's counts, in torch

@@ -1,0 +1,115 @@
+"""Where in its quantile interval a positive count is mapped from: a draw (shipped) or the middle.
+
+The corrected counts move each observed count to the same quantile of the reference's NB
+(batchfix.correction.count_output). A zero's quantile is a draw in [0, F(0)]; a positive count k's can be a draw in
+[F(k-1), F(k)] (`drawn`, every count's quantile drawn: the batch's mapped counts follow the reference exactly) or
+the middle of that interval (`middle`, deterministic, as ComBat-seq maps). Under a small shift the middle keeps a
+small count where it is, so part of a low-count gene's batch effect stays. Each row is scored on the batch-aware
+2,000 HVGs (log_cp10k of the HVGs' counts, as batchfix.eval.fidelity's reference) by the batch effect left within
+each label (batchfix.eval.removal), the gene lines (batchfix.eval.fidelity) and scIB on the PCA
+(batchfix.eval.metrics), beside ComBat on the raw log_cp10k:
+
+    batchfix drawn / middle           layers['batchfix_counts'] of a default model trained on the cells (all genes)
+    batchfix drawn / middle, shrink=none   the same model with every shift applied in full
+
+    python -m scripts.lab.count_draws data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+from unittest import mock
+
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+import batchfix
+from batchfix.correction import count_output
+from batchfix.data.normalize import log_cp10k
+from batchfix.eval import fidelity, metrics, removal
+from scripts import baselines
+from scripts.benchmark import load, select_genes
+
+SCIB_COLUMNS = ["iLISI", "KBET", "Batch correction", "Bio conservation", "Total"]
+
+
+@contextlib.contextmanager
+def middle_form():
+    """count_output.mapped_counts with every positive count taken at the middle of its quantile interval."""
+    shipped = count_output.mapped_counts
+
+    def mapped(net, genes, tables, x, mu, codes, cell_keys, reference, seed, state=None, regional=None):
+        observed = x[:, genes.model_index].double().numpy()
+        drawn = count_output.interval_points(seed, cell_keys, genes.keys)
+        with mock.patch.object(count_output, "interval_points",
+                               lambda *_: np.where(observed == 0, drawn, 0.5)):
+            return shipped(net, genes, tables, x, mu, codes, cell_keys, reference, seed, state, regional)
+
+    with mock.patch.object(count_output, "mapped_counts", mapped):
+        yield
+
+
+def batchfix_rows(cells, genes: pd.Index, batch_key: str, label_key: str, seed: int) -> dict[str, sp.csr_matrix]:
+    """Each form's layers['batchfix_counts'] on `genes`, from one default model trained on `cells` (all genes)."""
+    model = batchfix.train(cells, batch_key=batch_key, label_key=label_key, seed=seed, threads=1,
+                           enable_progress_bar=False)
+    rows = {}
+    for shrink in ("evidence", "none"):
+        for form, patched in (("drawn", contextlib.nullcontext), ("middle", middle_form)):
+            with patched():
+                corrected = batchfix.correct(cells, model, copy=True, shrink=shrink, progress=False)
+            name = f"batchfix {form}" + ("" if shrink == "evidence" else ", shrink=none")
+            rows[name] = sp.csr_matrix(corrected[:, genes].layers["batchfix_counts"])
+    return rows
+
+
+def scores(counts: sp.csr_matrix, rows: dict[str, np.ndarray], obs: pd.DataFrame, batch_key: str,
+           label_key: str) -> pd.DataFrame:
+    """Removal, gene lines and scIB of every row (log values on the HVGs) against the raw counts."""
+    batch, labels = obs[batch_key].astype(str).to_numpy(), obs[label_key].astype(str).to_numpy()
+    raw_log = log_cp10k(counts)
+    table = {}
+    for name, values in rows.items():
+        left = removal.removal_scores(raw_log, values, batch, labels)
+        genes = fidelity.gene_fidelity(counts, values, batch, labels)
+        table[name] = {**left, **{metric: genes[metric] for metric in fidelity.GENE_METRICS}}
+    embeddings = {name: metrics.pca_embedding(values) for name, values in rows.items()}
+    scib = metrics.score_embeddings(obs, embeddings, metrics.pca_embedding(raw_log), batch_key, label_key,
+                                    neighbors="exact")
+    for name in rows:
+        table[name].update({column: float(scib.loc[name, column]) for column in SCIB_COLUMNS})
+    return pd.DataFrame(table).T
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("data", help=".h5ad with raw counts in X")
+    parser.add_argument("--batch-key", default="batch")
+    parser.add_argument("--label-key", default="cell_type")
+    parser.add_argument("--batches", nargs="+", help="keep only these batches")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--out", help="CSV of every seed's rows")
+    args = parser.parse_args(argv)
+    cells = load(args.data, args.batch_key, args.label_key, None, args.batches)
+    selected = select_genes(cells, args.batch_key, 2000)
+    counts = sp.csr_matrix(selected.X, dtype=np.float64)
+    raw_log = np.asarray(log_cp10k(counts.toarray()))
+    frames = []
+    for seed in args.seeds:
+        rows = {name: log_cp10k(layer) for name, layer in
+                batchfix_rows(cells, selected.var_names, args.batch_key, args.label_key, seed).items()}
+        rows["ComBat"] = sp.csr_matrix(baselines.combat(raw_log, selected.obs, args.batch_key))
+        frame = scores(counts, rows, selected.obs, args.batch_key, args.label_key)
+        frames.append(frame.assign(seed=seed))
+        print(f"seed {seed}\n{frame.to_string(float_format='%.3f')}", flush=True)
+    runs = pd.concat(frames)
+    print(f"mean of {len(args.seeds)} seeds\n"
+          f"{runs.groupby(level=0, sort=False).mean().drop(columns='seed').to_string(float_format='%.3f')}")
+    if args.out:
+        runs.to_csv(args.out, float_format="%.4f")
+    return runs
+
+
+if __name__ == "__main__":
+    main()
