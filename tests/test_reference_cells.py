@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import batchfix
-from batchfix.correction import estimates
+from batchfix.correction import reference_cells
 from batchfix.correction.regional import GenomeSmoother
 from batchfix.data.normalize import log_cp10k
 from batchfix.errors import ConfigError, InputError
@@ -72,7 +72,7 @@ def scores(adata, clone, values, before) -> dict:
 
 def test_reference_cells_keep_a_clone_every_malignant_cell_carries_and_remove_a_batch_artefact(
         subset, injected, model, monkeypatch):
-    monkeypatch.setattr(estimates, "MIN_NORMAL_CELLS", 5)  # the subset holds 40 cells per batch
+    monkeypatch.setattr(reference_cells, "MIN_NORMAL_CELLS", 5)  # the subset holds 40 cells per batch
     adata, clone = injected
     before = np.asarray(log_cp10k(np.asarray(subset.X)))
     runs = {name: scores(adata, clone, batchfix.correct(adata, model, copy=True, **options).layers["batchfix"].toarray(),
@@ -90,7 +90,7 @@ def test_a_batch_without_reference_cells_keeps_its_regional_profile_and_is_named
                                                                                   caplog):
     """A549 is not in sc_celseq2 nor sc_dropseq: by the documented rule those batches' cells keep their regional
     profile (the artefact too), and a warning names them."""
-    monkeypatch.setattr(estimates, "MIN_NORMAL_CELLS", 5)
+    monkeypatch.setattr(reference_cells, "MIN_NORMAL_CELLS", 5)
     adata, clone = injected
     out = batchfix.correct(adata, model, copy=True, normal_key="cell_type", normal_values=["A549"])
     assert "fewer than 5 reference cells: ['sc_celseq2', 'sc_dropseq']" in caplog.text
@@ -116,7 +116,7 @@ def test_reference_cells_work_on_a_log_scale_model(subset, injected, monkeypatch
     """The same two errors on log1p(counts per 10k) values (data.scale=log, as TPM data is read): the batch's
     regional level is taken from its reference cells' log output, and the regional change leaves through each
     region's nonzero values (an input zero stays zero), so the region's mean moves by it."""
-    monkeypatch.setattr(estimates, "MIN_NORMAL_CELLS", 5)
+    monkeypatch.setattr(reference_cells, "MIN_NORMAL_CELLS", 5)
     adata, clone = injected
     log_values = adata.copy()
     log_values.X = np.asarray(log_cp10k(np.asarray(adata.X)), dtype=np.float32)
@@ -145,13 +145,13 @@ def test_the_reference_level_is_shrunk_by_its_noise_and_an_artefact_above_it_is_
     variance = np.full((4, 600), 0.04)
     level = rng.normal(0.0, 0.2, size=(4, 600))
     level[0, :200] += 0.3
-    offset = estimates.regional_offset(smoother, prior, level, variance, np.ones(4, dtype=bool)).numpy()
+    offset = reference_cells.regional_offset(smoother, prior, level, variance, np.ones(4, dtype=bool)).numpy()
     raw = -smoother(torch.from_numpy(level - level.mean(axis=0))).numpy()
     artefact = -0.3 * 0.75  # batch 0 less the mean of the four
     assert offset[0, 50:150].mean() == pytest.approx(artefact, abs=0.03)
     assert np.abs(offset[:, 200:]).mean() < 0.5 * np.abs(raw[:, 200:]).mean()
     assert smoother.mean_variance(torch.from_numpy(variance))[0, 100].item() == pytest.approx(0.04 / 100)
-    fewer = estimates.regional_offset(smoother, prior, level[:3], variance[:3], np.array([True, True, True, False]))
+    fewer = reference_cells.regional_offset(smoother, prior, level[:3], variance[:3], np.array([True, True, True, False]))
     assert fewer[3].abs().max() == 0.0  # a batch without enough reference cells keeps its profile
 
 

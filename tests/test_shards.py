@@ -22,7 +22,9 @@ import torch
 
 from batchfix.config import CorrectionChoice, CorrectionSettings
 from batchfix.correction import shards
-from batchfix.correction.writers import correct_file
+from batchfix.correction.estimates import Part, estimate
+from batchfix.correction.writers import bind_file, correct_file
+from batchfix.data import ondisk
 from batchfix.errors import InputError
 from batchfix.training.trained import load_trained
 
@@ -119,6 +121,66 @@ def test_the_parts_start_where_one_process_starts_a_forward_batch_and_cover_ever
         parts = [shards.part_rows(n_obs, settings, i, count) for i in range(count)]
         assert parts[0][0] == 0 and parts[-1][1] == n_obs and all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
         assert all(start == n_obs or (start % 64) % 24 == 0 for start, _ in parts)
+
+
+class Recorded(Exception):
+    """A part's blocks were recorded for a gather no part has reached yet."""
+
+
+def estimates_of_parts(bound, rows, n_obs: int, count: int) -> list:
+    """Each of `count` parts' estimates as ranks would compute them, in one process: every part is run until
+    it reaches a gather none has passed, its blocks recorded, until every part completes with every part's blocks."""
+    parts = [shards.part_rows(n_obs, bound.settings, index, count) for index in range(count)]
+    rounds: list[list] = []  # per gather call: every part's blocks, in order
+    while True:
+        results, pending = [], []
+        for start, stop in parts:
+            known = iter(rounds)
+
+            def gather(blocks, known=known):
+                everyone = next(known, None)
+                if everyone is None:
+                    pending.append(blocks)
+                    raise Recorded
+                return everyone
+
+            try:
+                estimates, latents = estimate(bound, rows, n_obs, Part(start, stop, gather))
+            except Recorded:
+                continue
+            results.append(estimates)
+        if not pending:
+            return results
+        rounds.append(pending)
+
+
+@pytest.mark.parametrize("options", [{}, {"shrink": "none", "state_dependence": 1.0}, {"regional_shift": "keep_all"}])
+def test_ranks_estimating_their_own_rows_hold_one_process_estimates_bit_for_bit(files, options):
+    """Unseen batches' tables, the mean shifts and the evidence weights, each part summing only its rows."""
+    trained = files["trained"]
+    settings = command_line_settings(trained, **options)
+    torch.set_num_threads(1)
+    with ondisk.open_anndata(files["input"]) as src:
+        bound, rows, n_obs = bind_file(src, files["input"], trained, settings, None, None, False)
+        assert bound.batches.unseen, "the input holds batches the model never saw"
+        one_process = leaves(estimate(bound, rows, n_obs)[0])
+        for count in (2, 3):
+            for part in estimates_of_parts(bound, rows, n_obs, count):
+                compared = leaves(part)
+                assert compared.keys() == one_process.keys()
+                for path, value in one_process.items():
+                    assert np.array_equal(compared[path], value, equal_nan=True), (count, path)
+
+
+def leaves(value, path: str = "") -> dict:
+    """{path: numpy array} of every array, tensor and number reachable from an estimates object."""
+    if isinstance(value, torch.Tensor):
+        return {path: value.numpy()}
+    if isinstance(value, (np.ndarray, int, float, bool)) or value is None:
+        return {path: np.asarray(value if value is not None else np.nan)}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) \
+        else vars(value).items() if hasattr(value, "__dict__") else ()
+    return {key: leaf for name, item in items for key, leaf in leaves(item, f"{path}.{name}").items()}
 
 
 def test_the_denoised_output_in_three_parts_is_the_one_process_file(files, tmp_path):

@@ -36,6 +36,8 @@ CALIBRATION_CELLS_PER_BATCH = 10_000
 class ResidualSums:
     """Per-gene sums of residuals and their squares, for one group of cells (float64)."""
 
+    SUMMED = ("n_cells", "sum", "sum_sq")  # batchfix.correction.reduction adds these
+
     def __init__(self, n_genes: int):
         self.n_cells = 0
         self.sum = np.zeros(n_genes)

@@ -198,3 +198,15 @@ class BoundModel:
         for start in range(0, n_cells, self.batch_size):
             stop = min(start + self.batch_size, n_cells)
             yield slice(start, stop), np.arange(first_cell + start, first_cell + stop)
+
+    def chunks(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """The input rows [start, stop) cut where a one-process run cuts its chunks (multiples of chunk_size)."""
+        size = self.settings.chunk_size
+        cuts = [start, *range((start // size + 1) * size, stop, size), stop] if stop > start else []
+        return list(zip(cuts, cuts[1:]))
+
+    def batch_index(self, first_cell: int) -> int:
+        """The global index of the forward batch starting at `first_cell` among a one-process run's forward batches."""
+        size = self.settings.chunk_size
+        chunk, offset = divmod(first_cell, size)
+        return chunk * -(-size // self.batch_size) + offset // self.batch_size

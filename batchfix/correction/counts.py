@@ -299,6 +299,8 @@ class CountSums:
     r = sum y / sum m (its mean is r m: what the decoder's batch term leaves of the batch's effect, the counts'
     analogue of the log output's location) and its dispersion around r m (`dispersion`)."""
 
+    SUMMED = ("n_cells", "sums")  # batchfix.correction.reduction adds these
+
     def __init__(self, n_genes: int):
         self.n_cells = 0
         self.sums = {name: np.zeros(n_genes) for name in ("y", "y2", "ym", "m", "m2")}

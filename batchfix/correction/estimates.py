@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 import torch
 
-from batchfix.correction import calibration, count_output, counterfactual, counts
+from batchfix.correction import calibration, counterfactual, counts
 from batchfix.correction.count_output import CountTables
 from batchfix.correction.evidence import ShiftEvidenceSums
+from batchfix.correction.reduction import Block, OrderedSums
+from batchfix.correction.reference_cells import LogReferenceCellSums, ReferenceCellSums
 from batchfix.correction.regional import RegionalShift, genome_smoother
 from batchfix.nn.attention import fused_attention
-
-MIN_NORMAL_CELLS = 20  # reference cells a batch needs for its own regional correction (correction.normal_key)
-PRIOR_WINDOWS = 5  # windows around a gene over which a reference level's signal is estimated (regional_offset)
 
 log = logging.getLogger(__name__)
 
@@ -69,65 +69,94 @@ class Estimates:
                 for code, name in enumerate(batch_names)}
 
 
-def estimate(bound, rows, n_obs: int) -> tuple[Estimates, np.ndarray | None]:
+@dataclass(frozen=True)
+class Part:
+    """The input rows [start, stop) one process reads in the estimate pass (cut at a forward batch's start), and
+    `gather`: its sums' blocks -> every process's blocks in order (batchfix.correction.reduction)."""
+
+    start: int
+    stop: int
+    gather: Callable[[list[Block]], Sequence[list[Block]]]
+
+
+def estimate(bound, rows, n_obs: int, part: Part | None = None) -> tuple[Estimates, np.ndarray | None]:
     """(the estimates of the bound model's output over the input's `rows`, the (cells, latent) latents the pass
-    encoded, or None: a cache the correction may reuse instead of encoding again). Nothing is estimated for the
+    encoded, or None: a cache the correction may reuse instead of encoding again). With `part`, this process reads
+    only its rows (the latents of the others are left unset) and its sums meet the other processes' through
+    `part.gather`: the same estimates, bit for bit, as one process reading every row. Nothing is estimated for the
     denoised output."""
     if bound.settings.output_mode != "counterfactual":
         return Estimates(), None
+    part = part or Part(0, n_obs, lambda blocks: [blocks])
     regional = bound.settings.regional_shift != "apply"
     if regional and all(c is None for c in bound.trained.module.hparams.chromosome):
         log.info("regional_shift=%s: no modelled gene has genomic coordinates, so no part of the shift is "
                  "regional: all of it is removed (as with regional_shift=apply).", bound.settings.regional_shift)
         regional = False
     with fused_attention(bound.net), torch.no_grad():
-        first = estimate_unseen(bound, rows, n_obs)
+        first = estimate_unseen(bound, rows, part)
         evidence = bound.counts_output and bound.settings.shrink == "evidence"
         if regional or bound.settings.state_dependence < 1 or evidence:
-            return estimate_mean_shift(bound, first, rows, n_obs, regional)
+            return estimate_mean_shift(bound, first, rows, n_obs, part, regional)
     return first, None
 
 
-def unseen_cells(bound, rows, n_obs: int):
-    """(model input, the count gene sets' inputs, codes) of the cells of unseen batches, chunk by chunk, in
-    batches of the forward pass."""
+def unseen_cells(bound, rows, part: Part):
+    """(global forward-batch index, and for its cells of unseen batches: model input, the count gene sets' inputs,
+    codes; None where it has none) of every forward batch of the part's rows, in order."""
     n_training = bound.batches.n_training
-    for start in range(0, n_obs, bound.settings.chunk_size):
-        stop = min(start + bound.settings.chunk_size, n_obs)
+    for start, stop in bound.chunks(part.start, part.stop):
         codes = bound.batches.codes[start:stop]
-        picked = np.flatnonzero(codes >= n_training)
-        if len(picked):
-            chunk = rows.rows(start, stop)[picked]
-            x = bound.model_input(chunk, start)
-            inputs = [x] + [genes.observed(chunk) for genes in bound.gene_sets[1:]]
-            for begin in range(0, len(picked), bound.batch_size):
-                part = slice(begin, begin + bound.batch_size)
-                yield x[part], [values[part] for values in inputs], codes[picked[part]]
+        unseen = codes >= n_training
+        chunk = rows.rows(start, stop) if unseen.any() else None
+        for rows_of_batch, cells in bound.forward_batches(stop - start, start):
+            picked = np.flatnonzero(unseen[rows_of_batch]) + rows_of_batch.start
+            if not len(picked):
+                yield bound.batch_index(cells[0]), None
+                continue
+            x = bound.model_input(chunk[picked], cells[0])
+            inputs = [x] + [genes.observed(chunk[picked]) for genes in bound.gene_sets[1:]]
+            yield bound.batch_index(cells[0]), (x, inputs, codes[picked])
 
 
-def estimate_unseen(bound, rows, n_obs: int) -> Estimates:
+def estimate_unseen(bound, rows, part: Part) -> Estimates:
     """The statistics (log output) and, for the counts, each gene set's tables: the training batches' from the
     checkpoint, the unseen batches' ratios and dispersions from their cells."""
-    n_training, n_genes = bound.batches.n_training, len(bound.trained.genes)
-    sums = [calibration.ResidualSums(n_genes) for _ in bound.batches.unseen]
-    count_sums = [[counts.CountSums(len(genes.present)) for _ in bound.batches.unseen] for genes in bound.gene_sets]
-    net, present = bound.net, bound.present
-    for x, inputs, codes in unseen_cells(bound, rows, n_obs) if sums else ():
-        mu, _ = net.encode(x)
-        r = calibration.residual(net, x, mu, None, present).numpy()
-        for code in np.unique(codes):
-            sums[code - n_training].add(r[codes == code])
-        for genes, values, set_sums in zip(bound.gene_sets, inputs, count_sums):
-            mean = (net.mean_fractions(mu, None, genes.present, genes.extra)
-                    * values[:, genes.present].sum(-1, keepdim=True)).numpy()
-            for code in np.unique(codes):
-                set_sums[code - n_training].add(values.numpy()[codes == code], mean[codes == code])
+    n_genes, n_unseen = len(bound.trained.genes), len(bound.batches.unseen)
+    sums = [calibration.ResidualSums(n_genes) for _ in range(n_unseen)]
+    count_sums = [counts.CountSums(len(genes.present)) for genes in bound.gene_sets for _ in range(n_unseen)]
+    ordered = OrderedSums([*sums, *count_sums])
+    for index, cells in unseen_cells(bound, rows, part) if n_unseen else ():
+        batch_sums = ordered.fresh()
+        if cells is not None:
+            add_unseen(bound, cells, batch_sums[:n_unseen], batch_sums[n_unseen:])
+        ordered.push(index, batch_sums)
+    if n_unseen:
+        totals = ordered.totals(part.gather)
+        sums, count_sums = totals[:n_unseen], totals[n_unseen:]
+    by_set = [count_sums[i * n_unseen:(i + 1) * n_unseen] for i in range(len(bound.gene_sets))]
     settings = bound.settings
-    statistics = calibration.Statistics(bound.trained.net, bound.reference, sums, present.numpy(), settings.spread,
+    statistics = calibration.Statistics(bound.trained.net, bound.reference, sums, bound.present.numpy(), settings.spread,
                                         settings.residual_weight)
     tables = tuple(count_tables(bound.trained.net, genes, set_sums, bound.reference, settings.spread)
-                   for genes, set_sums in zip(bound.gene_sets, count_sums))
+                   for genes, set_sums in zip(bound.gene_sets, by_set))
     return Estimates(statistics=statistics, count_tables=tables)
+
+
+def add_unseen(bound, cells: tuple, sums: list, count_sums: list) -> None:
+    """One forward batch's cells of unseen batches (x, the count gene sets' inputs, codes) into their batches'
+    residual sums and each gene set's count sums (`count_sums`: by gene set, then unseen batch)."""
+    x, inputs, codes = cells
+    net, n_training, n_unseen = bound.net, bound.batches.n_training, len(sums)
+    mu, _ = net.encode(x)
+    r = calibration.residual(net, x, mu, None, bound.present).numpy()
+    for code in np.unique(codes):
+        sums[code - n_training].add(r[codes == code])
+    for i, (genes, values) in enumerate(zip(bound.gene_sets, inputs)):
+        mean = (net.mean_fractions(mu, None, genes.present, genes.extra)
+                * values[:, genes.present].sum(-1, keepdim=True)).numpy()
+        for code in np.unique(codes):
+            count_sums[i * n_unseen + code - n_training].add(values.numpy()[codes == code], mean[codes == code])
 
 
 def count_tables(net, genes, count_sums: list[counts.CountSums], reference: int | None, spread: str) -> CountTables:
@@ -196,6 +225,8 @@ class MeanShiftSums:
     """Per batch code, over its cells: the sums of the term whose means the state shrink and the regional shift
     split against, of the whole change (keep_input on the log output), and the cell counts."""
 
+    SUMMED = ("terms", "changes", "n_cells")  # batchfix.correction.reduction adds these
+
     def __init__(self, n_codes: int, n_genes: int, whole: bool):
         self.terms = np.zeros((n_codes, n_genes))
         self.changes = np.zeros_like(self.terms) if whole else None
@@ -209,7 +240,7 @@ class MeanShiftSums:
             self.n_cells[code] += int((codes == code).sum())
 
 
-def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int,
+def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
                         regional: bool) -> tuple[Estimates, np.ndarray]:
     """`first` with each batch code's mean term over its cells (for state_dependence, counterfactual.StateShrink)
     and, with `regional`, the mean that regional_shift splits against (RegionalShift); and the (cells, latent)
@@ -217,34 +248,47 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int,
     n_codes = bound.batches.n_training + len(bound.batches.unseen)
     mode = bound.settings.regional_shift if regional else "apply"
     whole = mode == "keep_input" and not bound.counts_output
-    sums = MeanShiftSums(n_codes, len(bound.trained.genes), whole)
-    normal = None
+    templates = [MeanShiftSums(n_codes, len(bound.trained.genes), whole)]
     if regional and bound.normal is not None:
-        normal = (ReferenceCellSums if bound.counts_output else LogReferenceCellSums)(bound, first, n_codes)
-    evidence = [ShiftEvidenceSums(n_codes, len(genes.present)) for genes in bound.gene_sets] \
-        if bound.counts_output and bound.settings.shrink == "evidence" else []
-    latents = np.empty((n_obs, bound.latent_dim), dtype=np.float32)
-    for start in range(0, n_obs, bound.settings.chunk_size):
-        stop = min(start + bound.settings.chunk_size, n_obs)
+        templates.append((ReferenceCellSums if bound.counts_output else LogReferenceCellSums)(bound, first, n_codes))
+    evidence = bound.counts_output and bound.settings.shrink == "evidence"
+    if evidence:
+        templates += [ShiftEvidenceSums(n_codes, len(genes.present)) for genes in bound.gene_sets]
+    ordered = OrderedSums(templates)
+    latents = np.empty((n_obs, bound.latent_dim), dtype=np.float32)  # this part's rows set, the others' left unset
+    for start, stop in bound.chunks(part.start, part.stop):
         chunk = rows.rows(start, stop)
         x = bound.model_input(chunk, start)
         inputs = [x] + [genes.observed(chunk) for genes in bound.gene_sets[1:]] if evidence else []
-        for part, cells in bound.forward_batches(stop - start, start):
-            codes = bound.batches.codes[cells]
-            mu, _ = bound.net.encode(x[part])  # (B, latent)
-            latents[cells] = mu.numpy()
-            term, change, own = batch_terms(bound, first, x[part], mu, codes, whole)
-            sums.add(codes, term, change)
-            if normal is not None:
-                normal.add(x[part], torch.from_numpy(term) if bound.counts_output else mu, codes, cells[0])
-            if evidence:
-                add_evidence(bound, first, evidence, [values[part] for values in inputs], mu, codes, (term, own))
+        for rows_of_batch, cells in bound.forward_batches(stop - start, start):
+            batch_sums = ordered.fresh()
+            latents[cells] = add_mean_shift(bound, first, batch_sums, x[rows_of_batch],
+                                            [values[rows_of_batch] for values in inputs], cells, whole)
+            ordered.push(bound.batch_index(cells[0]), batch_sums)
+    sums, *rest = ordered.totals(part.gather)
+    normal = rest.pop(0) if rest and isinstance(rest[0], ReferenceCellSums) else None
     state, shift = mean_shift(bound, sums, mode, regional)
     if shift is not None and normal is not None:
         shift = dataclasses.replace(shift, offset=normal.offset())
-    tables, prior_sd = weighted_tables(bound, first, evidence)
+    tables, prior_sd = weighted_tables(bound, first, rest)
     return dataclasses.replace(first, count_tables=tables, shift_prior_sd=prior_sd, state=state,
                                regional=shift), latents
+
+
+def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs: list[torch.Tensor],
+                   cells: np.ndarray, whole: bool) -> np.ndarray:
+    """One forward batch (input `x`, each count gene set's counts `inputs`) into its fresh `sums` (MeanShiftSums,
+    the reference cells' if any, each gene set's ShiftEvidenceSums if any); returns its (B, latent) latent means."""
+    codes = bound.batches.codes[cells]
+    mu, _ = bound.net.encode(x)  # (B, latent)
+    term, change, own = batch_terms(bound, first, x, mu, codes, whole)
+    mean_sums, *rest = sums
+    mean_sums.add(codes, term, change)
+    if rest and isinstance(rest[0], ReferenceCellSums):
+        rest.pop(0).add(x, torch.from_numpy(term) if bound.counts_output else mu, codes, cells[0])
+    if rest:
+        add_evidence(bound, first, rest, inputs, mu, codes, (term, own))
+    return mu.numpy()
 
 
 def mean_shift(bound, sums: MeanShiftSums, mode: str,
@@ -278,119 +322,3 @@ def mean_shift(bound, sums: MeanShiftSums, mode: str,
                                settings.regional_window, settings.regional_seed)
     return state, RegionalShift(smoother, as_tensor(shift), as_tensor(estimated),
                                 whole=mode == "keep_input" and not bound.counts_output)
-
-
-class ReferenceCellSums:
-    """Per batch code, over its reference cells (correction.normal_key; corrected counts): their modelled genes'
-    counts with the non-regional part of the correction applied (count x exp(shift - its running mean along the
-    genome)), their squares and their libraries, from which `offset` gives each batch's regional correction."""
-
-    def __init__(self, bound, first: Estimates, n_codes: int):
-        self.bound, self.first = bound, first
-        self.tables = first.count_tables[0] if first.count_tables else None  # the counts' modelled genes
-        settings = bound.settings
-        chromosome = list(bound.trained.module.hparams.chromosome)
-        self.smoother = genome_smoother(chromosome, settings.regional_order, settings.regional_window,
-                                        settings.regional_seed)
-        self.prior_smoother = genome_smoother(chromosome, settings.regional_order,
-                                              settings.regional_window * PRIOR_WINDOWS, settings.regional_seed)
-        self.sums = np.zeros((n_codes, len(bound.trained.genes)))  # per code: counts (log output: levels)
-        self.squares = np.zeros_like(self.sums)
-        self.library = np.zeros(n_codes)
-        self.n_cells = np.zeros(n_codes, dtype=np.int64)
-
-    def add(self, x: torch.Tensor, shift: torch.Tensor, codes: np.ndarray, first_cell: int) -> None:
-        """One forward batch: its input `x` (B, G), decoder shift (B, G) and codes, its first cell's row."""
-        normal = self.bound.normal[first_cell:first_cell + len(codes)] & (codes >= 0)
-        if not normal.any():
-            return
-        code_tensor = torch.from_numpy(codes[normal])
-        total = count_output.total_log_shift(self.tables, shift[normal], code_tensor)
-        corrected = x[normal].double() * torch.exp(total - self.smoother(total))  # (normal cells, G)
-        for code in np.unique(codes[normal]):
-            chosen = torch.from_numpy(codes[normal] == code)
-            self.sums[code] += corrected[chosen].sum(0).numpy()
-            self.squares[code] += corrected[chosen].square().sum(0).numpy()
-            self.library[code] += float(x[normal][chosen].sum())
-            self.n_cells[code] += int(chosen.sum())
-
-    def offset(self) -> torch.Tensor:
-        """(codes, G): `regional_offset` of each batch's reference cells' log level (counts per library); its
-        sampling variance by the delta method from the cells' own spread (n s^2 / S^2, at least Poisson's 1 / S)."""
-        enough = self.enough_cells()
-        total, n = self.sums[enough], self.n_cells[enough][:, None]
-        level = np.log(total + 0.5) - np.log(np.maximum(self.library[enough], 1.0))[:, None]
-        spread = np.maximum(self.squares[enough] - total**2 / n, 0.0) / np.maximum(n - 1, 1)  # per cell
-        variance = np.maximum(n * spread / (total + 0.5) ** 2, 1.0 / (total + 0.5))
-        return regional_offset(self.smoother, self.prior_smoother, level, variance, enough)
-
-    def enough_cells(self) -> np.ndarray:
-        """(codes,) bool: batches with MIN_NORMAL_CELLS reference cells; the counts logged, those without named."""
-        enough = self.n_cells >= MIN_NORMAL_CELLS
-        names = [self.bound.batch_name(c) for c in range(len(self.n_cells))]
-        settings = self.bound.settings
-        log.info("Reference cells (%s of obs column %s) per batch: %s", list(settings.normal_values),
-                 settings.normal_key, ", ".join(f"{names[c]} {self.n_cells[c]}" for c in range(len(names))))
-        in_input = np.isin(np.arange(len(names)), self.bound.batches.codes)
-        fallback = [names[c] for c in np.flatnonzero(~enough & in_input)]
-        if fallback:
-            log.warning("Batches with fewer than %d reference cells: %s; their cells keep their whole regional "
-                        "(copy-number-like) profile, technical or not.", MIN_NORMAL_CELLS, fallback)
-        return enough
-
-
-class LogReferenceCellSums(ReferenceCellSums):
-    """`ReferenceCellSums` for the log output (a log-scale model): per batch code, the sum (and the sum of squares)
-    over its reference cells of their output with the regional part of its change taken out (value - running mean
-    of value - input, `counterfactual.without_regional_change`), whose mean is the batch's regional level on the
-    output's own scale."""
-
-    def add(self, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, first_cell: int) -> None:
-        """One forward batch: its input `x` (B, G), latents `mu` (B, latent) and codes, its first cell's row."""
-        normal = self.bound.normal[first_cell:first_cell + len(codes)] & (codes >= 0)
-        if not normal.any():
-            return
-        bound = self.bound
-        values, _, observed, _ = counterfactual.output_terms(
-            bound.net, x[normal], mu[normal], torch.from_numpy(codes[normal]), bound.reference,
-            self.first.statistics, bound.present)
-        zero = x[normal].eq(0)
-        values = values.masked_fill(zero, 0.0)
-        level = counterfactual.without_regional_change(values, values - observed, zero,
-                                                       self.smoother).double().numpy()  # (normal cells, G)
-        for code in np.unique(codes[normal]):
-            chosen = codes[normal] == code
-            self.sums[code] += level[chosen].sum(axis=0)
-            self.squares[code] += np.square(level[chosen]).sum(axis=0)
-            self.n_cells[code] += int(chosen.sum())
-
-    def offset(self) -> torch.Tensor:
-        """(codes, G): `regional_offset` of the mean level of each batch's reference cells, whose sampling variance
-        is their spread over their number."""
-        enough = self.enough_cells()
-        n = self.n_cells[enough][:, None]
-        level = self.sums[enough] / n
-        variance = np.maximum(self.squares[enough] / n - level**2, 0.0) / np.maximum(n - 1, 1)
-        return regional_offset(self.smoother, self.prior_smoother, level, variance, enough)
-
-
-def regional_offset(smoother, prior_smoother, level: np.ndarray, variance: np.ndarray,
-                    enough: np.ndarray) -> torch.Tensor:
-    """(codes, G): minus each batch's regional level (rows of `level`: the batches of `enough`), 0 for the others
-    (they keep their cells' whole regional profile, as keep_input does).
-
-    A batch's regional level is the running mean along the genome of its level less the mean over the batches,
-    shrunk toward 0 by its sampling noise (local empirical Bayes): times signal / (signal + noise), where noise is
-    the running mean's variance from `variance` (each gene's level's, batches independent) and signal the running
-    mean over `prior_smoother`'s wider window of its square less that noise, at least 0. A level read off a few
-    reference cells is mostly noise and is shrunk toward keeping the cells' own profile; a regional artefact well
-    above the noise is removed whole."""
-    offset = torch.zeros(len(enough), level.shape[1], dtype=torch.float64)
-    if enough.any():
-        k = len(level)
-        centred_variance = variance * (1.0 - 2.0 / k) + variance.sum(axis=0) / k**2  # of a level less the mean
-        estimate = smoother(torch.from_numpy(level - level.mean(axis=0)))  # (batches of enough, G)
-        noise = smoother.mean_variance(torch.from_numpy(centred_variance))
-        signal = prior_smoother(estimate.square() - noise).clamp_min(0.0)
-        offset[torch.from_numpy(enough)] = -estimate * signal / (signal + noise).clamp_min(np.finfo(float).tiny)
-    return offset

@@ -19,7 +19,7 @@ ComBat shrinks its location by an empirical-Bayes prior across genes, here centr
 
 and each cell's whole shift of gene g (state-dependent part included) is multiplied by lambda_bg; with reference
 cells (correction.normal_key) the regional part is then the batch's own, as its reference cells measured it (shrunk
-by its own noise: estimates.regional_offset). A shift far beyond its noise passes nearly whole; one within its
+by its own noise: reference_cells.regional_offset). A shift far beyond its noise passes nearly whole; one within its
 noise is not applied; where every shift of a batch is noise (the prior all at 0) the batch's counts stay exactly as
 they were, since a count mapped to its own distribution is its own. The weights come from the data alone: no tuned
 constant. Only the counts' shift is weighted (the log-scale model's output is not).
@@ -45,6 +45,8 @@ EM_STEPS = 100  # EM iterations of the prior's mixture weights (converged well b
 class ShiftEvidenceSums:
     """Per batch code, over its input cells, for one gene set: the sums of the decoder's log-mean shift, of the
     counts, of the model's own-batch means and of their squares; and the cells counted."""
+
+    SUMMED = ("shift", "counts", "means", "mean_squares", "n_cells")  # batchfix.correction.reduction adds these
 
     def __init__(self, n_codes: int, n_genes: int):
         self.shift = np.zeros((n_codes, n_genes))

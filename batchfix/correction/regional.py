@@ -86,7 +86,7 @@ class RegionalShift:
     shift split is the output's whole change to the cell (keep_input), not its decoder term. offset: (codes, G)
     with reference cells (correction.normal_key): the regional part of every cell's shift (the counts' log-mean
     shift, the log output's whole change) is replaced by its batch's, taken from its normal cells
-    (`estimates.ReferenceCellSums`, `estimates.LogReferenceCellSums`).
+    (`reference_cells.ReferenceCellSums`, `reference_cells.LogReferenceCellSums`).
     """
 
     smoother: GenomeSmoother

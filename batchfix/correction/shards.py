@@ -4,8 +4,9 @@ A part (`inference.shard=i/N`, or rank i of N under torchrun) is a contiguous ra
 run starts a forward batch (a chunk's start plus a multiple of inference.batch_size), and it is read in the same
 chunks, so its cells go through the network in the same batches and come out with the same bits; parts differ in
 size by less than a forward batch. Each part reads the estimates of all cells: an independent job runs the estimate
-pass itself (deterministic: the same bits in every job, and no job waits for another), under torchrun rank 0 runs it
-and sends it to the others (less work than every rank running it). A part applies the output kind to its rows
+pass itself (deterministic: the same bits in every job, and no job waits for another); under torchrun each rank
+runs it over its own rows and the ranks' sums are gathered in a fixed order (batchfix.correction.reduction), so
+every rank holds the estimates of one process reading every row, bit for bit, after reading only its part. A part applies the output kind to its rows
 (batchfix.correction.outputs) and writes OUT.shard-i-of-N beside the output, atomically (a rerun rewrites it): each
 layer's CSR rows, the latents, the tallies, the estimates' summary and a fingerprint of the input, checkpoint and
 options.
@@ -32,7 +33,7 @@ from tqdm.auto import tqdm
 
 from batchfix import signals
 from batchfix.config import CorrectionSettings
-from batchfix.correction.estimates import estimate
+from batchfix.correction.estimates import Part, estimate
 from batchfix.correction.outputs import ChunkOutput, OutputKind, Tallies, output_kind
 from batchfix.correction.provenance import batch_names, file_sha256
 from batchfix.correction.writers import (
@@ -96,12 +97,10 @@ def part_rows(n_obs: int, settings: CorrectionSettings, index: int, count: int) 
 def part_chunks(output: OutputKind, rows, start: int, stop: int,
                 progress: bool) -> Iterator[tuple[int, int, ChunkOutput]]:
     """(start, stop, outputs) of the part's rows, cut into chunks where a one-process run cuts them."""
-    chunk_size = output.bound.settings.chunk_size
-    cuts = [start, *range((start // chunk_size + 1) * chunk_size, stop, chunk_size), stop] if stop > start else []
     started = time.perf_counter()
     with tqdm(total=stop - start, unit="cell", unit_scale=True, desc="batchfix correct", disable=not progress,
               mininterval=1.0, smoothing=0.1) as bar:
-        for first, last in zip(cuts, cuts[1:]):
+        for first, last in output.bound.chunks(start, stop):
             signals.raise_pending()
             yield first, last, output.apply(rows.rows(first, last), first)
             bar.update(last - first)
@@ -229,8 +228,8 @@ def csr_rows(csr: h5py.Group, rows: slice, n_vars: int) -> sp.csr_matrix:
 
 
 def correct_distributed(job: FileJob, trained: BatchfixModel, settings: CorrectionSettings) -> Path:
-    """Under torchrun: rank 0 runs the estimate pass and sends it to every rank; each rank corrects its part into a
-    shard file; after a barrier rank 0 merges them. Returns the output (rank 0) or the rank's shard file."""
+    """Under torchrun: every rank runs the estimate pass over its part's rows (the sums gathered from all ranks), and
+    corrects its part into a shard file; after a barrier rank 0 merges them. Returns the output (rank 0) or the rank's shard file."""
     import torch.distributed as dist
 
     # gloo on every machine: the ranks exchange Python objects and a barrier, never a tensor on a GPU
@@ -238,18 +237,26 @@ def correct_distributed(job: FileJob, trained: BatchfixModel, settings: Correcti
     try:
         rank, count = dist.get_rank(), dist.get_world_size()
         written = correct_shard(dataclasses.replace(job, progress=job.progress and rank == 0), trained, settings,
-                                rank, count, estimated=broadcast_estimate)
+                                rank, count, estimated=estimate_on_ranks)
         dist.barrier()
         return merge_shards(job, trained, settings, count) if rank == 0 else written
     finally:
         dist.destroy_process_group()
 
 
-def broadcast_estimate(bound, rows, n_obs: int) -> tuple:
-    """`estimate` on rank 0, its (estimates, latents) sent to every rank: on 2 processes sharing 2 cores it took
-    29.7 s where every rank estimating took 41.3 s (40,000 cells; docs/lab/scale.md)."""
+def estimate_on_ranks(bound, rows, n_obs: int) -> tuple:
+    """`estimate` with this rank reading only its part's rows; the sums' blocks of every rank are gathered, so each
+    rank holds the estimates of all cells (the latents of its own rows)."""
     import torch.distributed as dist
 
-    box = [estimate(bound, rows, n_obs) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    start, stop = part_rows(n_obs, bound.settings, dist.get_rank(), dist.get_world_size())
+    return estimate(bound, rows, n_obs, Part(start, stop, gather_blocks))
+
+
+def gather_blocks(blocks: list) -> list[list]:
+    """Every rank's blocks of sums (batchfix.correction.reduction), in rank order."""
+    import torch.distributed as dist
+
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, blocks)
+    return everyone

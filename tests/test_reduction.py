@@ -1,0 +1,48 @@
+"""Sums over forward batches reduced in a fixed order: the same bits however the batches are split between
+processes (batchfix.correction.reduction)."""
+from __future__ import annotations
+
+import numpy as np
+
+from batchfix.correction.calibration import ResidualSums
+from batchfix.correction.counts import CountSums
+from batchfix.correction.reduction import OrderedSums
+
+
+def reduced(batches: list[np.ndarray], cuts: list[int]) -> list:
+    """Residual and count sums of `batches` (each (cells, genes)), every part [cuts[i], cuts[i+1]) summed on its own
+    as a process would, then gathered in order."""
+    templates = [ResidualSums(batches[0].shape[1]), CountSums(batches[0].shape[1])]
+    parts = []
+    for start, stop in zip(cuts, cuts[1:]):
+        ordered = OrderedSums(templates)
+        for index in range(start, stop):
+            sums = ordered.fresh()
+            sums[0].add(batches[index])
+            sums[1].add(np.round(batches[index] ** 2), batches[index])
+            ordered.push(index, sums)
+        parts.append(ordered)
+    return parts[0].totals(lambda blocks: [part.blocks for part in parts])
+
+
+def test_every_split_of_the_batches_gives_one_process_sums_bit_for_bit():
+    rng = np.random.default_rng(0)
+    batches = [rng.lognormal(0.0, 3.0, size=(int(rng.integers(1, 9)), 50)) for _ in range(37)]
+    one_process = reduced(batches, [0, 37])
+    assert one_process[0].n_cells == sum(len(b) for b in batches) and one_process[1].n_cells == one_process[0].n_cells
+    np.testing.assert_allclose(one_process[0].sum, np.vstack(batches).sum(axis=0), rtol=1e-13)
+    for cuts in ([0, 1, 37], [0, 5, 6, 37], [0, 13, 14, 15, 31, 37], [0, 36, 37], list(range(38))):
+        split = reduced(batches, cuts)
+        for name in ("sum", "sum_sq"):
+            assert np.array_equal(getattr(split[0], name), getattr(one_process[0], name)), (cuts, name)
+        for name in one_process[1].sums:
+            assert np.array_equal(split[1].sums[name], one_process[1].sums[name]), (cuts, name)
+    sequential = np.zeros(50)
+    for batch in batches:
+        sequential += batch.sum(axis=0)
+    assert not np.array_equal(sequential, one_process[0].sum)  # the order matters: these data round differently
+
+
+def test_no_batches_give_zero_sums():
+    totals = OrderedSums([ResidualSums(3)]).totals()
+    assert totals[0].n_cells == 0 and not totals[0].sum.any()
