@@ -29,6 +29,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import scipy.sparse as sp
+import torch
 from tqdm.auto import tqdm
 
 from batchfix import signals
@@ -156,9 +157,11 @@ def write_shard(dst: h5py.File, output: OutputKind, rows, start: int, stop: int,
     dst.attrs.update(dataclasses.asdict(tallies))
 
 
-def merge_shards(job: FileJob, trained: BatchfixModel, settings: CorrectionSettings, count: int) -> Path:
+def merge_shards(job: FileJob, trained: BatchfixModel, settings: CorrectionSettings, count: int,
+                 workers: int | None = None) -> Path:
     """Write the output from the `count` shard files beside it (refusing a missing or foreign one, naming it), as
-    `correct_file` would have written it, then remove them."""
+    `correct_file` would have written it (its layers compressed on `workers` threads; default torch's thread
+    count), then remove them."""
     settings = dataclasses.replace(settings, shard=None)
     source, target = open_input(job.source, job.target, job.overwrite)
     paths = [shard_path(target, index, count) for index in range(count)]
@@ -171,7 +174,7 @@ def merge_shards(job: FileJob, trained: BatchfixModel, settings: CorrectionSetti
                                     job.all_batches_new)
         recorded = checked_shards(paths, fingerprint(job, trained, settings, n_obs), n_obs, settings)
         with atomic_output(target, job.overwrite) as tmp, h5py.File(tmp, "w") as dst:
-            tallies = write_correction(src, dst, bound, n_obs, shard_chunks(paths, bound))
+            tallies = write_correction(src, dst, bound, n_obs, shard_chunks(paths, bound), workers)
             write_provenance(dst, bound, RecordedEstimates(recorded), tallies, n_obs, n_shards=count)
     for path in paths:
         path.unlink(missing_ok=True)
@@ -239,7 +242,9 @@ def correct_distributed(job: FileJob, trained: BatchfixModel, settings: Correcti
         written = correct_shard(dataclasses.replace(job, progress=job.progress and rank == 0), trained, settings,
                                 rank, count, estimated=estimate_on_ranks)
         dist.barrier()
-        return merge_shards(job, trained, settings, count) if rank == 0 else written
+        # the other ranks are done: the merge compresses on the threads of them all
+        return merge_shards(job, trained, settings, count, count * torch.get_num_threads()) if rank == 0 \
+            else written
     finally:
         dist.destroy_process_group()
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 import anndata as ad
@@ -29,6 +30,7 @@ import h5py
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
+import torch
 
 from batchfix.config import CorrectionSettings
 from batchfix.correction.corrector import BoundModel
@@ -44,6 +46,7 @@ from batchfix.correction.outputs import (
 from batchfix.correction.provenance import for_hdf5, layer_entries, provenance
 from batchfix.data import ondisk
 from batchfix.data.atomic import atomic_output, refuse_existing
+from batchfix.data.chunk_writer import ChunkedAppender
 from batchfix.data.genome import infercnv_columns
 from batchfix.data.io import OutputKeys, batch_level_columns, check_h5ad_path, select_matrix
 from batchfix.errors import InputError
@@ -198,10 +201,11 @@ def open_input(input_path: str | Path, output_path: str | Path, overwrite: bool)
 
 class CsrAppender:
     """A CSR matrix in an open .h5ad (anndata's encoding), written a block of rows at a time; the number of
-    stored values need not be known in advance."""
+    stored values need not be known in advance. With a thread `pool`, gzip chunks are compressed on its
+    `workers` while the caller goes on (batchfix.data.chunk_writer); `close()` once the last rows are in."""
 
     def __init__(self, group: h5py.Group, name: str, shape: tuple[int, int],
-                 compression: dict = ondisk.LAYER_COMPRESSION):
+                 compression: dict = ondisk.LAYER_COMPRESSION, pool: Executor | None = None, workers: int = 1):
         csr = group.create_group(name)
         csr.attrs.update(ondisk.CSR_ENCODING)
         csr.attrs["shape"] = np.array(shape, dtype=np.int64)
@@ -214,15 +218,25 @@ class CsrAppender:
         self.indptr = csr.create_dataset("indptr", shape=(shape[0] + 1,), dtype=position)
         self.indptr[0] = 0
         self.n_rows = self.n_stored = 0
+        parallel = pool is not None and compression.get("compression") == "gzip" and compression.get("shuffle")
+        self.appenders = [ChunkedAppender(d, pool, workers) for d in (self.data, self.indices)] if parallel else []
 
     def append(self, rows: sp.csr_matrix) -> None:
         stop = self.n_stored + rows.nnz
-        self.data.resize((stop,))
-        self.indices.resize((stop,))
-        self.data[self.n_stored:stop] = rows.data
-        self.indices[self.n_stored:stop] = rows.indices
+        if self.appenders:
+            for appender, values in zip(self.appenders, (rows.data, rows.indices)):
+                appender.append(values)
+        else:
+            self.data.resize((stop,))
+            self.indices.resize((stop,))
+            self.data[self.n_stored:stop] = rows.data
+            self.indices[self.n_stored:stop] = rows.indices
         self.indptr[self.n_rows + 1:self.n_rows + rows.shape[0] + 1] = self.n_stored + rows.indptr[1:]
         self.n_rows, self.n_stored = self.n_rows + rows.shape[0], stop
+
+    def close(self) -> None:
+        for appender in self.appenders:
+            appender.close()
 
 
 def correct_file(input_path: str | Path, output_path: str | Path, trained: BatchfixModel,
@@ -282,9 +296,11 @@ def write_streamed(src: h5py.File, dst: h5py.File, output: OutputKind, rows, n_o
 
 
 def write_correction(src: h5py.File, dst: h5py.File, bound: BoundModel, n_obs: int,
-                     chunks: Iterable[tuple[int, int, ChunkOutput]]) -> Tallies:
+                     chunks: Iterable[tuple[int, int, ChunkOutput]], workers: int | None = None) -> Tallies:
     """The input's content, then the latents and layers of `chunks` (start, stop, outputs), which cover every cell
-    once in row order, into the open output; returns the chunks' tallies summed."""
+    once in row order, into the open output, the layers' chunks compressed on `workers` threads (default: torch's
+    thread count) while the next cells are corrected; returns the chunks' tallies summed."""
+    workers = workers or torch.get_num_threads()
     keys = OutputKeys(bound.settings.key_added)
     names = layer_names(keys)
     ondisk.copy_file_except(src, dst, top_skip={"var"},
@@ -294,14 +310,18 @@ def write_correction(src: h5py.File, dst: h5py.File, bound: BoundModel, n_obs: i
                                           keys.corrected: bound.corrected_mask, **coordinates},
                                defaults={"highly_variable": bound.modelled_mask})
     shape = (n_obs, bound.n_vars)
-    writers = {kind: CsrAppender(dst["layers"], names[kind], shape) for kind in output_layers(bound)}
     latent = ondisk.create_array(dst["obsm"], keys.latent, (n_obs, bound.latent_dim))
     tallies = Tallies()
-    for start, stop, chunk in chunks:
-        latent[start:stop] = chunk.latent
-        tallies += chunk.tallies
-        for kind, matrix_rows in chunk.layers.items():
-            writers[kind].append(matrix_rows)
+    with ThreadPoolExecutor(workers, thread_name_prefix="batchfix-compress") as pool:
+        writers = {kind: CsrAppender(dst["layers"], names[kind], shape, pool=pool, workers=workers)
+                   for kind in output_layers(bound)}
+        for start, stop, chunk in chunks:
+            latent[start:stop] = chunk.latent
+            tallies += chunk.tallies
+            for kind, matrix_rows in chunk.layers.items():
+                writers[kind].append(matrix_rows)
+        for writer in writers.values():
+            writer.close()
     return tallies
 
 
