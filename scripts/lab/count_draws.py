@@ -5,9 +5,9 @@ The corrected counts move each observed count to the same quantile of the refere
 [F(k-1), F(k)] (`drawn`, every count's quantile drawn: the batch's mapped counts follow the reference exactly) or
 the middle of that interval (`middle`, deterministic, as ComBat-seq maps). Under a small shift the middle keeps a
 small count where it is, so part of a low-count gene's batch effect stays. Each row is scored on the batch-aware
-2,000 HVGs (log_cp10k of the HVGs' counts, as batchfix.eval.fidelity's reference) by the batch effect left within
-each label (batchfix.eval.removal), the gene lines (batchfix.eval.fidelity) and scIB on the PCA
-(batchfix.eval.metrics), beside ComBat on the raw log_cp10k:
+2,000 HVGs by the batch effect left within each label (batchfix.eval.removal) and the gene lines
+(batchfix.eval.fidelity) on log_cp10k over every gene (the layer a user makes; ComBat on the same values), and by
+scIB on the PCA of log_cp10k over the HVGs (the benchmark's matrix; ComBat on those values):
 
     batchfix drawn / middle           layers['batchfix_counts'] of a default model trained on the cells (all genes)
     batchfix drawn / middle, shrink=none   the same model with every shift applied in full
@@ -50,8 +50,8 @@ def middle_form():
         yield
 
 
-def batchfix_rows(cells, genes: pd.Index, batch_key: str, label_key: str, seed: int) -> dict[str, sp.csr_matrix]:
-    """Each form's layers['batchfix_counts'] on `genes`, from one default model trained on `cells` (all genes)."""
+def batchfix_rows(cells, batch_key: str, label_key: str, seed: int) -> dict[str, sp.csr_matrix]:
+    """Each form's layers['batchfix_counts'] (every gene), from one default model trained on `cells`."""
     model = batchfix.train(cells, batch_key=batch_key, label_key=label_key, seed=seed, threads=1,
                            enable_progress_bar=False)
     rows = {}
@@ -60,24 +60,30 @@ def batchfix_rows(cells, genes: pd.Index, batch_key: str, label_key: str, seed: 
             with patched():
                 corrected = batchfix.correct(cells, model, copy=True, shrink=shrink, progress=False)
             name = f"batchfix {form}" + ("" if shrink == "evidence" else ", shrink=none")
-            rows[name] = sp.csr_matrix(corrected[:, genes].layers["batchfix_counts"])
+            rows[name] = sp.csr_matrix(corrected.layers["batchfix_counts"])
     return rows
 
 
-def scores(counts: sp.csr_matrix, rows: dict[str, np.ndarray], obs: pd.DataFrame, batch_key: str,
+def scores(raw: sp.csr_matrix, rows: dict[str, sp.csr_matrix], hvg: np.ndarray, obs: pd.DataFrame, batch_key: str,
            label_key: str) -> pd.DataFrame:
-    """Removal, gene lines and scIB of every row (log values on the HVGs) against the raw counts."""
+    """Removal and gene lines (log_cp10k over every gene, on the HVGs) and scIB (log_cp10k over the HVGs) of every
+    row's counts (cells, every gene), and of ComBat on each scale, against the raw counts `raw`."""
     batch, labels = obs[batch_key].astype(str).to_numpy(), obs[label_key].astype(str).to_numpy()
-    raw_log = log_cp10k(counts)
+    library = np.asarray(raw.sum(axis=1)).ravel()
+    user = {name: sp.csr_matrix(log_cp10k(counts)[:, hvg]) for name, counts in rows.items()}
+    benchmark = {name: sp.csr_matrix(log_cp10k(counts[:, hvg])) for name, counts in rows.items()}
+    raw_user, raw_benchmark = np.asarray(log_cp10k(raw)[:, hvg].toarray()), np.asarray(log_cp10k(raw[:, hvg]).toarray())
+    user["ComBat"] = baselines.combat(raw_user, obs, batch_key)
+    benchmark["ComBat"] = baselines.combat(raw_benchmark, obs, batch_key)
     table = {}
-    for name, values in rows.items():
-        left = removal.removal_scores(raw_log, values, batch, labels)
-        genes = fidelity.gene_fidelity(counts, values, batch, labels)
-        table[name] = {**left, **{metric: genes[metric] for metric in fidelity.GENE_METRICS}}
-    embeddings = {name: metrics.pca_embedding(values) for name, values in rows.items()}
-    scib = metrics.score_embeddings(obs, embeddings, metrics.pca_embedding(raw_log), batch_key, label_key,
+    for name, values in user.items():
+        genes = fidelity.gene_fidelity(raw[:, hvg], values, batch, labels, library=library)
+        table[name] = {**removal.removal_scores(raw_user, values, batch, labels),
+                       **{metric: genes[metric] for metric in fidelity.GENE_METRICS}}
+    embeddings = {name: metrics.pca_embedding(values) for name, values in benchmark.items()}
+    scib = metrics.score_embeddings(obs, embeddings, metrics.pca_embedding(raw_benchmark), batch_key, label_key,
                                     neighbors="exact")
-    for name in rows:
+    for name in user:
         table[name].update({column: float(scib.loc[name, column]) for column in SCIB_COLUMNS})
     return pd.DataFrame(table).T
 
@@ -92,15 +98,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--out", help="CSV of every seed's rows")
     args = parser.parse_args(argv)
     cells = load(args.data, args.batch_key, args.label_key, None, args.batches)
-    selected = select_genes(cells, args.batch_key, 2000)
-    counts = sp.csr_matrix(selected.X, dtype=np.float64)
-    raw_log = np.asarray(log_cp10k(counts.toarray()))
+    hvg = cells.var_names.get_indexer(select_genes(cells, args.batch_key, 2000).var_names)
+    raw = sp.csr_matrix(cells.X, dtype=np.float64)
     frames = []
     for seed in args.seeds:
-        rows = {name: log_cp10k(layer) for name, layer in
-                batchfix_rows(cells, selected.var_names, args.batch_key, args.label_key, seed).items()}
-        rows["ComBat"] = sp.csr_matrix(baselines.combat(raw_log, selected.obs, args.batch_key))
-        frame = scores(counts, rows, selected.obs, args.batch_key, args.label_key)
+        rows = batchfix_rows(cells, args.batch_key, args.label_key, seed)
+        frame = scores(raw, rows, hvg, cells.obs, args.batch_key, args.label_key)
         frames.append(frame.assign(seed=seed))
         print(f"seed {seed}\n{frame.to_string(float_format='%.3f')}", flush=True)
     runs = pd.concat(frames)
