@@ -11,6 +11,7 @@ import torch
 import batchfix
 from batchfix.correction.count_output import CountTables
 from batchfix.correction.evidence import ShiftEvidenceSums
+from batchfix.data.normalize import log_cp10k
 from scripts import donor_biology, null_split
 
 TINY = dict(n_top_genes=300, genes_per_token=16, max_epochs=2, enable_progress_bar=False, seed=0)
@@ -114,3 +115,26 @@ def test_the_weights_reach_the_file_and_the_run_summary(null_set, tmp_path):
     line = next(line for line in text.splitlines() if "shifts weighted by their evidence (correction.shrink)" in line)
     median = float(line.split("median weight sc_celseq2_a ")[1].split(",")[0])
     assert median == pytest.approx(evidence["sc_celseq2_a"]["median_weight"], abs=0.005) and median < 0.1
+
+
+def test_the_log_scale_output_of_a_random_split_moves_less_than_every_change_applied(null_set):
+    """The log-scale model's output is weighted alike: on the null split (log1p values per 10k), the default
+    changes the values far less than every change applied in full, and records its weights."""
+    split, _ = null_set
+    log_split = split.copy()
+    log_split.X = sp.csr_matrix(np.asarray(log_cp10k(split.X.toarray()), dtype=np.float32))
+    torch.set_num_threads(1)
+    model = batchfix.train(log_split, batch_key="batch", label_key="cell_type", scale="log", **TINY)
+    raw = log_split.X.toarray()
+    nonzero = raw > 0
+    moved, outputs = {}, {}
+    for shrink in ("evidence", "none"):
+        out = outputs[shrink] = batchfix.correct(log_split, model, copy=True, shrink=shrink)
+        corrected = out.layers["batchfix"].toarray()[:, out.var["batchfix_modelled"].to_numpy()]
+        modelled = raw[:, out.var["batchfix_modelled"].to_numpy()]
+        assert (corrected[modelled == 0] == 0).all()  # an input zero stays zero
+        moved[shrink] = np.abs(corrected - modelled)[modelled > 0].mean()
+    assert nonzero.any() and moved["evidence"] < 0.5 * moved["none"], moved
+    evidence = outputs["evidence"].uns["batchfix"]["estimates"]["shift_evidence"]
+    assert set(evidence) == {"sc_celseq2_a", "sc_celseq2_b"}
+    assert "shift_evidence" not in outputs["none"].uns["batchfix"]["estimates"]

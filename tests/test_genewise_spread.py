@@ -76,10 +76,10 @@ def model(subset) -> batchfix.BatchfixModel:
 @pytest.fixture(scope="module")
 def outputs(subset, model) -> dict[str, ad.AnnData]:
     """The counterfactual output of the whole subset (the unseen batch included) with each spread, on the
-    modelled genes; with the whole state shift removed (regional_shift=apply, state_dependence=1), the form in which
+    modelled genes, every change applied in full (shrink=none); with the whole state shift removed (regional_shift=apply, state_dependence=1), the form in which
     k multiplies only the cell's residual (the regional part and the state share: test_regional_shift.py)."""
     corrected = {spread: batchfix.correct(subset, model, spread=spread, regional_shift="apply", state_dependence=1.0,
-                                          copy=True)
+                                          shrink="none", copy=True)
                  for spread in ("batch", "gene")}
     return {spread: out[:, out.var["batchfix_modelled"].to_numpy()].copy() for spread, out in corrected.items()}
 

@@ -147,3 +147,14 @@ def test_the_donor_set_empties_its_genes_and_its_score_sees_counts_given_back(sm
     assert table.loc[given_back, "emptied_share"] == pytest.approx(table.loc[given_back, "emptied_share_before"])
     assert table.loc[taken, "kept_ratio"] == 0
     assert not table.loc[[given_back, taken], "passes"].any() and table["passes"].sum() == len(genes) - 2
+
+
+def test_the_null_grid_names_its_runs_and_averages_seeds_per_batch_and_fractions():
+    from scripts import null_grid
+
+    assert null_grid.run_tag("sc_celseq2", (0.6667, 0.3333), 2) == "sc_celseq2_0666703333_s2"
+    rows = [{"batch": "b", "fractions": "50/50", "seed": seed, "method": "batchfix", "counts_changed": value,
+             "zeros_raised": 0.0, "knn_kept": 1.0 - value, "de_genes": seed} for seed, value in enumerate([0.1, 0.3])]
+    result = null_grid.table(rows).iloc[0]
+    assert result["counts_changed"] == pytest.approx(0.2) and result["knn_kept"] == pytest.approx(0.8)
+    assert result["de_genes_max"] == 1 and result["seeds"] == 2

@@ -62,7 +62,9 @@ def tiny_model(subset):
 
 
 def in_model_order(adata, model, mode: str, **options) -> np.ndarray:
-    """The corrected layer's modelled genes (cells, genes) in the model's (genomic) order, one forward pass."""
+    """The corrected layer's modelled genes (cells, genes) in the model's (genomic) order, one forward pass; every
+    change applied in full (shrink=none: the formula's terms, the evidence weights apart, tests/test_evidence.py)."""
+    options = {"shrink": "none", **options}
     out = batchfix.correct(adata, model, regional_shift=mode, batch_size=adata.n_obs, copy=True, **options)
     genes = out.var["batchfix_modelled"].to_numpy()
     # The layer holds the modelled genes in the input's order, the model in genomic order.

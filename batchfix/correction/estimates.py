@@ -24,7 +24,7 @@ import torch
 
 from batchfix.correction import calibration, counterfactual, counts
 from batchfix.correction.count_output import CountTables
-from batchfix.correction.evidence import ShiftEvidenceSums
+from batchfix.correction.evidence import LogShiftEvidenceSums, ShiftEvidenceSums
 from batchfix.correction.reduction import Block, OrderedSums
 from batchfix.correction.reference_cells import LogReferenceCellSums, ReferenceCellSums
 from batchfix.correction.regional import RegionalShift, genome_smoother
@@ -41,13 +41,16 @@ class Estimates:
     count_tables: one `CountTables` per gene set of the bound model (corrected counts); state: the state shrink
     (state_dependence < 1); regional: the regional shift's smoother and mean shifts (reference cells' offsets
     included); shift_prior_sd: per gene set, each batch code's prior sd of its shifts across genes (the evidence
-    weights', batchfix.correction.evidence, held in the tables). None (or empty) where the output does not use it."""
+    weights', batchfix.correction.evidence, held in the tables); log_shift_weight: (codes, G) the weight of each
+    batch's change of each gene (the log output's evidence weights). None (or empty) where the output does not use
+    it."""
 
     statistics: calibration.Statistics | None = None
     count_tables: tuple[CountTables, ...] = ()
     shift_prior_sd: tuple[np.ndarray, ...] = ()
     state: counterfactual.StateShrink | None = None
     regional: RegionalShift | None = None
+    log_shift_weight: np.ndarray | None = None
 
     def summary(self, batch_names: list[str]) -> dict:
         """What was estimated, for uns[key_added]['estimates']; `batch_names` by batch code."""
@@ -62,7 +65,8 @@ class Estimates:
     def evidence_summary(self, batch_names: list[str]) -> dict:
         """Per batch: its shifts' prior sd across the modelled genes, and over every corrected gene the median
         weight of its shift and the share of genes whose shift was more than halved (batchfix.correction.evidence)."""
-        weights = np.hstack([tables.shift_weight for tables in self.count_tables])  # (codes, all genes)
+        weights = self.log_shift_weight if self.log_shift_weight is not None else \
+            np.hstack([tables.shift_weight for tables in self.count_tables])  # (codes, all genes)
         return {name: {"prior_sd": round(float(self.shift_prior_sd[0][code]), 4),
                        "median_weight": round(float(np.median(weights[code])), 4),
                        "share_more_than_halved": round(float((weights[code] < 0.5).mean()), 4)}
@@ -95,8 +99,7 @@ def estimate(bound, rows, n_obs: int, part: Part | None = None) -> tuple[Estimat
         regional = False
     with fused_attention(bound.net), torch.no_grad():
         first = estimate_unseen(bound, rows, part)
-        evidence = bound.counts_output and bound.settings.shrink == "evidence"
-        if regional or bound.settings.state_dependence < 1 or evidence:
+        if regional or bound.settings.state_dependence < 1 or bound.settings.shrink == "evidence":
             return estimate_mean_shift(bound, first, rows, n_obs, part, regional)
     return first, None
 
@@ -179,17 +182,17 @@ def count_tables(net, genes, count_sums: list[counts.CountSums], reference: int 
 
 
 def batch_terms(bound, first: Estimates, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, whole: bool):
-    """(the term whose batch means are estimated, the whole change or None, the own batch's mean fractions or None)
-    for one forward batch: the decoder term and, with `whole`, the floored output's change (log output); the
-    log-mean shift and the fractions it came from (counts)."""
+    """(the term whose batch means are estimated, the whole change or None, what the evidence weights read) for one
+    forward batch: the decoder term, with `whole` the floored output's change, and the output's terms (values,
+    input, reference decoding) (log output); the log-mean shift and the own batch's mean fractions (counts)."""
     code_tensor = torch.from_numpy(codes)
     if bound.counts_output:
         shift, own = counterfactual.log_mean_shift(bound.net, mu, code_tensor, bound.reference, bound.present)
         return shift.numpy(), None, own
-    values, decoder, observed, _ = counterfactual.output_terms(
+    values, decoder, observed, reference_values = counterfactual.output_terms(
         bound.net, x, mu, code_tensor, bound.reference, first.statistics, bound.present)
-    return decoder.numpy(), (values.clamp_min(0.0).masked_fill(x.eq(0), 0.0) - observed).numpy() if whole else None, \
-        None
+    change = (values.clamp_min(0.0).masked_fill(x.eq(0), 0.0) - observed).numpy() if whole else None
+    return decoder.numpy(), change, (values, observed, reference_values)
 
 
 def add_evidence(bound, first: Estimates, evidence: list[ShiftEvidenceSums], inputs: list[torch.Tensor],
@@ -254,6 +257,8 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
     evidence = bound.counts_output and bound.settings.shrink == "evidence"
     if evidence:
         templates += [ShiftEvidenceSums(n_codes, len(genes.present)) for genes in bound.gene_sets]
+    elif bound.settings.shrink == "evidence":
+        templates.append(LogShiftEvidenceSums(n_codes, len(bound.trained.genes)))
     ordered = OrderedSums(templates)
     latents = np.empty((n_obs, bound.latent_dim), dtype=np.float32)  # this part's rows set, the others' left unset
     for start, stop in bound.chunks(part.start, part.stop):
@@ -270,6 +275,10 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
     state, shift = mean_shift(bound, sums, mode, regional)
     if shift is not None and normal is not None:
         shift = dataclasses.replace(shift, offset=normal.offset())
+    if rest and isinstance(rest[0], LogShiftEvidenceSums):
+        log_weight, prior_sd = rest[0].weights(bound.present.numpy())
+        return dataclasses.replace(first, log_shift_weight=log_weight, shift_prior_sd=(prior_sd,), state=state,
+                                   regional=shift), latents
     tables, prior_sd = weighted_tables(bound, first, rest)
     return dataclasses.replace(first, count_tables=tables, shift_prior_sd=prior_sd, state=state,
                                regional=shift), latents
@@ -286,9 +295,21 @@ def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs:
     mean_sums.add(codes, term, change)
     if rest and isinstance(rest[0], ReferenceCellSums):
         rest.pop(0).add(x, torch.from_numpy(term) if bound.counts_output else mu, codes, cells[0])
-    if rest:
+    if rest and isinstance(rest[0], LogShiftEvidenceSums):
+        rest[0].add(codes, *log_change_and_residual(first, own, codes))
+    elif rest:
         add_evidence(bound, first, rest, inputs, mu, codes, (term, own))
     return mu.numpy()
+
+
+def log_change_and_residual(first: Estimates, terms: tuple, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(B, G) each cell's change on the log output before the floor (values - input) and its residual (input less
+    its batch's decoding and location), from the output's `terms` (values, input, reference decoding)."""
+    values, observed, reference_values = terms
+    statistics = first.statistics
+    scale = statistics.scale[torch.from_numpy(np.maximum(codes, 0))].clamp_min(torch.finfo(values.dtype).tiny)
+    residual = (values - reference_values - statistics.ref_location) / scale  # values = ref + loc_ref + k residual
+    return (values - observed).double().numpy(), residual.double().numpy()
 
 
 def mean_shift(bound, sums: MeanShiftSums, mode: str,

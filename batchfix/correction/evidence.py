@@ -22,7 +22,8 @@ cells (correction.normal_key) the regional part is then the batch's own, as its 
 by its own noise: reference_cells.regional_offset). A shift far beyond its noise passes nearly whole; one within its
 noise is not applied; where every shift of a batch is noise (the prior all at 0) the batch's counts stay exactly as
 they were, since a count mapped to its own distribution is its own. The weights come from the data alone: no tuned
-constant. Only the counts' shift is weighted (the log-scale model's output is not).
+constant. The log-scale model's output is weighted alike (`LogShiftEvidenceSums`): each batch's mean change of a
+gene over its cells, against the sampling variance of that mean (the batch's residual variance over its cells).
 
 A batch that has no count of a gene in any of its cells in the input lacks it as biology (a female donor's chrY, a
 knockout), not as a technical effect: its shift of that gene is not applied (its cells keep their zeros), and with
@@ -123,3 +124,39 @@ def responsibilities(log_likelihood: np.ndarray, mix: np.ndarray) -> np.ndarray:
     joint -= joint.max(axis=1, keepdims=True)
     probability = np.exp(joint)
     return probability / probability.sum(axis=1, keepdims=True)
+
+
+class LogShiftEvidenceSums:
+    """Per batch code, over its input cells, for the log-scale output: the sums of each gene's change (output less
+    input, before the floor) and of its residual (input less the batch's own decoding and location) and its square;
+    and the cells counted."""
+
+    SUMMED = ("change", "residual", "residual_squares", "n_cells")  # batchfix.correction.reduction adds these
+
+    def __init__(self, n_codes: int, n_genes: int):
+        self.change = np.zeros((n_codes, n_genes))
+        self.residual = np.zeros_like(self.change)
+        self.residual_squares = np.zeros_like(self.change)
+        self.n_cells = np.zeros(n_codes, dtype=np.int64)
+
+    def add(self, codes: np.ndarray, change: np.ndarray, residual: np.ndarray) -> None:
+        """One forward batch: codes (B,), each cell's change and residual (B, genes)."""
+        for code in np.unique(codes[codes >= 0]):
+            chosen = codes == code
+            self.change[code] += change[chosen].sum(axis=0)
+            self.residual[code] += residual[chosen].sum(axis=0)
+            self.residual_squares[code] += np.square(residual[chosen]).sum(axis=0)
+            self.n_cells[code] += int(chosen.sum())
+
+    def weights(self, present: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """((codes, genes) lambda, (codes,) the prior's sd): each batch's weight of each gene's change under its
+        adaptive prior (`shrinkage`), the change's sampling variance its residual variance over its cells (1 for
+        genes the input lacks and batches with fewer than two cells)."""
+        n = self.n_cells[:, None].astype(np.float64)
+        mean_change = self.change / np.maximum(n, 1)
+        spread = (self.residual_squares - np.square(self.residual) / np.maximum(n, 1)) / np.maximum(n - 1, 1)
+        variance = np.maximum(spread, np.finfo(np.float32).eps) / np.maximum(n, 1)
+        weight, prior_sd = np.ones_like(mean_change), np.zeros(len(n))
+        for code in np.flatnonzero(self.n_cells > 1):
+            weight[code, present], prior_sd[code] = shrinkage(mean_change[code, present], variance[code, present])
+        return weight, prior_sd

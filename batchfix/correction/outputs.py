@@ -116,10 +116,19 @@ class LogOutput(OutputKind):
         return self.log_values(chunk, first_cell, self.counterfactual_batch)
 
     def counterfactual_batch(self, x: torch.Tensor, cells: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(latent mean, values, raised to 0) of a forward batch; with evidence weights (correction.shrink), each
+        batch's change of each gene times its weight."""
         bound, estimates = self.bound, self.estimates
         codes = torch.from_numpy(bound.batches.codes[cells])
-        return counterfactual.corrected(bound.net, x, codes, bound.reference, estimates.statistics, bound.present,
-                                        estimates.regional, estimates.state, mu=self.latents_of(x, cells))
+        mu, values, n_clipped = counterfactual.corrected(bound.net, x, codes, bound.reference, estimates.statistics,
+                                                         bound.present, estimates.regional, estimates.state,
+                                                         mu=self.latents_of(x, cells))
+        if estimates.log_shift_weight is not None:
+            observed = bound.net.log_expression(x)
+            weight = torch.from_numpy(estimates.log_shift_weight[codes.clamp_min(0).numpy()]).to(values.dtype)
+            weight = torch.where((codes < 0)[:, None], torch.ones_like(weight), weight)  # denoised: not weighted
+            values = observed + weight * (values - observed)  # an input zero stays zero, values stay >= 0
+        return mu, values, n_clipped
 
 
 class CountsOutput(OutputKind):

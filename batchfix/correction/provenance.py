@@ -28,8 +28,7 @@ LAYER_MEANING = {
 # Options with no effect on an output, and why (they are reported as not applied, never as applied)
 NOT_APPLIED = {
     "counts": {"residual_weight": "a count is mapped whole, not as a location and a residual"},
-    "log_counterfactual": {"quantile_seed": "no random draw: the log-scale output has no counts",
-                           "shrink": "the evidence weights act on the corrected counts' shifts"},
+    "log_counterfactual": {"quantile_seed": "no random draw: the log-scale output has no counts"},
     "denoised": {name: "the denoised output decodes the latent alone" for name in (
         "regional_shift", "regional_window", "regional_order", "regional_seed", "spread", "state_dependence",
         "residual_weight", "quantile_seed", "shrink")},
