@@ -1,7 +1,7 @@
 """One docs table (docs/results/NAME.csv) from per-seed score files: mean ± sd over seeds per (data, row).
 
-The inputs are the --out CSVs of scripts/lab/decoding_scale.py, scripts/lab/residual_weight.py or
-scripts/lab/marker_loss.py (one row per (output, seed), the output's name first, a "seed" column), each named by
+The inputs are the --out CSVs of scripts/lab/decoding_scale.py, scripts/lab/residual_weight.py,
+scripts/lab/count_draws.py or scripts/lab/marker_loss.py (one row per (output, seed), the output's name first, a "seed" column), each named by
 the data it scored:
 
     python -m scripts.lab.seed_table docs/results/residual-weight.csv \\
@@ -19,6 +19,8 @@ import pandas as pd
 
 # Score column of the per-seed files -> its name in the docs tables.
 COLUMNS = {
+    "left_log": "effect left (log)",
+    "left_mean": "effect left (mean)",
     "Total": "Total",
     "Batch correction": "batch",
     "Bio conservation": "bio",
