@@ -87,7 +87,7 @@ def test_a_number_changed_in_a_results_file_changes_its_table_when_written_again
     shutil.copytree(ROOT / "docs", docs, ignore=shutil.ignore_patterns("*.ipynb"))
     shutil.copy(ROOT / "README.md", tmp_path / "README.md")
     results = docs / "results" / "comparison-bundled.csv"
-    results.write_text(results.read_text().replace("0.823 (0.001)", "0.901 (0.003)"))
+    results.write_text(results.read_text().replace("0.816 (0.001)", "0.901 (0.003)"))
     module = tables_script(monkeypatch, docs)
     monkeypatch.setattr(sys, "argv", ["make_docs_tables.py"])
     module.main()
