@@ -366,6 +366,14 @@ MISSING_PACKAGE = {
 }
 
 
+def add_data_arguments(parser) -> None:
+    """The data file, its batch and label keys and a batch subset, as the lab scripts read them (`load`)."""
+    parser.add_argument("data", help=".h5ad with raw counts in X")
+    parser.add_argument("--batch-key", default="batch")
+    parser.add_argument("--label-key", default="cell_type")
+    parser.add_argument("--batches", nargs="+", help="keep only these batches")
+
+
 def load(path, batch_key: str, label_key: str | None, subset: int | None,
          batches: list[str] | None = None) -> ad.AnnData:
     """Read the file (raw counts in X) and check keys; optionally keep only the cells of `batches`

@@ -139,3 +139,19 @@ def test_a_factor_per_gene_and_batch_keeps_every_count_ratio_yet_moves_the_log1p
     factored = fidelity.gene_fidelity(counts, log_cp10k(scaled), batch, labels)
     assert shifted[fidelity.DE_RANK] > 0.9999 and shifted[fidelity.MARKER_RECALL] == 1.0
     assert factored[fidelity.DE_RANK] < 0.999
+
+
+def test_the_count_draws_middle_form_changes_only_the_positive_counts_and_moves_fewer(subset, tiny_model):
+    """scripts/lab/count_draws.py: its middle form maps zeros with the shipped draws and positive counts from the
+    middle of their interval, where a small shift moves none."""
+    from scripts.lab import count_draws
+
+    shipped = batchfix.correct(subset, tiny_model, copy=True, shrink="none").layers["batchfix_counts"]
+    with count_draws.middle_form():
+        middle = batchfix.correct(subset, tiny_model, copy=True, shrink="none").layers["batchfix_counts"]
+    shipped, middle = (np.asarray(m.toarray() if hasattr(m, "toarray") else m) for m in (shipped, middle))
+    raw = np.asarray(subset.X)
+    zero = raw == 0
+    assert np.array_equal(shipped[zero], middle[zero])
+    moved_drawn, moved_middle = (int((m[~zero] != raw[~zero]).sum()) for m in (shipped, middle))
+    assert 0 < moved_middle < moved_drawn, (moved_middle, moved_drawn)

@@ -29,7 +29,7 @@ from batchfix.correction import count_output
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import fidelity, metrics, removal
 from scripts import baselines
-from scripts.benchmark import load, select_genes
+from scripts.benchmark import add_data_arguments, load, select_genes
 
 SCIB_COLUMNS = ["iLISI", "KBET", "Batch correction", "Bio conservation", "Total"]
 
@@ -90,10 +90,7 @@ def scores(raw: sp.csr_matrix, rows: dict[str, sp.csr_matrix], hvg: np.ndarray, 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("data", help=".h5ad with raw counts in X")
-    parser.add_argument("--batch-key", default="batch")
-    parser.add_argument("--label-key", default="cell_type")
-    parser.add_argument("--batches", nargs="+", help="keep only these batches")
+    add_data_arguments(parser)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--out", help="CSV of every seed's rows")
     args = parser.parse_args(argv)

@@ -34,7 +34,7 @@ import batchfix
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import fidelity
 from scripts import baselines
-from scripts.benchmark import load, select_genes
+from scripts.benchmark import add_data_arguments, load, select_genes
 
 
 def factor_to_mean_fraction(counts: np.ndarray, batch: np.ndarray) -> np.ndarray:
@@ -92,10 +92,7 @@ def batchfix_rows(cells: ad.AnnData, genes: pd.Index, batch_key: str, label_key:
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("data", help=".h5ad with raw counts in X")
-    parser.add_argument("--batch-key", default="batch")
-    parser.add_argument("--label-key", default="cell_type")
-    parser.add_argument("--batches", nargs="+", help="keep only these batches")
+    add_data_arguments(parser)
     parser.add_argument("--seeds", nargs="*", type=int, default=[], help="batchfix models to train (none: no rows)")
     parser.add_argument("--out", help="CSV of the table")
     args = parser.parse_args(argv)
