@@ -139,8 +139,8 @@ def interval_points(seed: int, cell_keys: np.ndarray, gene_keys: np.ndarray) -> 
     Every count's quantile is drawn, zeros and positives alike, so the mapped counts of a batch follow the reference's
     distribution exactly (a count moves only with the probability the two distributions give it). Taking a positive
     count's middle instead, as ComBat-seq's deterministic mapping does, keeps small counts where they are under a
-    small shift and so leaves part of every low-count gene's batch effect: on the platform pair it left 0.59 of the
-    within-label between-batch spread where draws leave 0.41 (ComBat 0.39; docs/lab/count-draws.md)."""
+    small shift and so leaves part of every low-count gene's batch effect: on the platform pair it left 0.58 of the
+    within-label between-batch spread where draws leave 0.40 (ComBat 0.39; docs/lab/count-draws.md)."""
     return counts.counter_uniform(seed, cell_keys, gene_keys)
 
 
