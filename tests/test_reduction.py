@@ -22,7 +22,15 @@ def reduced(batches: list[np.ndarray], cuts: list[int]) -> list:
             sums[1].add(np.round(batches[index] ** 2), batches[index])
             ordered.push(index, sums)
         parts.append(ordered)
-    return parts[0].totals(lambda blocks: [part.blocks for part in parts])
+    everyone = [handed_to_gather(part) for part in parts]  # what each process's `totals` sends
+    return parts[0].totals(lambda blocks: everyone)
+
+
+def handed_to_gather(ordered: OrderedSums) -> list:
+    """The blocks `ordered.totals` hands to `gather` (summed values only)."""
+    handed = []
+    ordered.totals(lambda blocks: handed.append(blocks) or [blocks])
+    return handed[0]
 
 
 def test_every_split_of_the_batches_gives_one_process_sums_bit_for_bit():

@@ -139,8 +139,8 @@ def estimate_unseen(bound, rows, part: Part) -> Estimates:
         sums, count_sums = totals[:n_unseen], totals[n_unseen:]
     by_set = [count_sums[i * n_unseen:(i + 1) * n_unseen] for i in range(len(bound.gene_sets))]
     settings = bound.settings
-    statistics = calibration.Statistics(bound.trained.net, bound.reference, sums, bound.present.numpy(), settings.spread,
-                                        settings.residual_weight)
+    statistics = calibration.Statistics(bound.trained.net, bound.reference, sums, bound.present.numpy(),
+                                        settings.spread, settings.residual_weight)
     tables = tuple(count_tables(bound.trained.net, genes, set_sums, bound.reference, settings.spread)
                    for genes, set_sums in zip(bound.gene_sets, by_set))
     return Estimates(statistics=statistics, count_tables=tables)
@@ -270,36 +270,44 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
             latents[cells] = add_mean_shift(bound, first, batch_sums, x[rows_of_batch],
                                             [values[rows_of_batch] for values in inputs], cells, whole)
             ordered.push(bound.batch_index(cells[0]), batch_sums)
-    sums, *rest = ordered.totals(part.gather)
-    normal = rest.pop(0) if rest and isinstance(rest[0], ReferenceCellSums) else None
+    sums, normal, log_evidence, count_evidence = by_role(ordered.totals(part.gather))
     state, shift = mean_shift(bound, sums, mode, regional)
     if shift is not None and normal is not None:
         shift = dataclasses.replace(shift, offset=normal.offset())
-    if rest and isinstance(rest[0], LogShiftEvidenceSums):
-        log_weight, prior_sd = rest[0].weights(bound.present.numpy())
+    if log_evidence is not None:
+        log_weight, prior_sd = log_evidence.weights(bound.present.numpy())
         return dataclasses.replace(first, log_shift_weight=log_weight, shift_prior_sd=(prior_sd,), state=state,
                                    regional=shift), latents
-    tables, prior_sd = weighted_tables(bound, first, rest)
+    tables, prior_sd = weighted_tables(bound, first, count_evidence)
     return dataclasses.replace(first, count_tables=tables, shift_prior_sd=prior_sd, state=state,
                                regional=shift), latents
 
 
 def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs: list[torch.Tensor],
                    cells: np.ndarray, whole: bool) -> np.ndarray:
-    """One forward batch (input `x`, each count gene set's counts `inputs`) into its fresh `sums` (MeanShiftSums,
-    the reference cells' if any, each gene set's ShiftEvidenceSums if any); returns its (B, latent) latent means."""
+    """One forward batch (input `x`, each count gene set's counts `inputs`) into its fresh `sums` (`by_role`);
+    returns its (B, latent) latent means."""
     codes = bound.batches.codes[cells]
     mu, _ = bound.net.encode(x)  # (B, latent)
     term, change, own = batch_terms(bound, first, x, mu, codes, whole)
-    mean_sums, *rest = sums
+    mean_sums, normal, log_evidence, count_evidence = by_role(sums)
     mean_sums.add(codes, term, change)
-    if rest and isinstance(rest[0], ReferenceCellSums):
-        rest.pop(0).add(x, torch.from_numpy(term) if bound.counts_output else mu, codes, cells[0])
-    if rest and isinstance(rest[0], LogShiftEvidenceSums):
-        rest[0].add(codes, *log_change_and_residual(first, own, codes))
-    elif rest:
-        add_evidence(bound, first, rest, inputs, mu, codes, (term, own))
+    if normal is not None:
+        normal.add(x, torch.from_numpy(term) if bound.counts_output else mu, codes, cells[0])
+    if log_evidence is not None:
+        log_evidence.add(codes, *log_change_and_residual(first, own, codes))
+    if count_evidence:
+        add_evidence(bound, first, count_evidence, inputs, mu, codes, (term, own))
     return mu.numpy()
+
+
+def by_role(sums: list) -> tuple:
+    """The mean-shift pass's sums (`estimate_mean_shift`'s order) by role: (MeanShiftSums, the reference cells' or
+    None, the log output's evidence or None, each count gene set's evidence)."""
+    mean_sums, *rest = sums
+    normal = rest.pop(0) if rest and isinstance(rest[0], ReferenceCellSums) else None
+    log_evidence = rest.pop(0) if rest and isinstance(rest[0], LogShiftEvidenceSums) else None
+    return mean_sums, normal, log_evidence, rest
 
 
 def log_change_and_residual(first: Estimates, terms: tuple, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

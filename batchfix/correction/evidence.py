@@ -88,12 +88,20 @@ class ShiftEvidenceSums:
         mean_shift = self.shift / n + ratio_shift  # (codes, genes)
         variance = (1.0 / (self.counts + HALF_COUNT)
                     + self.mean_squares / (tables.theta[:len(n)] * np.square(self.means + HALF_COUNT)))
-        weight, prior_sd = np.ones_like(mean_shift), np.zeros(len(n))
-        for code in np.flatnonzero(self.n_cells > 0):
-            weight[code, present], prior_sd[code] = shrinkage(mean_shift[code, present], variance[code, present])
+        weight, prior_sd = weights_by_batch(mean_shift, variance, present, np.flatnonzero(self.n_cells > 0))
         absent = (self.counts == 0) & (self.n_cells[:, None] >= min_cells) & present[None, :]
         weight[absent] = 0.0
         return weight, prior_sd
+
+
+def weights_by_batch(shift: np.ndarray, variance: np.ndarray, present: np.ndarray,
+                     batches: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """((codes, genes) weights, (codes,) prior sds): `shrinkage` of each of `batches`' shifts over the `present`
+    genes, a prior per batch; weight 1 and sd 0 elsewhere."""
+    weight, prior_sd = np.ones_like(shift), np.zeros(len(shift))
+    for code in batches:
+        weight[code, present], prior_sd[code] = shrinkage(shift[code, present], variance[code, present])
+    return weight, prior_sd
 
 
 def shrinkage(shift: np.ndarray, variance: np.ndarray, steps: int = EM_STEPS) -> tuple[np.ndarray, float]:
@@ -156,7 +164,4 @@ class LogShiftEvidenceSums:
         mean_change = self.change / np.maximum(n, 1)
         spread = (self.residual_squares - np.square(self.residual) / np.maximum(n, 1)) / np.maximum(n - 1, 1)
         variance = np.maximum(spread, np.finfo(np.float32).eps) / np.maximum(n, 1)
-        weight, prior_sd = np.ones_like(mean_change), np.zeros(len(n))
-        for code in np.flatnonzero(self.n_cells > 1):
-            weight[code, present], prior_sd[code] = shrinkage(mean_change[code, present], variance[code, present])
-        return weight, prior_sd
+        return weights_by_batch(mean_change, variance, present, np.flatnonzero(self.n_cells > 1))

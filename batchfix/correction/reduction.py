@@ -48,10 +48,20 @@ def add_into(total, part) -> None:
             setattr(total, name, value + added)
 
 
-def copied(accumulator):
-    """A copy of `accumulator` with its own SUMMED values (0 + x: the same bits)."""
-    fresh = zeroed(accumulator)
-    add_into(fresh, accumulator)
+def state_of(accumulator) -> dict:
+    """The accumulator's SUMMED values: all of it that travels between processes (not the objects it refers to)."""
+    return {name: getattr(accumulator, name) for name in type(accumulator).SUMMED}
+
+
+def with_state(template, state: dict):
+    """A copy of `template` holding copies of `state`'s values."""
+    fresh = copy.copy(template)
+    for name, value in state.items():
+        if isinstance(value, np.ndarray):
+            value = value.copy()
+        elif isinstance(value, dict):
+            value = {key: item.copy() for key, item in value.items()}
+        setattr(fresh, name, value)
     return fresh
 
 
@@ -93,12 +103,15 @@ class OrderedSums:
 
     def totals(self, gather: Callable[[list[Block]], Sequence[list[Block]]] | None = None) -> list:
         """The accumulators summed over every forward batch: this process's blocks with those `gather` returns for
-        every process in order (None: this process covered every cell); zero sums where there was none. The blocks
-        are left as they were."""
+        every process in order (None: this process covered every cell); zero sums where there was none. `gather`
+        receives and returns blocks of summed values only (`state_of`); this process's blocks are left as they
+        were."""
         counter = OrderedSums(self.templates)
-        for blocks in [self.blocks] if gather is None else gather(self.blocks):
+        own = [Block(block.first, block.level, [state_of(sums) for sums in block.sums]) for block in self.blocks]
+        for blocks in [own] if gather is None else gather(own):
             for block in blocks:
-                counter.push_block(Block(block.first, block.level, [copied(sums) for sums in block.sums]))
+                counter.push_block(Block(block.first, block.level,
+                                         [with_state(t, state) for t, state in zip(self.templates, block.sums)]))
         totals = [zeroed(template) for template in self.templates]
         for block in counter.blocks:
             for total, part in zip(totals, block.sums):

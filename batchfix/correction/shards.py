@@ -6,10 +6,10 @@ chunks, so its cells go through the network in the same batches and come out wit
 size by less than a forward batch. Each part reads the estimates of all cells: an independent job runs the estimate
 pass itself (deterministic: the same bits in every job, and no job waits for another); under torchrun each rank
 runs it over its own rows and the ranks' sums are gathered in a fixed order (batchfix.correction.reduction), so
-every rank holds the estimates of one process reading every row, bit for bit, after reading only its part. A part applies the output kind to its rows
-(batchfix.correction.outputs) and writes OUT.shard-i-of-N beside the output, atomically (a rerun rewrites it): each
-layer's CSR rows, the latents, the tallies, the estimates' summary and a fingerprint of the input, checkpoint and
-options.
+every rank holds the estimates of one process reading every row, bit for bit, after reading only its part. A part
+applies the output kind to its rows (batchfix.correction.outputs) and writes OUT.shard-i-of-N beside the output,
+atomically (a rerun rewrites it): each layer's CSR rows, the latents, the tallies, the estimates' summary and a
+fingerprint of the input, checkpoint and options.
 
 The merge (`inference.shard=merge/N`, or rank 0 after a barrier) refuses a missing shard, or one written for
 another input, checkpoint or options, naming it; writes the output as `correct_file` does (the input's content,
@@ -232,7 +232,8 @@ def csr_rows(csr: h5py.Group, rows: slice, n_vars: int) -> sp.csr_matrix:
 
 def correct_distributed(job: FileJob, trained: BatchfixModel, settings: CorrectionSettings) -> Path:
     """Under torchrun: every rank runs the estimate pass over its part's rows (the sums gathered from all ranks), and
-    corrects its part into a shard file; after a barrier rank 0 merges them. Returns the output (rank 0) or the rank's shard file."""
+    corrects its part into a shard file; after a barrier rank 0 merges them. Returns the output (rank 0) or the
+    rank's shard file."""
     import torch.distributed as dist
 
     # gloo on every machine: the ranks exchange Python objects and a barrier, never a tensor on a GPU
