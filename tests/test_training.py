@@ -292,6 +292,7 @@ def test_resume_refuses_other_genes(subset_h5ad, tmp_path):
         tasks.train(compose_train(subset_h5ad, f"resume={tmp_path / 'nowhere'}"), tmp_path / "third")
 
 
+@pytest.mark.slow  # a minute of a worker: with the long checks, to keep the default run under 5 minutes
 def test_same_seed_same_losses(subset_h5ad, tmp_path):
     def losses(seed: int, name: str) -> pd.DataFrame:
         run_dir = tmp_path / name
@@ -387,6 +388,7 @@ def test_ddp_two_cpu_processes_through_cli(subset_h5ad, tmp_path, stream):
 # ---------------------------------------------------------------- a Hydra multirun sweep
 
 
+@pytest.mark.slow  # a minute of a worker: with the long checks, to keep the default run under 5 minutes
 def test_cli_sweep_over_heads_writes_summary(subset_h5ad, tmp_path):
     sweep_dir = tmp_path / "sweep"
     overrides = [o for o in tiny_overrides(subset_h5ad) if not o.startswith("model.n_heads=")]
