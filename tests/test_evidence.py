@@ -18,26 +18,50 @@ TINY = dict(n_top_genes=300, genes_per_token=16, max_epochs=2, enable_progress_b
 
 
 def test_a_shift_within_its_noise_gets_no_weight_and_a_measured_one_passes():
-    """Two batches of 100 cells over 200 genes: batch 0's shifts are pure noise around 0 (its mean shift squared
-    matches its variance), batch 1's a real shift of +-1 on genes of thousands of counts."""
+    """Three batches of 100 cells over 200 genes, batch 2 the reference (measured on 10^6 counts a gene): batch 0's
+    shifts are pure noise around 0 (its mean shift squared matches its variance), batch 1's a real shift of +-1 on
+    genes of thousands of counts."""
     rng = np.random.default_rng(0)
     n_genes, n_cells = 200, 100
-    sums = ShiftEvidenceSums(2, n_genes)
+    sums = ShiftEvidenceSums(3, n_genes)
     counts = np.full(n_genes, 20.0)  # per batch: 20 counts a gene in total
     noise_sd = np.sqrt(1.0 / (counts + 0.5))
     sums.shift[0] = rng.normal(0.0, noise_sd) * n_cells
     sums.counts[0], sums.means[0], sums.mean_squares[0] = counts, counts, counts**2 / n_cells
     sums.shift[1] = rng.choice([-1.0, 1.0], n_genes) * n_cells
     sums.counts[1], sums.means[1], sums.mean_squares[1] = 5000.0, 5000.0, 5000.0**2 / n_cells
+    sums.counts[2], sums.means[2], sums.mean_squares[2] = 1e6, 1e6, 1e12 / n_cells
     sums.n_cells[:] = n_cells
-    tables = CountTables(theta=np.full((2, n_genes), 10.0), ratio=np.ones((2, n_genes)),
+    tables = CountTables(theta=np.full((3, n_genes), 10.0), ratio=np.ones((3, n_genes)),
                          reference_ratio=np.ones(n_genes), reference_theta=None)
     present = np.ones(n_genes, dtype=bool)
     present[-1] = False
-    weight, prior_sd = sums.weights(tables, present, min_cells=10)
+    weight, prior_sd = sums.weights(tables, present, min_cells=10, reference=2, n_training=3)
     assert prior_sd[0] < 0.1 and weight[0, :-1].max() < 0.3  # noise: (almost) nothing applied
     assert 0.8 < prior_sd[1] < 1.2 and weight[1, :-1].min() > 0.99  # a measured shift passes
     assert (weight[:, -1] == 1.0).all()  # a gene the input lacks: untouched
+
+
+@pytest.mark.parametrize("reference", [None, 1])
+def test_shift_variance_is_the_variance_of_the_reference_less_the_batch(reference):
+    """Levels measured with known variances (three training batches, the first without input cells: its level is
+    taken as known; one unseen batch): the variance of each shift from the reference over 200,000 simulated
+    measurements matches shift_variance, for the average reference and a reference batch."""
+    rng = np.random.default_rng(1)
+    level_variance = np.array([[0.5], [0.2], [0.05], [0.3]])  # (codes, 1): training 0-2, unseen 3
+    sums = ShiftEvidenceSums(4, 1)
+    sums.n_cells[:] = [0, 50, 50, 50]
+    members = np.ones((3, 1), dtype=bool)
+    measured = np.sqrt(level_variance[:, 0]) * (sums.n_cells > 0)
+    levels = rng.normal(0.0, measured, size=(200_000, 4))
+    weights = np.array([1 / 3, 1 / 3, 1 / 3, 0.0]) if reference is None else np.eye(4)[reference]
+    shifts = (levels @ weights)[:, None] - levels  # (draws, codes)
+    expected = sums.shift_variance(level_variance, reference, members)[:, 0]
+    empirical = shifts.var(axis=0)
+    compared = (sums.n_cells > 0) & (np.arange(4) != reference)  # shifts of batches with cells, not the reference's
+    assert np.allclose(empirical[compared], expected[compared], rtol=0.02)
+    if reference is None:  # two measured members of three: each holds 1/3 of its own level
+        assert expected[1] == pytest.approx(0.2 * (1 - 2 / 3) + (0.2 + 0.05) / 9)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +122,26 @@ def test_a_gene_emptied_from_a_whole_batch_is_neither_given_back_nor_taken_from_
             assert given.max() <= 0.05 and kept.min() >= 0.8, (dict(zip(genes, given.round(3))), kept.round(3))
         else:
             assert given.max() > 0.05 or kept.min() < 0.8
+
+
+def test_a_batch_without_a_gene_is_out_of_its_reference_so_the_others_keep_their_level(donor_set):
+    """The emptied batch is left out of each emptied gene's average reference, the decoder's average included: the
+    other batches' corrected counts of those genes keep their raw total (within 15 %; measured 0.94); with it in
+    the decoder's average they kept 0.55 of it on this model."""
+    from unittest import mock
+
+    from batchfix.correction import estimates
+
+    donor, model = donor_set
+    columns = donor.var_names.get_indexer(list(donor.uns["donor_biology"]["genes"]))
+    others = (donor.obs["batch"].astype(str) != "sc_celseq2_5cl_p1").to_numpy()
+    raw = sp.csr_matrix(donor.X)[others][:, columns].sum()
+    levels = {}
+    for name, absence in (("out", True), ("in", False)):
+        with mock.patch.object(estimates, "detects_absence", lambda bound: absence and bound.reference is None):
+            counts = batchfix.correct(donor, model, copy=True).layers["batchfix_counts"]
+        levels[name] = sp.csr_matrix(counts)[others][:, columns].sum() / raw
+    assert 0.85 <= levels["out"] <= 1.15 and levels["in"] < levels["out"], levels
 
 
 def test_the_weights_reach_the_file_and_the_run_summary(null_set, tmp_path):

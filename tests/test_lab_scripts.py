@@ -155,3 +155,33 @@ def test_the_count_draws_middle_form_changes_only_the_positive_counts_and_moves_
     assert np.array_equal(shipped[zero], middle[zero])
     moved_drawn, moved_middle = (int((m[~zero] != raw[~zero]).sum()) for m in (shipped, middle))
     assert 0 < moved_middle < moved_drawn, (moved_middle, moved_drawn)
+
+
+def test_the_evidence_forms_differ_as_their_names_say():
+    """scripts/lab/evidence_forms.py: shifts within their noise get weight exactly 0 by the shipped posterior median
+    and a small positive one by the posterior mean; the form without covariance takes each level's variance as its
+    shift's."""
+    import contextlib
+
+    from batchfix.correction import evidence
+    from scripts.lab import evidence_forms
+
+    rng = np.random.default_rng(0)
+    variance = np.full(500, 0.04)
+    shift = rng.normal(0.0, 0.2, 500)  # noise only
+    shift[:50] += 1.5  # and 50 real shifts far beyond it
+    sums = evidence.ShiftEvidenceSums(2, 1)
+    sums.n_cells[:] = 100
+    members = np.ones((2, 1), dtype=bool)
+    weights = {}
+    for name, patches in evidence_forms.FORMS.items():
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            weights[name] = evidence.shrinkage(shift, variance)[0]
+            weights[name, "variance"] = sums.shift_variance(np.full((2, 1), 0.04), None, members)[:, 0]
+    shipped, mean = weights["batchfix"], weights["batchfix, posterior mean"]
+    assert (shipped[50:] == 0).mean() > 0.75 and (mean[50:] > 0).all()  # measured: 86 % exactly 0
+    assert shipped[:50].min() > 0.8 and mean[:50].min() > 0.8
+    assert np.allclose(weights["batchfix", "variance"], 0.02)  # two batches: half of each level's variance
+    assert np.allclose(weights["batchfix, mean without covariance", "variance"], 0.04)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from batchfix.data.normalize import log_cp10k
-from batchfix.eval.removal import label_batch_rows, removal_scores
+from batchfix.eval.removal import label_batch_rows, noise_floor, removal_scores
 
 
 @pytest.fixture(scope="module")
@@ -38,3 +38,14 @@ def test_the_raw_data_leave_all_of_it_and_equal_batch_means_none(subset, raw_log
 def test_labels_in_one_batch_only_are_not_scored(subset, raw_log):
     batch = subset.obs["batch"].to_numpy()
     assert removal_scores(raw_log, raw_log, batch, batch)["left_log"] is None  # each label is one batch
+
+
+def test_the_noise_floor_is_all_of_a_random_split_and_little_of_a_planted_effect(subset, raw_log):
+    """Batches drawn at random within each label: all of their spread is noise (floor about 1); a shift of 2 (log)
+    planted on every gene of one batch: noise is a small share of the spread."""
+    labels = subset.obs["cell_type"].to_numpy()
+    random_batches = np.random.default_rng(0).choice(["a", "b", "c"], size=len(labels))
+    floor = noise_floor(raw_log, random_batches, labels, seed=1)
+    assert 0.8 < floor["floor_log"] < 1.25 and 0.8 < floor["floor_mean"] < 1.25, floor
+    planted = raw_log + (random_batches == "a")[:, None] * 2.0
+    assert noise_floor(planted, random_batches, labels, seed=1)["floor_log"] < 0.3

@@ -154,7 +154,11 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, co
     x = torch.from_numpy(np.asarray(source.X[:, columns], dtype=np.float32))
     codes = torch.from_numpy(np.searchsorted(trained.batch_categories, source.obs["batch"].astype(str).to_numpy()))
     mu = net.encode(x)[0].detach()
-    shift, own = counterfactual.log_mean_shift(net, mu, codes, None, None)  # the decoder's, (cells, G)
+    # The average reference of each gene: over the batches with a count of it (a batch without any lacks it)
+    batches = [codes.numpy() == b for b in range(len(trained.batch_categories))]
+    observed = np.stack([x.double().numpy()[rows].sum(axis=0) for rows in batches])  # (batches, G)
+    kept = (observed > 0) | (observed == 0).all(axis=0)
+    shift, own = counterfactual.log_mean_shift(net, mu, codes, None, None, members=kept)  # the decoder's, (cells, G)
     mean_shift = torch.stack([shift[codes == b].mean(dim=0) for b in range(len(trained.batch_categories))])
     assert all((codes == b).sum() >= calibration.MIN_UNSEEN_CELLS for b in range(len(trained.batch_categories)))
     regional = RegionalShift(GenomeSmoother(list(trained.module.hparams.chromosome), 100), mean_shift,
@@ -166,17 +170,16 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, co
     ratio = net.count_ratio.double().numpy()  # each batch's observed / decoded mean
     own_mean = (own * x.sum(-1, keepdim=True)).double().numpy() * ratio[codes.numpy()]
     own_theta = net.count_theta.double().numpy()[codes.numpy()]
-    # The reference's ratio: the geometric mean over the batches, but those without any count of a gene
-    batches = [codes.numpy() == b for b in range(len(trained.batch_categories))]
-    observed = np.stack([x.double().numpy()[rows].sum(axis=0) for rows in batches])  # (batches, G)
-    kept = (observed > 0) | (observed == 0).all(axis=0)
+    # The reference's ratio: the geometric mean over the same batches
     reference_ratio = np.exp((np.log(ratio) * kept).sum(axis=0) / kept.sum(axis=0))
     ratio_shift = np.log(reference_ratio / ratio)  # (batches, G)
     # correction.shrink=evidence: each batch's shift of a gene times its posterior weight (correction.evidence)
     mean_total = np.stack([decoder_shift[rows].mean(axis=0) for rows in batches]) + ratio_shift
     means = np.stack([own_mean[rows].sum(axis=0) for rows in batches])
     squares = np.stack([np.square(own_mean[rows]).sum(axis=0) for rows in batches])
-    variance = 1 / (observed + 0.5) + squares / (net.count_theta.double().numpy() * (means + 0.5) ** 2)
+    level_variance = 1 / (observed + 0.5) + squares / (net.count_theta.double().numpy() * (means + 0.5) ** 2)
+    share = kept / kept.sum(axis=0)  # each batch's part of the average reference
+    variance = level_variance * (1 - 2 * share) + (share**2 * level_variance).sum(axis=0)  # of reference - batch
     weight = np.stack([shrinkage(mean_total[b], variance[b])[0] for b in range(len(batches))])  # the adaptive prior
     weight[observed == 0] = 0.0  # a batch without any count of a gene keeps its zeros
     shift = (shift + ratio_shift[codes.numpy()]) * weight[codes.numpy()]

@@ -58,13 +58,15 @@ class CountTables:
     genes: the training batches', then the unseen batches' estimated from their cells), `reference_ratio`
     (decoder genes,) and `reference_theta` (decoder genes,; None: each count keeps its own batch's dispersion,
     correction.spread=batch); `shift_weight` (codes, decoder genes): the weight of each batch's shift of each gene
-    (batchfix.correction.evidence; None: every shift applied in full)."""
+    (batchfix.correction.evidence; None: every shift applied in full); `reference_members` (training batches,
+    decoder genes) bool: the batches the average reference of each gene is taken over (None: every batch)."""
 
     theta: np.ndarray
     ratio: np.ndarray
     reference_ratio: np.ndarray
     reference_theta: np.ndarray | None
     shift_weight: np.ndarray | None = None
+    reference_members: np.ndarray | None = None
 
 
 def total_log_shift(tables: CountTables, shift: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -112,7 +114,8 @@ def count_distributions(net, genes: GeneSet, tables: CountTables, x: torch.Tenso
                         regional=None) -> CountDistributions:
     """The own batch's and the reference's NB of the set's output genes for cells with input `x` (B, decoder
     genes), latents `mu` and batch `codes` (the shift after every correction option)."""
-    shift, own = counterfactual.log_mean_shift(net, mu, codes, reference, genes.present, extra=genes.extra)
+    shift, own = counterfactual.log_mean_shift(net, mu, codes, reference, genes.present, genes.extra,
+                                               tables.reference_members)
     by_reference_cells = not genes.extra and regional is not None and regional.offset is not None
     if not genes.extra:
         shift = counterfactual.applied_shift(shift, codes, state, None if by_reference_cells else regional)

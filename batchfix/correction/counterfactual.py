@@ -178,14 +178,17 @@ def without_regional_change(values: torch.Tensor, change: torch.Tensor, zero: to
 
 @torch.no_grad()
 def log_mean_shift(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, reference: int | None,
-                   present: torch.Tensor | None, extra: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   present: torch.Tensor | None, extra: bool = False,
+                   members: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log(mean_ref / mean_b), the own batch's mean fractions), each (B, G), for latents `mu`: the decoder's shift
     of the NB mean that the corrected counts apply, before the options and the batches' ratios
     (batchfix.correction.counts). A batch the model never saw (code >= n_batches) has the average decoder as its
-    own; cells of code -1 have no shift. `extra`: of the extra genes' decoder."""
+    own; cells of code -1 have no shift. `extra`: of the extra genes' decoder; `members` (training batches, G) bool:
+    the batches the average reference of each gene is taken over (None: all; count_output.CountTables)."""
     tiny = torch.finfo(torch.float32).tiny
     if reference is None:
-        reference_fractions, own = net.average_and_own_fractions(mu, codes.long(), present, extra)
+        chosen = None if members is None else torch.from_numpy(members).to(mu.dtype)
+        reference_fractions, own = net.average_and_own_fractions(mu, codes.long(), present, extra, chosen)
     else:
         reference_fractions = net.mean_fractions(mu, reference, present, extra)
         own = net.mean_fractions(mu, None, present, extra)

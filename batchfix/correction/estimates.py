@@ -24,7 +24,7 @@ import torch
 
 from batchfix.correction import calibration, counterfactual, counts
 from batchfix.correction.count_output import CountTables
-from batchfix.correction.evidence import LogShiftEvidenceSums, ShiftEvidenceSums
+from batchfix.correction.evidence import DetectionSums, LogShiftEvidenceSums, ShiftEvidenceSums
 from batchfix.correction.reduction import Block, OrderedSums
 from batchfix.correction.reference_cells import LogReferenceCellSums, ReferenceCellSums
 from batchfix.correction.regional import RegionalShift, genome_smoother
@@ -104,45 +104,62 @@ def estimate(bound, rows, n_obs: int, part: Part | None = None) -> tuple[Estimat
     return first, None
 
 
-def unseen_cells(bound, rows, part: Part):
-    """(global forward-batch index, and for its cells of unseen batches: model input, the count gene sets' inputs,
-    codes; None where it has none) of every forward batch of the part's rows, in order."""
+def unseen_cells(bound, rows, part: Part, every_row: bool):
+    """(global forward-batch index, its cells' indices, for its cells of unseen batches: model input, the count gene
+    sets' inputs, codes (None where it has none), and with `every_row` its input rows (else None)) of every forward
+    batch of the part's rows, in order."""
     n_training = bound.batches.n_training
     for start, stop in bound.chunks(part.start, part.stop):
         codes = bound.batches.codes[start:stop]
         unseen = codes >= n_training
-        chunk = rows.rows(start, stop) if unseen.any() else None
+        chunk = rows.rows(start, stop) if unseen.any() or every_row else None
         for rows_of_batch, cells in bound.forward_batches(stop - start, start):
+            own_rows = chunk[rows_of_batch] if every_row else None
             picked = np.flatnonzero(unseen[rows_of_batch]) + rows_of_batch.start
             if not len(picked):
-                yield bound.batch_index(cells[0]), None
+                yield bound.batch_index(cells[0]), cells, None, own_rows
                 continue
             x = bound.model_input(chunk[picked], cells[0])
             inputs = [x] + [genes.observed(chunk[picked]) for genes in bound.gene_sets[1:]]
-            yield bound.batch_index(cells[0]), (x, inputs, codes[picked])
+            yield bound.batch_index(cells[0]), cells, (x, inputs, codes[picked]), own_rows
+
+
+def detects_absence(bound) -> bool:
+    """Whether a gene absent from a whole batch is left out of its average reference (batchfix.correction.evidence):
+    the corrected counts with evidence weights and the average reference."""
+    return bound.counts_output and bound.settings.shrink == "evidence" and bound.reference is None
 
 
 def estimate_unseen(bound, rows, part: Part) -> Estimates:
     """The statistics (log output) and, for the counts, each gene set's tables: the training batches' from the
-    checkpoint, the unseen batches' ratios and dispersions from their cells."""
-    n_genes, n_unseen = len(bound.trained.genes), len(bound.batches.unseen)
+    checkpoint, the unseen batches' ratios and dispersions from their cells; and with `detects_absence`, each
+    gene's reference members from every batch's counts."""
+    n_genes, n_unseen, n_sets = len(bound.trained.genes), len(bound.batches.unseen), len(bound.gene_sets)
     sums = [calibration.ResidualSums(n_genes) for _ in range(n_unseen)]
     count_sums = [counts.CountSums(len(genes.present)) for genes in bound.gene_sets for _ in range(n_unseen)]
-    ordered = OrderedSums([*sums, *count_sums])
-    for index, cells in unseen_cells(bound, rows, part) if n_unseen else ():
-        batch_sums = ordered.fresh()
-        if cells is not None:
-            add_unseen(bound, cells, batch_sums[:n_unseen], batch_sums[n_unseen:])
-        ordered.push(index, batch_sums)
-    if n_unseen:
+    detection = DetectionSums(bound.batches.n_training + n_unseen, len(bound.corrected_mask)) \
+        if detects_absence(bound) else None
+    ordered = OrderedSums([*sums, *count_sums, *([detection] if detection else [])])
+    if n_unseen or detection:
+        for index, cells, unseen, own_rows in unseen_cells(bound, rows, part, detection is not None):
+            batch_sums = ordered.fresh()
+            if unseen is not None:
+                add_unseen(bound, unseen, batch_sums[:n_unseen], batch_sums[n_unseen:n_unseen * (1 + n_sets)])
+            if detection is not None:
+                batch_sums[-1].add(bound.batches.codes[cells], own_rows)
+            ordered.push(index, batch_sums)
         totals = ordered.totals(part.gather)
-        sums, count_sums = totals[:n_unseen], totals[n_unseen:]
-    by_set = [count_sums[i * n_unseen:(i + 1) * n_unseen] for i in range(len(bound.gene_sets))]
+        sums, count_sums = totals[:n_unseen], totals[n_unseen:n_unseen * (1 + n_sets)]
+        detection = totals[-1] if detection else None
+    by_set = [count_sums[i * n_unseen:(i + 1) * n_unseen] for i in range(n_sets)]
     settings = bound.settings
     statistics = calibration.Statistics(bound.trained.net, bound.reference, sums, bound.present.numpy(),
                                         settings.spread, settings.residual_weight)
-    tables = tuple(count_tables(bound.trained.net, genes, set_sums, bound.reference, settings.spread)
-                   for genes, set_sums in zip(bound.gene_sets, by_set))
+    members = [None if detection is None else
+               detection.members(genes, bound.batches.n_training, calibration.MIN_UNSEEN_CELLS)
+               for genes in bound.gene_sets]
+    tables = tuple(count_tables(bound.trained.net, genes, set_sums, bound.reference, settings.spread, chosen)
+                   for genes, set_sums, chosen in zip(bound.gene_sets, by_set, members))
     return Estimates(statistics=statistics, count_tables=tables)
 
 
@@ -162,10 +179,12 @@ def add_unseen(bound, cells: tuple, sums: list, count_sums: list) -> None:
             count_sums[i * n_unseen + code - n_training].add(values.numpy()[codes == code], mean[codes == code])
 
 
-def count_tables(net, genes, count_sums: list[counts.CountSums], reference: int | None, spread: str) -> CountTables:
+def count_tables(net, genes, count_sums: list[counts.CountSums], reference: int | None, spread: str,
+                 members: np.ndarray | None = None) -> CountTables:
     """The gene set's theta and ratio (codes, G: the training batches', then the unseen batches' from `count_sums`)
-    and the reference's ratio (G,), float64; the reference's theta (G,) with spread=gene, None with spread=batch
-    (each count keeps its own batch's dispersion: only the mean moves)."""
+    and the reference's ratio (G,), float64, the average's over each gene's `members` (training batches, G) bool
+    (None: every batch); the reference's theta (G,) with spread=gene, None with spread=batch (each count keeps its
+    own batch's dispersion: only the mean moves)."""
     decoder = net.extra_decoder if genes.extra else net.decoder
     shared = decoder.log_theta.detach().double().exp().numpy()
     trained_theta = (net.extra_count_theta if genes.extra else net.count_theta).double().numpy()
@@ -175,10 +194,12 @@ def count_tables(net, genes, count_sums: list[counts.CountSums], reference: int 
     tiny = np.finfo(np.float64).tiny
     if reference is None:  # the average reference: theta_g, and the geometric mean of the batches' ratios
         reference_theta = shared
-        reference_ratio = np.exp(np.log(np.maximum(trained_ratio, tiny)).mean(axis=0))
+        chosen = np.ones(trained_ratio.shape, dtype=bool) if members is None else members
+        reference_ratio = np.exp((np.log(np.maximum(trained_ratio, tiny)) * chosen).sum(axis=0) / chosen.sum(axis=0))
     else:
         reference_theta, reference_ratio = trained_theta[reference], trained_ratio[reference]
-    return CountTables(theta, ratio, reference_ratio, None if spread == "batch" else reference_theta)
+    return CountTables(theta, ratio, reference_ratio, None if spread == "batch" else reference_theta,
+                       reference_members=members)
 
 
 def batch_terms(bound, first: Estimates, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, whole: bool):
@@ -187,7 +208,8 @@ def batch_terms(bound, first: Estimates, x: torch.Tensor, mu: torch.Tensor, code
     input, reference decoding) (log output); the log-mean shift and the own batch's mean fractions (counts)."""
     code_tensor = torch.from_numpy(codes)
     if bound.counts_output:
-        shift, own = counterfactual.log_mean_shift(bound.net, mu, code_tensor, bound.reference, bound.present)
+        shift, own = counterfactual.log_mean_shift(bound.net, mu, code_tensor, bound.reference, bound.present,
+                                                   members=first.count_tables[0].reference_members)
         return shift.numpy(), None, own
     values, decoder, observed, reference_values = counterfactual.output_terms(
         bound.net, x, mu, code_tensor, bound.reference, first.statistics, bound.present)
@@ -203,7 +225,7 @@ def add_evidence(bound, first: Estimates, evidence: list[ShiftEvidenceSums], inp
     code_tensor, known = torch.from_numpy(codes), np.maximum(codes, 0)
     for genes, tables, values, sums in zip(bound.gene_sets, first.count_tables, inputs, evidence):
         shift, own = modelled if not genes.extra else counterfactual.log_mean_shift(
-            bound.net, mu, code_tensor, bound.reference, genes.present, extra=True)
+            bound.net, mu, code_tensor, bound.reference, genes.present, True, tables.reference_members)
         library = values[:, genes.present].sum(-1, keepdim=True)  # (B, 1)
         means = (own * library).double().numpy() * tables.ratio[known]
         sums.add(codes, np.asarray(shift, dtype=np.float64), values.double().numpy(), means)
@@ -213,14 +235,10 @@ def weighted_tables(bound, first: Estimates, evidence: list[ShiftEvidenceSums]) 
     """(each gene set's tables with the shift weights of its evidence, each set's (codes,) prior sd)."""
     if not evidence:
         return first.count_tables, ()
-    if bound.reference is None:
-        detected = [sums.detected_reference(tables, bound.batches.n_training, calibration.MIN_UNSEEN_CELLS)
-                    for tables, sums in zip(first.count_tables, evidence)]
-    else:
-        detected = list(first.count_tables)
-    weighted = [sums.weights(tables, genes.present.numpy(), calibration.MIN_UNSEEN_CELLS)
-                for genes, tables, sums in zip(bound.gene_sets, detected, evidence)]
-    tables = tuple(dataclasses.replace(t, shift_weight=w) for t, (w, _) in zip(detected, weighted))
+    weighted = [sums.weights(tables, genes.present.numpy(), calibration.MIN_UNSEEN_CELLS, bound.reference,
+                             bound.batches.n_training)
+                for genes, tables, sums in zip(bound.gene_sets, first.count_tables, evidence)]
+    tables = tuple(dataclasses.replace(t, shift_weight=w) for t, (w, _) in zip(first.count_tables, weighted))
     return tables, tuple(tau for _, tau in weighted)
 
 

@@ -10,37 +10,38 @@ ComBat shrinks its location by an empirical-Bayes prior across genes, here centr
 (Stephens 2017's adaptive shrinkage, `shrinkage`):
 
     s_bg      = the batch's mean total log-mean shift over its input cells (decoder shift + log(r_ref / r_b))
-    v_bg      = its sampling variance: the delta method on the batch's total count of the gene,
+    v_bg      = its sampling variance: of the batch's level, the delta method on its total count of the gene,
                 1 / (Y_bg + 1/2) + sum_c m_cg^2 / (theta_bg (M_bg + 1/2)^2)   (Poisson part + the NB's excess;
-                Y the batch's counts, M = sum_c m_cg and m_cg the model's mean of the count in its own batch)
+                Y the batch's counts, M = sum_c m_cg and m_cg the model's mean of the count in its own batch),
+                less its covariance with the reference, which holds the batch's own level (`shift_variance`)
     prior     = a mixture of N(0, sigma_k^2) over the batch's genes, sigma_k on a grid from 0 to the largest
                 shift, its weights fitted by maximum likelihood to the s_bg given their v_bg
-    lambda_bg = E[true shift | s_bg] / s_bg under that prior
+    lambda_bg = median[true shift | s_bg] / s_bg under that prior (0 where no shift is at least as likely as any)
 
 and each cell's whole shift of gene g (state-dependent part included) is multiplied by lambda_bg; with reference
 cells (correction.normal_key) the regional part is then the batch's own, as its reference cells measured it (shrunk
 by its own noise: reference_cells.regional_offset). A shift far beyond its noise passes nearly whole; one within its
-noise is not applied; where every shift of a batch is noise (the prior all at 0) the batch's counts stay exactly as
-they were, since a count mapped to its own distribution is its own. The weights come from the data alone: no tuned
+noise is not applied at all, so its counts stay exactly as they were (a count mapped to its own distribution is its
+own). The weights come from the data alone: no tuned
 constant. The log-scale model's output is weighted alike (`LogShiftEvidenceSums`): each batch's mean change of a
 gene over its cells, against the sampling variance of that mean (the batch's residual variance over its cells).
 
 A batch that has no count of a gene in any of its cells in the input lacks it as biology (a female donor's chrY, a
 knockout), not as a technical effect: its shift of that gene is not applied (its cells keep their zeros), and with
-the average reference it is left out of that gene's reference ratio (`detected_reference`), which its level would
-otherwise lower for every other batch.
+the average reference it is left out of that gene's reference (`DetectionSums.members`), the decoder's average and
+the ratio alike, which its level would otherwise lower for every other batch.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
+from scipy import special
 
 from batchfix.correction import counts
 from batchfix.correction.count_output import CountTables
 
 HALF_COUNT = counts.RATIO_PRIOR_COUNTS  # the pseudo-count of a batch's total, as in its ratio
 EM_STEPS = 100  # EM iterations of the prior's mixture weights (converged well before on the development sets)
+MEDIAN_STEPS = 40  # bisection steps of the posterior median: its interval [0, shift] halved to 1e-12 of itself
 
 
 class ShiftEvidenceSums:
@@ -66,19 +67,27 @@ class ShiftEvidenceSums:
             self.mean_squares[code] += np.square(means[chosen]).sum(axis=0)
             self.n_cells[code] += int(chosen.sum())
 
-    def detected_reference(self, tables: CountTables, n_training: int, min_cells: int) -> CountTables:
-        """The tables with the average reference's ratio of each gene taken over the training batches that detect it
-        in the input: a batch with no count of a gene in any of its (at least `min_cells`) cells lacks it as
-        biology (a donor's missing chrY, a gene knocked out), which no technical effect makes, so its level does
-        not pull down the other batches' reference."""
-        absent = (self.counts[:n_training] == 0) & (self.n_cells[:n_training, None] >= min_cells)  # (batches, G)
-        kept = ~absent & ~absent.all(axis=0)  # a gene no batch detects keeps every batch
-        log_ratio = np.log(np.maximum(tables.ratio[:n_training], np.finfo(np.float64).tiny))
-        reference = np.exp((log_ratio * kept).sum(axis=0) / np.maximum(kept.sum(axis=0), 1))
-        return dataclasses.replace(tables, reference_ratio=np.where(absent.any(axis=0), reference,
-                                                                    tables.reference_ratio))
+    def shift_variance(self, variance: np.ndarray, reference: int | None, members: np.ndarray) -> np.ndarray:
+        """(codes, genes) the sampling variance of each batch's shift, from each batch's level's variance `variance`.
 
-    def weights(self, tables: CountTables, present: np.ndarray, min_cells: int) -> tuple[np.ndarray, np.ndarray]:
+        A shift is the reference's level less the batch's, and the reference is measured on the same data: the
+        average reference holds each of its K member batches' levels with weight a_k = 1/K (a reference batch:
+        a_r = 1), so var = v_b (1 - 2 a_b) + sum_k a_k^2 v_k. Ignoring that covariance overstated the noise of two
+        batches' shifts twofold (a random split in halves: shifts over the old variance had variance 0.4-0.8 across
+        genes, 1.0-1.1 with this one) and shrank real shifts as noise. A training batch without input cells adds
+        nothing (its level is not measured here); the reference batch's own shift is 0 whatever its variance."""
+        n_training = members.shape[0]
+        share = np.zeros_like(variance)
+        if reference is None:
+            share[:n_training] = members / members.sum(axis=0)
+        else:
+            share[reference] = 1.0
+        measured = np.where(self.n_cells[:n_training, None] > 0, variance[:n_training], 0.0)
+        reference_variance = (np.square(share[:n_training]) * measured).sum(axis=0)
+        return np.where(share >= 1.0, variance, variance * (1.0 - 2.0 * share) + reference_variance)
+
+    def weights(self, tables: CountTables, present: np.ndarray, min_cells: int, reference: int | None,
+                n_training: int) -> tuple[np.ndarray, np.ndarray]:
         """((codes, genes) lambda, (codes,) the prior's sd): each batch's posterior weight of each gene's shift under
         its adaptive prior (`shrinkage`; 1 for genes the input lacks and batches without cells), and 0 where the
         batch (of at least `min_cells` cells) has no count of the gene at all: a gene absent from a whole batch is
@@ -86,12 +95,42 @@ class ShiftEvidenceSums:
         n = np.maximum(self.n_cells, 1)[:, None]
         ratio_shift = np.log(tables.reference_ratio[None, :] / tables.ratio[:len(n)])
         mean_shift = self.shift / n + ratio_shift  # (codes, genes)
-        variance = (1.0 / (self.counts + HALF_COUNT)
-                    + self.mean_squares / (tables.theta[:len(n)] * np.square(self.means + HALF_COUNT)))
+        level_variance = (1.0 / (self.counts + HALF_COUNT)
+                          + self.mean_squares / (tables.theta[:len(n)] * np.square(self.means + HALF_COUNT)))
+        members = (np.ones((n_training, len(present)), dtype=bool) if tables.reference_members is None
+                   else tables.reference_members)
+        variance = self.shift_variance(level_variance, reference, members)
         weight, prior_sd = weights_by_batch(mean_shift, variance, present, np.flatnonzero(self.n_cells > 0))
         absent = (self.counts == 0) & (self.n_cells[:, None] >= min_cells) & present[None, :]
         weight[absent] = 0.0
         return weight, prior_sd
+
+
+class DetectionSums:
+    """Per batch code, over its input cells: each input column's counts, and the cells counted (the first pass over
+    the input, so that the second knows each gene's reference members)."""
+
+    SUMMED = ("counts", "n_cells")  # batchfix.correction.reduction adds these
+
+    def __init__(self, n_codes: int, n_columns: int):
+        self.counts = np.zeros((n_codes, n_columns))
+        self.n_cells = np.zeros(n_codes, dtype=np.int64)
+
+    def add(self, codes: np.ndarray, rows) -> None:
+        """One forward batch: codes (B,), its input rows (B, columns), sparse or dense."""
+        for code in np.unique(codes[codes >= 0]):
+            chosen = codes == code
+            self.counts[code] += np.asarray(rows[chosen].sum(axis=0)).ravel()
+            self.n_cells[code] += int(chosen.sum())
+
+    def members(self, genes, n_training: int, min_cells: int) -> np.ndarray:
+        """(training batches, decoder genes) bool: the batches the average reference of each of the gene set's genes
+        is taken over, those that detect it in the input (a batch of at least `min_cells` cells with no count of
+        it lacks it as biology); every batch for a gene none detects or the input lacks."""
+        detected = np.ones((n_training, len(genes.present)))
+        detected[:, genes.model_index] = self.counts[:n_training][:, genes.columns]
+        absent = (detected == 0) & (self.n_cells[:n_training, None] >= min_cells)
+        return ~absent | absent.all(axis=0)
 
 
 def weights_by_batch(shift: np.ndarray, variance: np.ndarray, present: np.ndarray,
@@ -105,11 +144,14 @@ def weights_by_batch(shift: np.ndarray, variance: np.ndarray, present: np.ndarra
 
 
 def shrinkage(shift: np.ndarray, variance: np.ndarray, steps: int = EM_STEPS) -> tuple[np.ndarray, float]:
-    """((genes,) E[true shift | shift] / shift, the prior's sd) for shifts measured with these sampling variances,
+    """((genes,) the applied share of each shift, the prior's sd) for shifts measured with these sampling variances,
     under a prior across genes fitted to them: a mixture of N(0, sigma_k^2) on a grid from 0 (no shift) to the
     largest shift seen, its weights by maximum likelihood (EM), as adaptive shrinkage (Stephens 2017, Biostatistics
-    18:275) does. Shifts within their noise meet a prior at 0 and get weight ~0; a shift far beyond its noise meets
-    the wide components and passes nearly whole; no constant is tuned."""
+    18:275) fits it. The share is the posterior median over the shift (Johnstone & Silverman 2004, Ann. Stat.
+    32:1594, empirical-Bayes thresholding): exactly 0 where the data make no shift at least as likely as any, so
+    those counts stay as they were, and nearly whole for a shift far beyond its noise. The posterior mean, used
+    before, is never 0: under drawn quantiles each such small shift moved a share of the counts of every gene.
+    No constant is tuned."""
     spread = np.sqrt(np.maximum(np.square(shift) - variance, 0.0).max(initial=0.0))
     floor = np.sqrt(variance.min(initial=1.0)) / 10
     sigma = np.concatenate([[0.0], floor * np.sqrt(2.0) ** np.arange(int(np.ceil(2 * np.log2(
@@ -120,9 +162,30 @@ def shrinkage(shift: np.ndarray, variance: np.ndarray, steps: int = EM_STEPS) ->
     for _ in range(steps):
         posterior = responsibilities(log_likelihood, mix)
         mix = posterior.mean(axis=0)
-    posterior = responsibilities(log_likelihood, mix)
-    weight = (posterior * (sigma[None, :] ** 2 / total)).sum(axis=1)
+    share = sigma[None, :] ** 2 / total  # (genes, K): each component's posterior mean over the shift
+    median = posterior_median(np.abs(shift), variance, share, responsibilities(log_likelihood, mix))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        weight = np.where(shift != 0, median / np.abs(shift), 0.0)
     return weight, float(np.sqrt((mix * sigma**2).sum()))
+
+
+def posterior_median(size: np.ndarray, variance: np.ndarray, share: np.ndarray, posterior: np.ndarray,
+                     steps: int = MEDIAN_STEPS) -> np.ndarray:
+    """(genes,) the posterior median of true shifts measured as `size` >= 0: a mixture over the prior's components
+    (`posterior` (genes, K) their probabilities) of N(share * size, share * variance), the first the point mass at 0.
+    It lies in [0, size]: 0 where P(true shift <= 0) reaches 1/2, else found by bisection."""
+    mean, sd = share * size[:, None], np.sqrt(share * variance[:, None])  # (genes, K)
+    null, weight, mean, sd = posterior[:, 0], posterior[:, 1:], mean[:, 1:], sd[:, 1:]  # the point mass apart
+    searched = np.flatnonzero(null + (weight * special.ndtr(-mean / sd)).sum(axis=1) < 0.5)  # P(true <= 0) < 1/2
+    null, weight, mean, sd = null[searched], weight[searched], mean[searched], sd[searched]
+    low, high = np.zeros(len(searched)), size[searched].astype(np.float64)
+    for _ in range(steps):
+        middle = (low + high) / 2
+        above = null + (weight * special.ndtr((middle[:, None] - mean) / sd)).sum(axis=1) < 0.5  # P(true < middle)
+        low, high = np.where(above, middle, low), np.where(above, high, middle)
+    median = np.zeros_like(size, dtype=np.float64)
+    median[searched] = (low + high) / 2
+    return median
 
 
 def responsibilities(log_likelihood: np.ndarray, mix: np.ndarray) -> np.ndarray:

@@ -65,6 +65,34 @@ def removal_scores(raw_log, corrected_log, batch, labels) -> dict[str, float | N
     return result
 
 
+def noise_floor(raw_log, batch, labels, seed: int = 0) -> dict[str, float | None]:
+    """{'floor_log', 'floor_mean'}: the share of the within-label between-batch spread that sampling noise alone
+    leaves, so that no correction can remove it without fitting noise: the spread of the same cells' means with the
+    batch labels shuffled within each label (the batches' sizes kept), over the spread with the true labels, median
+    over (label, gene) pairs as in `removal_scores`. A correction scoring below it removed noise (on a random split,
+    where all the spread is noise, such a correction changes what it should not)."""
+    batch, labels = np.asarray(batch).astype(str), np.asarray(labels).astype(str)
+    rng = np.random.default_rng(seed)
+    shuffled = batch.copy()
+    for label in np.unique(labels):
+        rows = np.flatnonzero(labels == label)
+        shuffled[rows] = rng.permutation(batch[rows])
+    groups = label_batch_rows(batch, labels)
+    if not groups:
+        return {"floor_log": None, "floor_mean": None}
+    shares = {"floor_log": [], "floor_mean": []}
+    for label, rows in groups.items():
+        kept = [np.unique(batch[r])[0] for r in rows]
+        noise_rows = [np.flatnonzero((labels == label) & (shuffled == b)) for b in kept]
+        scored = group_means(raw_log, rows, False).mean(axis=0) >= MIN_MEAN
+        for name, expm1 in (("floor_log", False), ("floor_mean", True)):
+            before, after = (group_means(raw_log, r, expm1) for r in (rows, noise_rows))
+            before, after = ((np.log1p(m) if expm1 else m).std(axis=0)[scored] for m in (before, after))
+            keep = before > 0
+            shares[name].append(after[keep] / before[keep])
+    return {name: float(np.median(np.concatenate(values))) for name, values in shares.items()}
+
+
 def balanced_share(groups: dict, batch: np.ndarray, effects: dict) -> float | None:
     """The median over genes of the between-batch sd of each batch's effect averaged over the labels it has, after
     / before."""

@@ -230,23 +230,28 @@ class BatchfixNet(nn.Module):
         return self._of_present(self._decoder_means(mu, batch, extra), present, extra)
 
     def average_and_own_fractions(self, mu: torch.Tensor, codes: torch.Tensor | None, present: torch.Tensor | None,
-                                  extra: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                                  extra: bool = False, members: torch.Tensor | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(mean fractions averaged over the training batches, each cell's own batch's; None without `codes`),
         each (B, G) as `mean_fractions` gives them, from one decoder pass per training batch: a cell's own batch is
-        one of those passes. Cells whose code is not a training batch get the average as their own."""
-        total, own = 0.0, None
+        one of those passes. Cells whose code is not a training batch get the average over every batch as their
+        own. `members` (n_batches, G) bool: the batches each gene's average is taken over (None: all)."""
+        total, chosen, own = 0.0, 0.0, None
         for b in range(self.n_batches):
             out = self._decoder_means(mu, torch.full((mu.shape[0],), b, dtype=torch.long, device=mu.device), extra)
             total = total + out
+            if members is not None:
+                chosen = chosen + out * members[b]
             if codes is not None:
                 own = torch.empty_like(out) if own is None else own
                 own[codes == b] = out[codes == b]
         average = total / self.n_batches
+        reference = average if members is None else chosen / members.sum(0)
         if codes is not None:
             unknown = (codes < 0) | (codes >= self.n_batches)
             own[unknown] = average[unknown]
             own = self._of_present(own, present, extra)
-        return self._of_present(average, present, extra), own
+        return self._of_present(reference, present, extra), own
 
     def _decoder_means(self, mu: torch.Tensor, codes: torch.Tensor, extra: bool) -> torch.Tensor:
         """(B, G) the decoder's means for batch `codes`: softmax fractions (NB, extra genes) or standardized means."""

@@ -1,0 +1,101 @@
+"""The evidence weights' two choices, measured on the same trained models: the shift's variance with or without its
+covariance with the reference (which holds the batch's own level), and the weight as the posterior median (shipped:
+exactly 0 where no shift is at least as likely as any) or the posterior mean (before).
+
+Rows (layers['batchfix_counts'] of one default model per seed, trained on the cells, every gene):
+
+    batchfix                           the default: posterior median, the shift's variance against the reference
+    batchfix, posterior mean           the mean of the same posterior
+    batchfix, mean without covariance  the form before: each batch's level's variance taken as its shift's
+    batchfix, shrink=none              every shift applied in full
+    ComBat                             on the same log values (scripts.lab.count_draws.scores)
+    noise floor                        the share of the within-label spread that shuffled batch labels leave
+                                       (batchfix.eval.removal.noise_floor): what no correction removes without
+                                       fitting noise
+
+Scored as scripts/lab/count_draws.py scores (removal and gene lines on log_cp10k over every gene, on the HVGs; scIB
+on the HVGs' log_cp10k):
+
+    python -m scripts.lab.evidence_forms data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+from unittest import mock
+
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+import batchfix
+from batchfix.correction import evidence
+from batchfix.data.normalize import log_cp10k
+from batchfix.eval import removal
+from scripts.benchmark import add_data_arguments, load, select_genes
+from scripts.lab.count_draws import scores
+
+
+def posterior_mean(size, variance, share, posterior, steps=None):
+    """The posterior mean in place of evidence.posterior_median: each component's mean, by its probability."""
+    return size * (posterior * share).sum(axis=1)
+
+
+FORMS = {
+    "batchfix": [],
+    "batchfix, posterior mean": [mock.patch.object(evidence, "posterior_median", posterior_mean)],
+    "batchfix, mean without covariance": [
+        mock.patch.object(evidence, "posterior_median", posterior_mean),
+        mock.patch.object(evidence.ShiftEvidenceSums, "shift_variance", lambda self, variance, *_: variance)],
+}
+
+
+def batchfix_rows(cells, batch_key: str, label_key: str, seed: int) -> dict[str, sp.csr_matrix]:
+    """Each form's layers['batchfix_counts'] (every gene), from one default model trained on `cells`."""
+    model = batchfix.train(cells, batch_key=batch_key, label_key=label_key, seed=seed, threads=1,
+                           enable_progress_bar=False)
+    rows = {}
+    for name, patches in FORMS.items():
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            corrected = batchfix.correct(cells, model, copy=True, progress=False)
+        rows[name] = sp.csr_matrix(corrected.layers["batchfix_counts"])
+    corrected = batchfix.correct(cells, model, copy=True, shrink="none", progress=False)
+    rows["batchfix, shrink=none"] = sp.csr_matrix(corrected.layers["batchfix_counts"])
+    return rows
+
+
+def floor_row(raw: sp.csr_matrix, hvg: np.ndarray, obs: pd.DataFrame, batch_key: str, label_key: str,
+              seed: int) -> pd.DataFrame:
+    """The noise floor of the removal scores, on the same log values as the rows."""
+    floor = removal.noise_floor(np.asarray(log_cp10k(raw)[:, hvg].toarray()), obs[batch_key], obs[label_key], seed)
+    return pd.DataFrame({"left_log": floor["floor_log"], "left_mean": floor["floor_mean"]}, index=["noise floor"])
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_data_arguments(parser)
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--out", help="CSV of every seed's rows")
+    args = parser.parse_args(argv)
+    cells = load(args.data, args.batch_key, args.label_key, None, args.batches)
+    hvg = cells.var_names.get_indexer(select_genes(cells, args.batch_key, 2000).var_names)
+    raw = sp.csr_matrix(cells.X, dtype=np.float64)
+    frames = []
+    for seed in args.seeds:
+        rows = batchfix_rows(cells, args.batch_key, args.label_key, seed)
+        frame = pd.concat([scores(raw, rows, hvg, cells.obs, args.batch_key, args.label_key),
+                           floor_row(raw, hvg, cells.obs, args.batch_key, args.label_key, seed)])
+        frames.append(frame.assign(seed=seed))
+        print(f"seed {seed}\n{frame.to_string(float_format='%.3f')}", flush=True)
+    runs = pd.concat(frames)
+    print(f"mean of {len(args.seeds)} seeds\n"
+          f"{runs.groupby(level=0, sort=False).mean().drop(columns='seed').to_string(float_format='%.3f')}")
+    if args.out:
+        runs.to_csv(args.out, float_format="%.4f")
+    return runs
+
+
+if __name__ == "__main__":
+    main()
