@@ -21,9 +21,10 @@ def count_layers(chunk, corrected: np.ndarray, columns: np.ndarray, corrected_ma
     `corrected` (cells, len(columns)), and their log layer."""
     raw = sp.csr_matrix(chunk, dtype=np.float32)
     kept = raw @ sp.diags((~corrected_mask).astype(np.float32))  # the other genes' counts as they are
-    n_cells = corrected.shape[0]
-    replaced = sp.csr_matrix((corrected.astype(np.float32).ravel(), np.tile(columns, n_cells),
-                              np.arange(n_cells + 1) * len(columns)), shape=raw.shape)
+    values = corrected.astype(np.float32)
+    flat = np.flatnonzero(values)  # the corrected counts' nonzero entries only, row by row, columns ascending
+    indptr = np.concatenate([[0], np.cumsum(np.count_nonzero(values, axis=1))])
+    replaced = sp.csr_matrix((values.ravel()[flat], columns[flat % values.shape[1]], indptr), shape=raw.shape)
     counts = sp.csr_matrix(kept + replaced, dtype=np.float32)
     counts.eliminate_zeros()
     counts.sort_indices()

@@ -147,19 +147,20 @@ class CountsOutput(OutputKind):
         x = bound.model_input(chunk, first_cell)
         inputs = [x] + [genes.observed(chunk) for genes in bound.gene_sets[1:]]
         latent = np.empty((x.shape[0], bound.latent_dim), dtype=np.float32)
-        mapped = [np.empty((x.shape[0], len(genes.columns))) for genes in bound.gene_sets]
+        columns = np.sort(np.concatenate([genes.columns for genes in bound.gene_sets]))  # the sets' are disjoint
+        places = [np.searchsorted(columns, genes.columns) for genes in bound.gene_sets]
+        corrected = np.empty((x.shape[0], len(columns)), dtype=np.float32)  # (cells, corrected genes), in place
         n_zeros = n_raised = 0
         for part, cells, codes, mu in self.forward_batches(x, first_cell):
             latent[part] = mu.numpy()
-            for genes, tables, values, out in zip(bound.gene_sets, estimates.count_tables, inputs, mapped):
-                observed, out[part] = count_output.mapped_counts(
+            for genes, tables, values, place in zip(bound.gene_sets, estimates.count_tables, inputs, places):
+                observed, mapped = count_output.mapped_counts(
                     bound.net, genes, tables, values[part], mu, codes, bound.cell_keys[cells], bound.reference,
                     bound.settings.quantile_seed, estimates.state, estimates.regional)
+                corrected[part, place] = mapped
                 n_zeros += int((observed == 0).sum())
-                n_raised += int(((observed == 0) & (out[part] > 0)).sum())
-        columns = np.concatenate([genes.columns for genes in bound.gene_sets])
-        order = np.argsort(columns, kind="stable")
-        chunk_layers = layers.count_layers(chunk, np.hstack(mapped)[:, order], columns[order], bound.corrected_mask)
+                n_raised += int(((observed == 0) & (mapped > 0)).sum())
+        chunk_layers = layers.count_layers(chunk, corrected, columns, bound.corrected_mask)
         return ChunkOutput(latent, chunk_layers, empty_cells(chunk, x) + Tallies(n_zeros=n_zeros,
                                                                                  n_zeros_raised=n_raised))
 

@@ -73,6 +73,19 @@ def floor_row(raw: sp.csr_matrix, hvg: np.ndarray, obs: pd.DataFrame, batch_key:
     return pd.DataFrame({"left_log": floor["floor_log"], "left_mean": floor["floor_mean"]}, index=["noise floor"])
 
 
+def paired(runs: pd.DataFrame, against: str = "batchfix, mean without covariance") -> pd.DataFrame:
+    """Per batchfix form: its difference from `against` on the same seed's model, mean and standard error over
+    seeds, of each score (the CSV of `main`, or several seeds' concatenated)."""
+    runs = runs.drop(index="noise floor", errors="ignore").set_index("seed", append=True)
+    base = runs.xs(against, level=0)
+    rows = {}
+    for form in dict.fromkeys(name for name in runs.index.get_level_values(0) if name.startswith("batchfix")):
+        difference = runs.xs(form, level=0) - base
+        mean, se = difference.mean(), difference.std(ddof=1) / np.sqrt(len(difference))
+        rows[form] = mean.map("{:+.3f}".format) + se.map(" ({:.3f})".format)
+    return pd.DataFrame(rows).T
+
+
 def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_data_arguments(parser)
@@ -92,6 +105,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     runs = pd.concat(frames)
     print(f"mean of {len(args.seeds)} seeds\n"
           f"{runs.groupby(level=0, sort=False).mean().drop(columns='seed').to_string(float_format='%.3f')}")
+    print(f"paired, less the form before\n{paired(runs).to_string()}")
     if args.out:
         runs.to_csv(args.out, float_format="%.4f")
     return runs
