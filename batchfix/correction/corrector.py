@@ -177,7 +177,10 @@ class BoundModel:
 
     def model_input(self, chunk, first_cell: int = 0) -> torch.Tensor:
         """(cells, model genes) float32 tensor in the model's gene order; missing genes are zeros."""
-        values = count_output.placed_columns(chunk, self.in_columns, self.in_model, len(self.trained.genes))
+        selected = chunk[:, self.in_columns]
+        selected = selected.toarray() if sp.issparse(selected) else np.asarray(selected)
+        values = np.zeros((selected.shape[0], len(self.trained.genes)), dtype=np.float32)
+        values[:, self.in_model] = selected
         self.check(chunk, first_cell)
         return torch.from_numpy(values)
 

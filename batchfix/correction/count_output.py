@@ -32,27 +32,10 @@ class GeneSet:
 
     def observed(self, rows) -> torch.Tensor:
         """(cells, decoder genes) float32 counts of the input rows in the decoder's gene order (missing: 0)."""
-        return torch.from_numpy(placed_columns(rows, self.columns, self.model_index, len(self.present)))
-
-
-def placed_columns(rows, columns: np.ndarray, places: np.ndarray, width: int) -> np.ndarray:
-    """(cells, width) float32: the rows' (sparse or dense) `columns` (distinct) at `places`, every other place 0.
-    Sparse rows are read entry by entry: selecting thousands of a CSR matrix's columns costs more."""
-    values = np.zeros((rows.shape[0], width), dtype=np.float32)
-    if not sp.issparse(rows):
-        values[:, places] = np.asarray(rows)[:, columns]
-        return values
-    rows = sp.csr_matrix(rows)
-    if not rows.has_canonical_format:
-        rows = rows.copy()
-        rows.sum_duplicates()
-    place_of = np.full(rows.shape[1], -1, dtype=np.int64)
-    place_of[columns] = places
-    place = place_of[rows.indices]
-    kept = place >= 0
-    row = np.repeat(np.arange(rows.shape[0]), np.diff(rows.indptr))
-    values[row[kept], place[kept]] = rows.data[kept]
-    return values
+        values = np.zeros((rows.shape[0], len(self.present)), dtype=np.float32)
+        picked = rows[:, self.columns]
+        values[:, self.model_index] = picked.toarray() if sp.issparse(picked) else np.asarray(picked)
+        return torch.from_numpy(values)
 
 
 def gene_set(genes: list[str], var_names: pd.Index, extra: bool) -> GeneSet | None:

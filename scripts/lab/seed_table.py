@@ -1,8 +1,8 @@
 """One docs table (docs/results/NAME.csv) from per-seed score files: mean ± sd over seeds per (data, row).
 
 The inputs are the --out CSVs of scripts/lab/decoding_scale.py, scripts/lab/residual_weight.py,
-scripts/lab/count_draws.py or scripts/lab/marker_loss.py (one row per (output, seed), the output's name first, a "seed" column), each named by
-the data it scored:
+scripts/lab/count_draws.py, scripts/lab/evidence_forms.py or scripts/lab/marker_loss.py (one row per (output,
+seed), the output's name first, a "seed" column), each named by the data it scored:
 
     python -m scripts.lab.seed_table docs/results/residual-weight.csv \\
         bundled=docs/results/runs/residual-weight-bundled.csv "stress sd 1.0"=docs/results/runs/residual-weight-sd1.csv
