@@ -88,8 +88,12 @@ def scores(raw: sp.csr_matrix, rows: dict[str, sp.csr_matrix], hvg: np.ndarray, 
     return pd.DataFrame(table).T
 
 
-def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def seed_runs(argv: list[str] | None, description: str, rows_of_seed, extra_rows=None) -> pd.DataFrame:
+    """The command line the per-seed lab scripts share: the data's cells and 2,000 HVGs, then for each --seeds seed
+    the rows `rows_of_seed(cells, batch_key, label_key, seed)` scored by `scores` (and the rows
+    `extra_rows(raw, hvg, obs, batch_key, label_key, seed)` appended), each seed's table and the mean printed, every
+    seed's rows written to --out and returned."""
+    parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
     add_data_arguments(parser)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--out", help="CSV of every seed's rows")
@@ -99,8 +103,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     raw = sp.csr_matrix(cells.X, dtype=np.float64)
     frames = []
     for seed in args.seeds:
-        rows = batchfix_rows(cells, args.batch_key, args.label_key, seed)
+        rows = rows_of_seed(cells, args.batch_key, args.label_key, seed)
         frame = scores(raw, rows, hvg, cells.obs, args.batch_key, args.label_key)
+        if extra_rows is not None:
+            frame = pd.concat([frame, extra_rows(raw, hvg, cells.obs, args.batch_key, args.label_key, seed)])
         frames.append(frame.assign(seed=seed))
         print(f"seed {seed}\n{frame.to_string(float_format='%.3f')}", flush=True)
     runs = pd.concat(frames)
@@ -109,6 +115,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if args.out:
         runs.to_csv(args.out, float_format="%.4f")
     return runs
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    return seed_runs(argv, __doc__, batchfix_rows)
 
 
 if __name__ == "__main__":

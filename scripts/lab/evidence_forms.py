@@ -20,7 +20,6 @@ on the HVGs' log_cp10k):
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 from unittest import mock
 
@@ -32,8 +31,7 @@ import batchfix
 from batchfix.correction import evidence
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import removal
-from scripts.benchmark import add_data_arguments, load, select_genes
-from scripts.lab.count_draws import scores
+from scripts.lab.count_draws import seed_runs
 
 
 def posterior_mean(size, variance, share, posterior, steps=None):
@@ -87,27 +85,8 @@ def paired(runs: pd.DataFrame, against: str = "batchfix, mean without covariance
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_data_arguments(parser)
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
-    parser.add_argument("--out", help="CSV of every seed's rows")
-    args = parser.parse_args(argv)
-    cells = load(args.data, args.batch_key, args.label_key, None, args.batches)
-    hvg = cells.var_names.get_indexer(select_genes(cells, args.batch_key, 2000).var_names)
-    raw = sp.csr_matrix(cells.X, dtype=np.float64)
-    frames = []
-    for seed in args.seeds:
-        rows = batchfix_rows(cells, args.batch_key, args.label_key, seed)
-        frame = pd.concat([scores(raw, rows, hvg, cells.obs, args.batch_key, args.label_key),
-                           floor_row(raw, hvg, cells.obs, args.batch_key, args.label_key, seed)])
-        frames.append(frame.assign(seed=seed))
-        print(f"seed {seed}\n{frame.to_string(float_format='%.3f')}", flush=True)
-    runs = pd.concat(frames)
-    print(f"mean of {len(args.seeds)} seeds\n"
-          f"{runs.groupby(level=0, sort=False).mean().drop(columns='seed').to_string(float_format='%.3f')}")
+    runs = seed_runs(argv, __doc__, batchfix_rows, floor_row)
     print(f"paired, less the form before\n{paired(runs).to_string()}")
-    if args.out:
-        runs.to_csv(args.out, float_format="%.4f")
     return runs
 
 
