@@ -22,9 +22,9 @@ and each cell's whole shift of gene g (state-dependent part included) is multipl
 cells (correction.normal_key) the regional part is then the batch's own, as its reference cells measured it (shrunk
 by its own noise: reference_cells.regional_offset). A shift far beyond its noise passes nearly whole; one within its
 noise is not applied at all, so its counts stay exactly as they were (a count mapped to its own distribution is its
-own). The weights come from the data alone: no tuned
-constant. The log-scale model's output is weighted alike (`LogShiftEvidenceSums`): each batch's mean change of a
-gene over its cells, against the sampling variance of that mean (the batch's residual variance over its cells).
+own). The weights come from the data alone: no tuned constant. The log-scale model's output is weighted alike
+(`LogShiftEvidenceSums`): each batch's mean change of a gene over its cells, against the sampling variance of that
+mean (the batch's residual variance over its cells; its covariance with the reference is not counted there).
 
 A batch that has no count of a gene in any of its cells in the input lacks it as biology (a female donor's chrY, a
 knockout), not as a technical effect: its shift of that gene is not applied (its cells keep their zeros), and with
@@ -73,8 +73,8 @@ class ShiftEvidenceSums:
         A shift is the reference's level less the batch's, and the reference is measured on the same data: the
         average reference holds each of its K member batches' levels with weight a_k = 1/K (a reference batch:
         a_r = 1), so var = v_b (1 - 2 a_b) + sum_k a_k^2 v_k. Ignoring that covariance overstated the noise of two
-        batches' shifts twofold (a random split in halves: shifts over the old variance had variance 0.4-0.8 across
-        genes, 1.0-1.1 with this one) and shrank real shifts as noise. A training batch without input cells adds
+        batches' shifts twofold (a random 2:1 split of one batch: shifts over the old variance had variance 0.4-0.9
+        across genes, 1.0-1.2 over this one) and shrank real shifts as noise. A training batch without input cells adds
         nothing (its level is not measured here); the reference batch's own shift is 0 whatever its variance."""
         n_training = members.shape[0]
         share = np.zeros_like(variance)
