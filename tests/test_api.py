@@ -30,6 +30,7 @@ def readme_example() -> str:
     return re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
 
 
+@pytest.mark.slow  # trains and corrects every gene of the bundled file (35-90 s): with the slow checks, which CI runs
 def test_the_readme_example_runs_as_written(tmp_path, monkeypatch):
     """As written, but for the training budget: the example trains the default 500 steps (minutes on a 2-core
     CPU); here 2 epochs, and the extra genes' decoder 50 steps."""
