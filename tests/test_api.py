@@ -62,6 +62,7 @@ def test_api_training_gives_the_recorded_regression_values(small_adata):
     np.testing.assert_allclose(corrected.obsm["X_batchfix"], golden["latent"], atol=2e-3)
 
 
+@pytest.mark.slow  # a command-line train in a fresh process (12-32 s): with the slow checks, which CI runs
 def test_a_saved_model_is_a_checkpoint_the_command_line_reads(small_adata, small_h5ad, tmp_path, counts_nearly_equal):
     model = batchfix.train(small_adata, batch_key="batch", **{**TINY, "max_epochs": 1})
     in_memory = batchfix.correct(small_adata, model, copy=True)

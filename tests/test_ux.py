@@ -230,6 +230,7 @@ def test_some_empty_cells_are_counted_and_their_values_explained(sample_adata, c
 # 6. The console
 
 
+@pytest.mark.slow  # a command-line train in a fresh process (12-32 s): with the slow checks, which CI runs
 def test_train_ends_with_its_summary_and_errors_print_once(subset_h5ad, tmp_path):
     run = tmp_path / "run"
     result = cli(["train", f"data.path={subset_h5ad}", "evaluate=false", f"hydra.run.dir={run}", *TINY_CLI],
