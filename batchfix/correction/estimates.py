@@ -104,7 +104,7 @@ def estimate(bound, rows, n_obs: int, part: Part | None = None) -> tuple[Estimat
     return first, None
 
 
-def unseen_cells(bound, rows, part: Part, every_row: bool):
+def first_pass_batches(bound, rows, part: Part, every_row: bool):
     """(global forward-batch index, its cells' indices, for its cells of unseen batches: model input, the count gene
     sets' inputs, codes (None where it has none), and with `every_row` its input rows (else None)) of every forward
     batch of the part's rows, in order."""
@@ -141,7 +141,7 @@ def estimate_unseen(bound, rows, part: Part) -> Estimates:
         if detects_absence(bound) else None
     ordered = OrderedSums([*sums, *count_sums, *([detection] if detection else [])])
     if n_unseen or detection:
-        for index, cells, unseen, own_rows in unseen_cells(bound, rows, part, detection is not None):
+        for index, cells, unseen, own_rows in first_pass_batches(bound, rows, part, detection is not None):
             batch_sums = ordered.fresh()
             if unseen is not None:
                 add_unseen(bound, unseen, batch_sums[:n_unseen], batch_sums[n_unseen:n_unseen * (1 + n_sets)])

@@ -101,8 +101,7 @@ class ShiftEvidenceSums:
                    else tables.reference_members)
         variance = self.shift_variance(level_variance, reference, members)
         weight, prior_sd = weights_by_batch(mean_shift, variance, present, np.flatnonzero(self.n_cells > 0))
-        absent = (self.counts == 0) & (self.n_cells[:, None] >= min_cells) & present[None, :]
-        weight[absent] = 0.0
+        weight[absent_from_batches(self.counts, self.n_cells, min_cells) & present[None, :]] = 0.0
         return weight, prior_sd
 
 
@@ -123,14 +122,22 @@ class DetectionSums:
             self.counts[code] += np.asarray(rows[chosen].sum(axis=0)).ravel()
             self.n_cells[code] += int(chosen.sum())
 
-    def members(self, genes, n_training: int, min_cells: int) -> np.ndarray:
+    def members(self, genes, n_training: int, min_cells: int) -> np.ndarray | None:
         """(training batches, decoder genes) bool: the batches the average reference of each of the gene set's genes
         is taken over, those that detect it in the input (a batch of at least `min_cells` cells with no count of
-        it lacks it as biology); every batch for a gene none detects or the input lacks."""
+        it lacks it as biology); every batch for a gene none detects or the input lacks. None where every batch is
+        a member for every gene (the decoder's average then needs no mask)."""
         detected = np.ones((n_training, len(genes.present)))
         detected[:, genes.model_index] = self.counts[:n_training][:, genes.columns]
-        absent = (detected == 0) & (self.n_cells[:n_training, None] >= min_cells)
-        return ~absent | absent.all(axis=0)
+        absent = absent_from_batches(detected, self.n_cells[:n_training], min_cells)
+        members = ~absent | absent.all(axis=0)
+        return None if members.all() else members
+
+
+def absent_from_batches(counts: np.ndarray, n_cells: np.ndarray, min_cells: int) -> np.ndarray:
+    """(codes, genes) bool: the batch, of at least `min_cells` cells, has no count of the gene in any of them (it
+    lacks the gene as biology), from each batch's total `counts` (codes, genes) and its cells `n_cells` (codes,)."""
+    return (counts == 0) & (n_cells[:, None] >= min_cells)
 
 
 def weights_by_batch(shift: np.ndarray, variance: np.ndarray, present: np.ndarray,

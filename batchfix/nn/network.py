@@ -235,7 +235,7 @@ class BatchfixNet(nn.Module):
         """(mean fractions averaged over the training batches, each cell's own batch's; None without `codes`),
         each (B, G) as `mean_fractions` gives them, from one decoder pass per training batch: a cell's own batch is
         one of those passes. Cells whose code is not a training batch get the average over every batch as their
-        own. `members` (n_batches, G) bool: the batches each gene's average is taken over (None: all)."""
+        own. `members` (n_batches, G) of 0 / 1: the batches each gene's average is taken over (None: all)."""
         total, chosen, own = 0.0, 0.0, None
         for b in range(self.n_batches):
             out = self._decoder_means(mu, torch.full((mu.shape[0],), b, dtype=torch.long, device=mu.device), extra)
