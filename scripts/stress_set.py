@@ -4,7 +4,10 @@ For each batch b and gene g a multiplicative factor f(b, g) = exp(sd * e(b, g)),
 a share `--shared` of the variance is common to the genes of similar mean expression (20 bins of the genes'
 mean count: chemistries differ most by expression level) and the rest is the gene's own; then every cell of
 the batch keeps a fraction `depth(b)` of its molecules (binomial thinning; depths spread evenly over
-`--depth-range`, batches in sorted order). Counts change as molecules do:
+`--depth-range`, batches in sorted order). With `--state-share s` the effect also depends on the cell's state
+(its label, `--label-key`): log f(t, b, g) = sqrt(1 - s) log f(b, g) + sd sqrt(s) e(t, b, g), a draw of its own per
+label t, so a chemistry that captures a gene differently in each cell type (even in opposite directions) is
+modelled too. Counts change as molecules do:
 
     f <= 1: Binomial(c, f)        f > 1: c + Poisson(c * (f - 1))        then Binomial(., depth(b))
 
@@ -18,6 +21,7 @@ on different scales compare.
 
     python -m scripts.stress_set data/cellbench5.h5ad stress_sd1.h5ad --sd 1.0 --seed 0
     python -m scripts.stress_set data/cellbench5.h5ad pair_sd05.h5ad --sd 0.5 --batches sc_celseq2 sc_dropseq
+    python -m scripts.stress_set data/cellbench5.h5ad state_sd1.h5ad --sd 1.0 --state-share 0.75
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ class Stress:
     shared: float = 0.5  # share of that variance common to genes of similar mean expression
     depth_low: float = 0.5  # the shallowest batch keeps this fraction of its molecules
     depth_high: float = 1.0
+    state_share: float = 0.0  # share of log f's variance that is each label's own (a state-dependent effect)
     seed: int = 0
 
 
@@ -66,7 +71,7 @@ def scaled_counts(counts: sp.csr_matrix, factor: np.ndarray, depth: float, rng: 
     return out
 
 
-def stress_set(adata: ad.AnnData, batch_key: str, stress: Stress) -> ad.AnnData:
+def stress_set(adata: ad.AnnData, batch_key: str, stress: Stress, label_key: str = "cell_type") -> ad.AnnData:
     """A copy of `adata` (raw counts in X) with X stressed, the untouched counts in layers['truth']."""
     counts = sp.csr_matrix(adata.X)
     if counts.nnz and not np.allclose(counts.data, np.round(counts.data)):
@@ -76,10 +81,16 @@ def stress_set(adata: ad.AnnData, batch_key: str, stress: Stress) -> ad.AnnData:
     factors = gene_factors(np.asarray(counts.mean(0)).ravel(), len(batches), stress, rng)
     depths = np.linspace(stress.depth_low, stress.depth_high, len(batches))
     batch = adata.obs[batch_key].astype(str).to_numpy()
+    labels = adata.obs[label_key].astype(str).to_numpy() if stress.state_share > 0 else np.zeros(len(batch), str)
+    names = sorted(set(labels))
+    by_label = factors[None] if stress.state_share == 0 else np.exp(  # (labels, batches, genes)
+        np.log(factors)[None] * np.sqrt(1.0 - stress.state_share)
+        + stress.sd * np.sqrt(stress.state_share) * rng.standard_normal((len(names), *factors.shape)))
     parts = {}
     for i, name in enumerate(batches):
-        rows = np.flatnonzero(batch == name)
-        parts[name] = (rows, scaled_counts(counts[rows], factors[i], depths[i], rng))
+        for t, label in enumerate(names):
+            rows = np.flatnonzero((batch == name) & (labels == label))
+            parts[name, label] = (rows, scaled_counts(counts[rows], by_label[t, i], depths[i], rng))
     order = np.concatenate([rows for rows, _ in parts.values()])
     stacked = sp.vstack([part for _, part in parts.values()]).tocsr()
     stressed = stacked[np.argsort(order)]  # back to the input's cell order
@@ -153,6 +164,7 @@ def main() -> None:
     parser.add_argument("output", help="the stressed .h5ad to write (refused if it exists)")
     parser.add_argument("--batch-key", default="batch")
     parser.add_argument("--batches", nargs="+", help="keep only these batches (a sub-problem)")
+    parser.add_argument("--label-key", default="cell_type", help="the cell states of --state-share")
     for name, default in asdict(Stress()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     args = parser.parse_args()
@@ -164,7 +176,7 @@ def main() -> None:
             parser.error(f"batches {unknown} are not in obs['{args.batch_key}']; present: {present}")
         adata = adata[adata.obs[args.batch_key].astype(str).isin(args.batches)].copy()
     stress = Stress(**{name: getattr(args, name) for name in asdict(Stress())})
-    out = stress_set(adata, args.batch_key, stress)
+    out = stress_set(adata, args.batch_key, stress, args.label_key)
     with atomic_output(Path(args.output), overwrite=False) as tmp:
         out.write_h5ad(tmp)
     print(f"Wrote {args.output}: {out.n_obs} cells x {out.n_vars} genes, {stress}, depths "

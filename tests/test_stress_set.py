@@ -40,6 +40,20 @@ def test_stressed_counts_follow_the_recorded_factors_and_depths(subset):
         assert abs(np.median(np.log(ratio / expected))) < 0.05
 
 
+def test_a_state_dependent_stress_gives_each_label_its_own_factors(subset):
+    """state_share=0.75: each (label, batch) group's per-gene change follows a draw of its own, so two labels of one
+    batch change differently (their log ratios correlate at about 1 - state_share, not 1)."""
+    out = stress_set(subset, "batch", Stress(sd=1.0, depth_low=1.0, depth_high=1.0, state_share=0.75, seed=3))
+    truth, stressed = sp.csr_matrix(out.layers["truth"]), sp.csr_matrix(out.X)
+    rows = (subset.obs["batch"].astype(str) == out.uns["stress"]["batches"][0]).to_numpy()
+    labels = subset.obs["cell_type"].astype(str).to_numpy()
+    before = [np.asarray(truth[rows & (labels == t)].sum(0)).ravel() for t in sorted(set(labels[rows]))[:2]]
+    after = [np.asarray(stressed[rows & (labels == t)].sum(0)).ravel() for t in sorted(set(labels[rows]))[:2]]
+    expressed = (before[0] >= 100) & (before[1] >= 100)
+    log_ratio = [np.log(a[expressed] / b[expressed]) for a, b in zip(after, before)]
+    assert 0.0 < np.corrcoef(*log_ratio)[0, 1] < 0.5
+
+
 def test_no_effect_leaves_the_counts_and_the_error_measures_the_difference(subset):
     out = stress_set(subset, "batch", Stress(sd=0.0, depth_low=1.0, depth_high=1.0))
     np.testing.assert_array_equal(sp.csr_matrix(out.X).toarray(), sp.csr_matrix(subset.X).toarray())

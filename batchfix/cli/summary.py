@@ -71,7 +71,10 @@ def run_summary(verb: str, result: dict, folder: str | Path, written: list[str])
         lines.append("  shifts weighted by their evidence (correction.shrink): median weight "
                      + ", ".join(f"{batch} {entry['median_weight']:.2f}" for batch, entry in evidence.items())
                      + "; genes whose shift was more than halved "
-                     + ", ".join(f"{entry['share_more_than_halved']:.1%}" for entry in evidence.values()))
+                     + ", ".join(f"{entry['share_more_than_halved']:.1%}" for entry in evidence.values())
+                     + ("" if "share_raised_in_state_groups" not in next(iter(evidence.values())) else
+                        "; raised in the latent's state groups " + ", ".join(
+                            f"{entry['share_raised_in_state_groups']:.1%}" for entry in evidence.values())))
     advice = result.get("recommendation")
     if advice:
         lines.append(f"  recommended correction: {advice['preset']}: {advice['reason']}"

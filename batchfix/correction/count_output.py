@@ -16,6 +16,7 @@ import scipy.sparse as sp
 import torch
 
 from batchfix.correction import counterfactual, counts, device_map
+from batchfix.correction.state_groups import StateGroups
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,10 @@ class CountTables:
     genes: the training batches', then the unseen batches' estimated from their cells), `reference_ratio`
     (decoder genes,) and `reference_theta` (decoder genes,; None: each count keeps its own batch's dispersion,
     correction.spread=batch); `shift_weight` (codes, decoder genes): the weight of each batch's shift of each gene
-    (batchfix.correction.evidence; None: every shift applied in full); `reference_members` (training batches,
-    decoder genes) bool: the batches the average reference of each gene is taken over (None: every batch)."""
+    (batchfix.correction.evidence; None: every shift applied in full), and `state_weight` (codes, groups, decoder
+    genes) the same by the state group (`state_groups`) of each cell (None: by batch alone); `reference_members`
+    (training batches, decoder genes) bool: the batches the average reference of each gene is taken over (None:
+    every batch)."""
 
     theta: np.ndarray
     ratio: np.ndarray
@@ -67,6 +70,17 @@ class CountTables:
     reference_theta: np.ndarray | None
     shift_weight: np.ndarray | None = None
     reference_members: np.ndarray | None = None
+    state_weight: np.ndarray | None = None
+    state_groups: StateGroups | None = None
+
+    def weight(self, codes: np.ndarray, latents: torch.Tensor) -> np.ndarray | None:
+        """(B, decoder genes) the evidence weight of each cell's shift (1 for cells without a batch), or None."""
+        if self.shift_weight is None:
+            return None
+        known, missing = np.maximum(codes, 0), (codes < 0)[:, None]
+        chosen = self.shift_weight[known] if self.state_weight is None else \
+            self.state_weight[known, self.state_groups.assign(latents)]
+        return np.where(missing, 1.0, chosen)
 
 
 def total_log_shift(tables: CountTables, shift: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -118,11 +132,12 @@ def count_distributions(net, genes: GeneSet, tables: CountTables, x: torch.Tenso
                                                tables.reference_members)
     by_reference_cells = not genes.extra and regional is not None and regional.offset is not None
     if not genes.extra:
-        shift = counterfactual.applied_shift(shift, codes, state, None if by_reference_cells else regional)
+        shift = counterfactual.applied_shift(shift, codes, mu, state, None if by_reference_cells else regional)
     total = total_log_shift(tables, shift, codes)
     index, known, missing = genes.model_index, codes.clamp_min(0).numpy(), (codes < 0).numpy()[:, None]
-    if tables.shift_weight is not None:  # each batch's shift of each gene weighted by its evidence
-        total = total * torch.from_numpy(np.where(missing, 1.0, tables.shift_weight[known]))
+    weight = tables.weight(codes.numpy(), mu)
+    if weight is not None:  # each batch's shift of each gene weighted by its evidence
+        total = total * torch.from_numpy(weight)
     if by_reference_cells:  # the regional part: the batch's own, from its reference cells (shrunk by its noise)
         total = counterfactual.reference_cell_shift(total, codes, regional)
     ratio = np.where(missing, 1.0, tables.ratio[known][:, index])  # (B, k): the batch's observed / decoded mean

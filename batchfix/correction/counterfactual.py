@@ -47,6 +47,7 @@ import torch
 
 from batchfix.correction.calibration import MIN_UNSEEN_CELLS, Statistics
 from batchfix.correction.regional import RegionalShift
+from batchfix.correction.state_groups import StateGroups, group_codes
 from batchfix.nn.network import BatchfixNet
 
 
@@ -81,14 +82,23 @@ def batch_codes(batch: np.ndarray, training: list[str]) -> BatchCodes:
 class StateShrink:
     """What correction.state_dependence < 1 needs: the weight w and each batch code's mean decoder term.
 
-    batch_mean: (codes, G) mean of decoded_ref(z) - k_b decoded_b(z) over the batch's input cells; estimated:
-    (codes,) 1.0, or 0.0 for a batch with fewer than MIN_UNSEEN_CELLS cells (its cells keep the whole term).
-    The decoder term applied is batch_mean + w * (cell's term - batch_mean).
+    mean: (codes, G) mean of decoded_ref(z) - k_b decoded_b(z) (the counts: of the log-mean shift) over the batch's
+    input cells, or with `groups` (codes * groups, G) over its cells of each state group (code * groups + group:
+    batchfix.correction.state_groups); estimated: (codes,) 1.0, or 0.0 for a batch with fewer than MIN_UNSEEN_CELLS
+    cells (its cells keep the whole term). The term applied is mean + w * (cell's term - mean), the mean of the
+    cell's batch (and group).
     """
 
     weight: float
-    batch_mean: torch.Tensor
+    mean: torch.Tensor
     estimated: torch.Tensor
+    groups: StateGroups | None = None
+
+    def mean_of(self, codes: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
+        """(B, G) the mean each cell's term is shrunk toward, for cells of batch `codes` with latents `mu`."""
+        known = codes.clamp_min(0).numpy()
+        rows = known if self.groups is None else group_codes(known, self.groups, mu)
+        return self.mean[torch.from_numpy(rows).long()]
 
 
 @torch.no_grad()
@@ -139,7 +149,7 @@ def corrected(net: BatchfixNet, x: torch.Tensor, codes: torch.Tensor, reference:
     values, decoder, observed, reference_values = output_terms(net, x, mu, codes, reference, stats, present)
     known = codes.clamp_min(0).long()
     if state is not None:
-        unapplied = (1.0 - state.weight) * (decoder - state.batch_mean[known]) * state.estimated[known, None]
+        unapplied = (1.0 - state.weight) * (decoder - state.mean_of(codes, mu)) * state.estimated[known, None]
         values, decoder = values - unapplied, decoder - unapplied
     zero = x.eq(0)  # an input zero stays zero (the log output), before the regional split too
     values = values.masked_fill(zero, 0.0)
@@ -199,13 +209,13 @@ def log_mean_shift(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, refe
     return torch.where((codes < 0)[:, None], torch.zeros_like(shift), shift), own
 
 
-def applied_shift(shift: torch.Tensor, codes: torch.Tensor, state: StateShrink | None,
+def applied_shift(shift: torch.Tensor, codes: torch.Tensor, mu: torch.Tensor, state: StateShrink | None,
                   regional: RegionalShift | None) -> torch.Tensor:
     """The shift after correction.state_dependence (`state`) and the regional part kept (`regional`), as for the
-    log output's decoder term (`corrected`)."""
+    log output's decoder term (`corrected`), for cells of batch `codes` with latents `mu`."""
     known = codes.clamp_min(0).long()
     if state is not None:
-        shift = shift - (1.0 - state.weight) * (shift - state.batch_mean[known]) * state.estimated[known, None]
+        shift = shift - (1.0 - state.weight) * (shift - state.mean_of(codes, mu)) * state.estimated[known, None]
     if regional is not None:
         shift = shift - regional.smoother((shift - regional.mean_shift[known]) * regional.estimated[known, None])
     return torch.where((codes < 0)[:, None], torch.zeros_like(shift), shift)

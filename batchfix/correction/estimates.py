@@ -24,10 +24,17 @@ import torch
 
 from batchfix.correction import calibration, counterfactual, counts
 from batchfix.correction.count_output import CountTables
-from batchfix.correction.evidence import DetectionSums, LogShiftEvidenceSums, ShiftEvidenceSums
+from batchfix.correction.evidence import (
+    DetectionSums,
+    LogShiftEvidenceSums,
+    ShiftEvidenceSums,
+    add_evidence,
+    weighted_tables,
+)
 from batchfix.correction.reduction import Block, OrderedSums
 from batchfix.correction.reference_cells import LogReferenceCellSums, ReferenceCellSums
 from batchfix.correction.regional import RegionalShift, genome_smoother
+from batchfix.correction.state_groups import LatentSample, StateGroups, fit_groups, group_codes
 from batchfix.nn.attention import fused_attention
 
 log = logging.getLogger(__name__)
@@ -41,15 +48,16 @@ class Estimates:
     count_tables: one `CountTables` per gene set of the bound model (corrected counts); state: the state shrink
     (state_dependence < 1); regional: the regional shift's smoother and mean shifts (reference cells' offsets
     included); shift_prior_sd: per gene set, each batch code's prior sd of its shifts across genes (the evidence
-    weights', batchfix.correction.evidence, held in the tables); log_shift_weight: (codes, G) the weight of each
-    batch's change of each gene (the log output's evidence weights). None (or empty) where the output does not use
-    it."""
+    weights', batchfix.correction.evidence, held in the tables); state_groups: the latent's groups the evidence
+    weights are also taken in; log_shift_weight: (codes, G) the weight of each batch's change of each gene (the log
+    output's evidence weights). None (or empty) where the output does not use it."""
 
     statistics: calibration.Statistics | None = None
     count_tables: tuple[CountTables, ...] = ()
     shift_prior_sd: tuple[np.ndarray, ...] = ()
     state: counterfactual.StateShrink | None = None
     regional: RegionalShift | None = None
+    state_groups: StateGroups | None = None
     log_shift_weight: np.ndarray | None = None
 
     def summary(self, batch_names: list[str]) -> dict:
@@ -58,18 +66,26 @@ class Estimates:
         with_mean = [] if shrink is None else np.flatnonzero(shrink.estimated.numpy() > 0)
         regional = "none" if self.regional is None else "reference_cells" if self.regional.offset is not None \
             else "whole_change" if self.regional.whole else "decoder_term"
+        groups = 0 if self.state_groups is None else len(self.state_groups.centroids)
         return {"gene_sets_with_count_tables": len(self.count_tables), "state_shrink": self.state is not None,
-                "regional_split": regional, "batches_with_mean_shift": [batch_names[c] for c in with_mean],
+                "state_groups": groups, "regional_split": regional,
+                "batches_with_mean_shift": [batch_names[c] for c in with_mean],
                 **({"shift_evidence": self.evidence_summary(batch_names)} if self.shift_prior_sd else {})}
 
     def evidence_summary(self, batch_names: list[str]) -> dict:
         """Per batch: its shifts' prior sd across the modelled genes, and over every corrected gene the median
-        weight of its shift and the share of genes whose shift was more than halved (batchfix.correction.evidence)."""
+        weight of its shift and the share of genes whose shift was more than halved (batchfix.correction.evidence);
+        with state groups, the share of (group, gene) pairs whose group's evidence raised the weight."""
         weights = self.log_shift_weight if self.log_shift_weight is not None else \
             np.hstack([tables.shift_weight for tables in self.count_tables])  # (codes, all genes)
+        raised = None if self.state_groups is None else np.concatenate(  # (codes, groups * all genes)
+            [(t.state_weight > t.shift_weight[:, None, :]).reshape(len(weights), -1) for t in self.count_tables],
+            axis=1)
         return {name: {"prior_sd": round(float(self.shift_prior_sd[0][code]), 4),
                        "median_weight": round(float(np.median(weights[code])), 4),
-                       "share_more_than_halved": round(float((weights[code] < 0.5).mean()), 4)}
+                       "share_more_than_halved": round(float((weights[code] < 0.5).mean()), 4),
+                       **({} if raised is None else {"share_raised_in_state_groups": round(float(
+                           raised[code].mean()), 4)})}
                 for code, name in enumerate(batch_names)}
 
 
@@ -98,7 +114,7 @@ def estimate(bound, rows, n_obs: int, part: Part | None = None) -> tuple[Estimat
                  "regional: all of it is removed (as with regional_shift=apply).", bound.settings.regional_shift)
         regional = False
     with fused_attention(bound.net), torch.no_grad():
-        first = estimate_unseen(bound, rows, part)
+        first = estimate_unseen(bound, rows, part, n_obs)
         if regional or bound.settings.state_dependence < 1 or bound.settings.shrink == "evidence":
             return estimate_mean_shift(bound, first, rows, n_obs, part, regional)
     return first, None
@@ -130,27 +146,42 @@ def detects_absence(bound) -> bool:
     return bound.counts_output and bound.settings.shrink == "evidence" and bound.reference is None
 
 
-def estimate_unseen(bound, rows, part: Part) -> Estimates:
+def weighs_states(bound) -> bool:
+    """Whether the correction is also estimated per state group of the latent (batchfix.correction.state_groups):
+    the corrected counts with evidence weights and some state dependence (at state_dependence=0 every cell of a
+    batch takes one shift, its batch's mean)."""
+    return bound.counts_output and bound.settings.shrink == "evidence" and bound.settings.state_dependence > 0
+
+
+def estimate_unseen(bound, rows, part: Part, n_obs: int) -> Estimates:
     """The statistics (log output) and, for the counts, each gene set's tables: the training batches' from the
     checkpoint, the unseen batches' ratios and dispersions from their cells; and with `detects_absence`, each
-    gene's reference members from every batch's counts."""
+    gene's reference members from every batch's counts; with `weighs_states`, the latent's state groups, fitted to
+    a sample of the cells."""
     n_genes, n_unseen, n_sets = len(bound.trained.genes), len(bound.batches.unseen), len(bound.gene_sets)
     sums = [calibration.ResidualSums(n_genes) for _ in range(n_unseen)]
     count_sums = [counts.CountSums(len(genes.present)) for genes in bound.gene_sets for _ in range(n_unseen)]
     detection = DetectionSums(bound.batches.n_training + n_unseen, len(bound.corrected_mask)) \
         if detects_absence(bound) else None
-    ordered = OrderedSums([*sums, *count_sums, *([detection] if detection else [])])
-    if n_unseen or detection:
-        for index, cells, unseen, own_rows in first_pass_batches(bound, rows, part, detection is not None):
+    sample = LatentSample(n_obs, bound.latent_dim) if weighs_states(bound) else None
+    extra = [s for s in (detection, sample) if s is not None]
+    ordered = OrderedSums([*sums, *count_sums, *extra])
+    if n_unseen or extra:
+        for index, cells, unseen, own_rows in first_pass_batches(bound, rows, part, bool(extra)):
             batch_sums = ordered.fresh()
             if unseen is not None:
                 add_unseen(bound, unseen, batch_sums[:n_unseen], batch_sums[n_unseen:n_unseen * (1 + n_sets)])
             if detection is not None:
-                batch_sums[-1].add(bound.batches.codes[cells], own_rows)
+                batch_sums[n_unseen * (1 + n_sets)].add(bound.batches.codes[cells], own_rows)
+            picked = None if sample is None else sample.picked(bound.cell_keys[cells])
+            if picked is not None and picked.any():
+                batch_sums[-1].add(bound.cell_keys[cells][picked],
+                                   bound.net.encode(bound.model_input(own_rows[picked]))[0].numpy())
             ordered.push(index, batch_sums)
         totals = ordered.totals(part.gather)
         sums, count_sums = totals[:n_unseen], totals[n_unseen:n_unseen * (1 + n_sets)]
-        detection = totals[-1] if detection else None
+        detection = totals[n_unseen * (1 + n_sets)] if detection else None
+        sample = totals[-1] if sample else None
     by_set = [count_sums[i * n_unseen:(i + 1) * n_unseen] for i in range(n_sets)]
     settings = bound.settings
     statistics = calibration.Statistics(bound.trained.net, bound.reference, sums, bound.present.numpy(),
@@ -160,7 +191,7 @@ def estimate_unseen(bound, rows, part: Part) -> Estimates:
                for genes in bound.gene_sets]
     tables = tuple(count_tables(bound.trained.net, genes, set_sums, bound.reference, settings.spread, chosen)
                    for genes, set_sums, chosen in zip(bound.gene_sets, by_set, members))
-    return Estimates(statistics=statistics, count_tables=tables)
+    return Estimates(statistics=statistics, count_tables=tables, state_groups=sample and fit_groups(sample))
 
 
 def add_unseen(bound, cells: tuple, sums: list, count_sums: list) -> None:
@@ -217,31 +248,6 @@ def batch_terms(bound, first: Estimates, x: torch.Tensor, mu: torch.Tensor, code
     return decoder.numpy(), change, (values, observed, reference_values)
 
 
-def add_evidence(bound, first: Estimates, evidence: list[ShiftEvidenceSums], inputs: list[torch.Tensor],
-                 mu: torch.Tensor, codes: np.ndarray, modelled: tuple[np.ndarray, torch.Tensor]) -> None:
-    """One forward batch's shifts, counts and own-batch means of every count gene set (`inputs`: each set's
-    counts, (B, decoder genes)) into its `evidence` sums; `modelled`: the modelled genes' (shift, own fractions),
-    already decoded for the mean shift (`batch_terms`)."""
-    code_tensor, known = torch.from_numpy(codes), np.maximum(codes, 0)
-    for genes, tables, values, sums in zip(bound.gene_sets, first.count_tables, inputs, evidence):
-        shift, own = modelled if not genes.extra else counterfactual.log_mean_shift(
-            bound.net, mu, code_tensor, bound.reference, genes.present, True, tables.reference_members)
-        library = values[:, genes.present].sum(-1, keepdim=True)  # (B, 1)
-        means = (own * library).double().numpy() * tables.ratio[known]
-        sums.add(codes, np.asarray(shift, dtype=np.float64), values.double().numpy(), means)
-
-
-def weighted_tables(bound, first: Estimates, evidence: list[ShiftEvidenceSums]) -> tuple[tuple, tuple]:
-    """(each gene set's tables with the shift weights of its evidence, each set's (codes,) prior sd)."""
-    if not evidence:
-        return first.count_tables, ()
-    weighted = [sums.weights(tables, genes.present.numpy(), calibration.MIN_UNSEEN_CELLS, bound.reference,
-                             bound.batches.n_training)
-                for genes, tables, sums in zip(bound.gene_sets, first.count_tables, evidence)]
-    tables = tuple(dataclasses.replace(t, shift_weight=w) for t, (w, _) in zip(first.count_tables, weighted))
-    return tables, tuple(tau for _, tau in weighted)
-
-
 class MeanShiftSums:
     """Per batch code, over its cells: the sums of the term whose means the state shrink and the regional shift
     split against, of the whole change (keep_input on the log output), and the cell counts."""
@@ -270,11 +276,14 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
     mode = bound.settings.regional_shift if regional else "apply"
     whole = mode == "keep_input" and not bound.counts_output
     templates = [MeanShiftSums(n_codes, len(bound.trained.genes), whole)]
+    if first.state_groups is not None and bound.settings.state_dependence < 1:  # the state shrink's group means
+        templates.append(MeanShiftSums(n_codes * len(first.state_groups.centroids), len(bound.trained.genes), False))
     if regional and bound.normal is not None:
         templates.append((ReferenceCellSums if bound.counts_output else LogReferenceCellSums)(bound, first, n_codes))
     evidence = bound.counts_output and bound.settings.shrink == "evidence"
     if evidence:
-        templates += [ShiftEvidenceSums(n_codes, len(genes.present)) for genes in bound.gene_sets]
+        n_groups = [1] if first.state_groups is None else [1, len(first.state_groups.centroids)]
+        templates += [ShiftEvidenceSums(n_codes * n, len(genes.present)) for n in n_groups for genes in bound.gene_sets]
     elif bound.settings.shrink == "evidence":
         templates.append(LogShiftEvidenceSums(n_codes, len(bound.trained.genes)))
     ordered = OrderedSums(templates)
@@ -288,8 +297,10 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
             latents[cells] = add_mean_shift(bound, first, batch_sums, x[rows_of_batch],
                                             [values[rows_of_batch] for values in inputs], cells, whole)
             ordered.push(bound.batch_index(cells[0]), batch_sums)
-    sums, normal, log_evidence, count_evidence = by_role(ordered.totals(part.gather))
+    sums, group_sums, normal, log_evidence, count_evidence = by_role(ordered.totals(part.gather))
     state, shift = mean_shift(bound, sums, mode, regional)
+    if group_sums is not None:
+        state = group_shrink(state, sums, group_sums, first.state_groups)
     if shift is not None and normal is not None:
         shift = dataclasses.replace(shift, offset=normal.offset())
     if log_evidence is not None:
@@ -308,8 +319,10 @@ def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs:
     codes = bound.batches.codes[cells]
     mu, _ = bound.net.encode(x)  # (B, latent)
     term, change, own = batch_terms(bound, first, x, mu, codes, whole)
-    mean_sums, normal, log_evidence, count_evidence = by_role(sums)
+    mean_sums, group_sums, normal, log_evidence, count_evidence = by_role(sums)
     mean_sums.add(codes, term, change)
+    if group_sums is not None:
+        group_sums.add(group_codes(codes, first.state_groups, mu), term, None)
     if normal is not None:
         normal.add(x, torch.from_numpy(term) if bound.counts_output else mu, codes, cells[0])
     if log_evidence is not None:
@@ -320,12 +333,24 @@ def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs:
 
 
 def by_role(sums: list) -> tuple:
-    """The mean-shift pass's sums (`estimate_mean_shift`'s order) by role: (MeanShiftSums, the reference cells' or
-    None, the log output's evidence or None, each count gene set's evidence)."""
+    """The mean-shift pass's sums (`estimate_mean_shift`'s order) by role: (MeanShiftSums, those by state group or
+    None, the reference cells' or None, the log output's evidence or None, each count gene set's evidence)."""
     mean_sums, *rest = sums
+    group_sums = rest.pop(0) if rest and isinstance(rest[0], MeanShiftSums) else None
     normal = rest.pop(0) if rest and isinstance(rest[0], ReferenceCellSums) else None
     log_evidence = rest.pop(0) if rest and isinstance(rest[0], LogShiftEvidenceSums) else None
-    return mean_sums, normal, log_evidence, rest
+    return mean_sums, group_sums, normal, log_evidence, rest
+
+
+def group_shrink(state: counterfactual.StateShrink, sums: MeanShiftSums, group_sums: MeanShiftSums,
+                 groups: StateGroups) -> counterfactual.StateShrink:
+    """The state shrink toward each batch's mean over its cells of the cell's state group (its batch's mean for a
+    group without cells of the batch, which no cell then reads)."""
+    n_groups = len(groups.centroids)
+    batch_mean = np.repeat(sums.terms / np.maximum(sums.n_cells, 1)[:, None], n_groups, axis=0)  # (codes * K, G)
+    group_mean = group_sums.terms / np.maximum(group_sums.n_cells, 1)[:, None]
+    mean = np.where(group_sums.n_cells[:, None] > 0, group_mean, batch_mean)
+    return dataclasses.replace(state, mean=torch.as_tensor(mean, dtype=torch.float32), groups=groups)
 
 
 def log_change_and_residual(first: Estimates, terms: tuple, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

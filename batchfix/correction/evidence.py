@@ -18,11 +18,14 @@ ComBat shrinks its location by an empirical-Bayes prior across genes, here centr
                 shift, its weights fitted by maximum likelihood to the s_bg given their v_bg
     lambda_bg = median[true shift | s_bg] / s_bg under that prior (0 where no shift is at least as likely as any)
 
-and each cell's whole shift of gene g (state-dependent part included) is multiplied by lambda_bg; with reference
-cells (correction.normal_key) the regional part is then the batch's own, as its reference cells measured it (shrunk
-by its own noise: reference_cells.regional_offset). A shift far beyond its noise passes nearly whole; one within its
-noise is not applied at all, so its counts stay exactly as they were (a count mapped to its own distribution is its
-own). The weights come from the data alone: no tuned constant. The log-scale model's output is weighted alike
+and each cell's whole shift of gene g (state-dependent part included) is multiplied by lambda_bg, or with state
+groups (batchfix.correction.state_groups) by the larger of lambda_bg and lambda_bkg, the same over the batch's cells
+in the cell's group k (`state_weights`): a shift that changes sign between cell states averages to nothing over the
+batch and is measured in each state's cells instead; with reference cells (correction.normal_key) the regional part
+is then the batch's own, as its reference cells measured it (shrunk by its own noise:
+reference_cells.regional_offset). A shift far beyond its noise passes nearly whole; one within its noise is not
+applied at all, so its counts stay exactly as they were (a count mapped to its own distribution is its own). The
+weights come from the data alone: no tuned constant. The log-scale model's output is weighted alike
 (`LogShiftEvidenceSums`): each batch's mean change of a gene over its cells, against the sampling variance of that
 mean (the batch's residual variance over its cells; its covariance with the reference is not counted there).
 
@@ -33,11 +36,20 @@ the ratio alike, which its level would otherwise lower for every other batch.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+from typing import TYPE_CHECKING
+
 import numpy as np
+import torch
 from scipy import special
 
-from batchfix.correction import counts
+from batchfix.correction import calibration, counterfactual, counts
 from batchfix.correction.count_output import CountTables
+from batchfix.correction.state_groups import group_codes
+
+if TYPE_CHECKING:  # the estimate pass reads this module's sums
+    from batchfix.correction.estimates import Estimates
 
 HALF_COUNT = counts.RATIO_PRIOR_COUNTS  # the pseudo-count of a batch's total, as in its ratio
 EM_STEPS = 100  # EM iterations of the prior's mixture weights (converged well before on the development sets)
@@ -103,6 +115,60 @@ class ShiftEvidenceSums:
         weight, prior_sd = weights_by_batch(mean_shift, variance, present, np.flatnonzero(self.n_cells > 0))
         weight[absent_from_batches(self.counts, self.n_cells, min_cells) & present[None, :]] = 0.0
         return weight, prior_sd
+
+    def state_group(self, group: int, n_groups: int) -> ShiftEvidenceSums:
+        """The sums of one state group, by batch code, from sums kept by group code (code * n_groups + group)."""
+        view = copy.copy(self)
+        for name in self.SUMMED:
+            setattr(view, name, getattr(self, name)[group::n_groups])
+        return view
+
+    def state_weights(self, tables: CountTables, present: np.ndarray, reference: int | None, n_training: int,
+                      batch_weight: np.ndarray) -> np.ndarray:
+        """(codes, groups, genes) the weight of each batch's shift in each state group (`StateGroups`), from these
+        sums kept by group code: each group's shifts weighted as a batch's are (`weights`, a prior per batch and
+        group), and a cell's shift applied by whichever of its batch's and its group's evidence is the stronger
+        (`batch_weight` (codes, genes)), so a shift that changes sign between states, which averages to nothing over
+        a batch, is applied where its state measures it. A group without a count of the gene gives it no weight, so
+        a gene the batch lacks keeps its batch's 0."""
+        n_groups = len(self.n_cells) // len(batch_weight)
+        by_group = np.stack([self.state_group(group, n_groups).weights(tables, present, 0, reference, n_training)[0]
+                             for group in range(n_groups)], axis=1)  # (codes, groups, genes)
+        by_group = np.where(self.n_cells.reshape(-1, n_groups)[:, :, None] > 0, by_group, 0.0)
+        return np.maximum(batch_weight[:, None, :], by_group)
+
+
+def add_evidence(bound, first: Estimates, evidence: list[ShiftEvidenceSums], inputs: list[torch.Tensor],
+                 mu: torch.Tensor, codes: np.ndarray, modelled: tuple[np.ndarray, torch.Tensor]) -> None:
+    """One forward batch's shifts, counts and own-batch means of every count gene set (`inputs`: each set's
+    counts, (B, decoder genes)) into its `evidence` sums; `modelled`: the modelled genes' (shift, own fractions),
+    already decoded for the mean shift (`batch_terms`)."""
+    code_tensor, known = torch.from_numpy(codes), np.maximum(codes, 0)
+    by_group = None if first.state_groups is None else group_codes(codes, first.state_groups, mu)
+    for i, (genes, tables, values) in enumerate(zip(bound.gene_sets, first.count_tables, inputs)):
+        shift, own = modelled if not genes.extra else counterfactual.log_mean_shift(
+            bound.net, mu, code_tensor, bound.reference, genes.present, True, tables.reference_members)
+        library = values[:, genes.present].sum(-1, keepdim=True)  # (B, 1)
+        means = (own * library).double().numpy() * tables.ratio[known]
+        added = (np.asarray(shift, dtype=np.float64), values.double().numpy(), means)
+        evidence[i].add(codes, *added)
+        if by_group is not None:  # the same, by state group (after every gene set's batch sums)
+            evidence[len(inputs) + i].add(by_group, *added)
+
+
+def weighted_tables(bound, first: Estimates, evidence: list[ShiftEvidenceSums]) -> tuple[tuple, tuple]:
+    """(each gene set's tables with the shift weights of its evidence, each set's (codes,) prior sd)."""
+    if not evidence:
+        return first.count_tables, ()
+    n_sets, present = len(bound.gene_sets), [genes.present.numpy() for genes in bound.gene_sets]
+    weighted = [sums.weights(tables, chosen, calibration.MIN_UNSEEN_CELLS, bound.reference, bound.batches.n_training)
+                for chosen, tables, sums in zip(present, first.count_tables, evidence)]
+    by_state = [None] * n_sets if len(evidence) == n_sets else [
+        sums.state_weights(tables, chosen, bound.reference, bound.batches.n_training, weight)
+        for chosen, tables, sums, (weight, _) in zip(present, first.count_tables, evidence[n_sets:], weighted)]
+    tables = tuple(dataclasses.replace(t, shift_weight=w, state_weight=state, state_groups=first.state_groups)
+                   for t, (w, _), state in zip(first.count_tables, weighted, by_state))
+    return tables, tuple(tau for _, tau in weighted)
 
 
 class DetectionSums:

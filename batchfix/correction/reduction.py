@@ -9,7 +9,9 @@ the rest in the same order. So one process and N processes give the same sums (a
 accurate ones).
 
 An accumulator is any object whose class names its summed attributes in `SUMMED` (arrays added in place, ints,
-dicts of arrays, or None where unused); `zeroed` copies it with those attributes zero.
+dicts of arrays, or None where unused); `zeroed` copies it with those attributes zero. An accumulator with a
+`merge` method (a sample of cells, which grows instead of adding up) is merged in the same order instead, and its
+`emptied` copy is its zero.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import numpy as np
 
 def zeroed(accumulator):
     """A copy of `accumulator` with every attribute in its class's SUMMED set to zero (other attributes shared)."""
+    if hasattr(accumulator, "merge"):
+        return accumulator.emptied()
     fresh = copy.copy(accumulator)
     for name in type(accumulator).SUMMED:
         value = getattr(accumulator, name)
@@ -36,7 +40,10 @@ def zeroed(accumulator):
 
 
 def add_into(total, part) -> None:
-    """total's SUMMED attributes += part's."""
+    """total's SUMMED attributes += part's (or part merged into total)."""
+    if hasattr(total, "merge"):
+        total.merge(part)
+        return
     for name in type(total).SUMMED:
         value, added = getattr(total, name), getattr(part, name)
         if isinstance(value, np.ndarray):

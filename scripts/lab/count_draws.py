@@ -65,11 +65,13 @@ def batchfix_rows(cells, batch_key: str, label_key: str, seed: int) -> dict[str,
 
 
 def scores(raw: sp.csr_matrix, rows: dict[str, sp.csr_matrix], hvg: np.ndarray, obs: pd.DataFrame, batch_key: str,
-           label_key: str) -> pd.DataFrame:
+           label_key: str, truth: sp.csr_matrix | None = None) -> pd.DataFrame:
     """Removal and gene lines (log_cp10k over every gene, on the HVGs) and scIB (log_cp10k over the HVGs) of every
-    row's counts (cells, every gene), and of ComBat on each scale, against the raw counts `raw`."""
+    row's counts (cells, every gene), and of ComBat on each scale, against the raw counts `raw` (the gene lines
+    against `truth` where given: a stress set's untouched counts)."""
     batch, labels = obs[batch_key].astype(str).to_numpy(), obs[label_key].astype(str).to_numpy()
-    library = np.asarray(raw.sum(axis=1)).ravel()
+    against = raw if truth is None else truth
+    library = np.asarray(against.sum(axis=1)).ravel()
     user = {name: sp.csr_matrix(log_cp10k(counts)[:, hvg]) for name, counts in rows.items()}
     benchmark = {name: sp.csr_matrix(log_cp10k(counts[:, hvg])) for name, counts in rows.items()}
     raw_user, raw_benchmark = np.asarray(log_cp10k(raw)[:, hvg].toarray()), np.asarray(log_cp10k(raw[:, hvg]).toarray())
@@ -77,7 +79,7 @@ def scores(raw: sp.csr_matrix, rows: dict[str, sp.csr_matrix], hvg: np.ndarray, 
     benchmark["ComBat"] = baselines.combat(raw_benchmark, obs, batch_key)
     table = {}
     for name, values in user.items():
-        genes = fidelity.gene_fidelity(raw[:, hvg], values, batch, labels, library=library)
+        genes = fidelity.gene_fidelity(against[:, hvg], values, batch, labels, library=library)
         table[name] = {**removal.removal_scores(raw_user, values, batch, labels),
                        **{metric: genes[metric] for metric in fidelity.GENE_METRICS}}
     embeddings = {name: metrics.pca_embedding(values) for name, values in benchmark.items()}
@@ -97,14 +99,17 @@ def seed_runs(argv: list[str] | None, description: str, rows_of_seed, extra_rows
     add_data_arguments(parser)
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--out", help="CSV of every seed's rows")
+    parser.add_argument("--truth-layer", help="score the gene lines against this layer (a stress set's untouched "
+                                              "counts, scripts.stress_set) instead of X")
     args = parser.parse_args(argv)
     cells = load(args.data, args.batch_key, args.label_key, None, args.batches)
     hvg = cells.var_names.get_indexer(select_genes(cells, args.batch_key, 2000).var_names)
     raw = sp.csr_matrix(cells.X, dtype=np.float64)
+    truth = None if args.truth_layer is None else sp.csr_matrix(cells.layers[args.truth_layer], dtype=np.float64)
     frames = []
     for seed in args.seeds:
         rows = rows_of_seed(cells, args.batch_key, args.label_key, seed)
-        frame = scores(raw, rows, hvg, cells.obs, args.batch_key, args.label_key)
+        frame = scores(raw, rows, hvg, cells.obs, args.batch_key, args.label_key, truth)
         if extra_rows is not None:
             frame = pd.concat([frame, extra_rows(raw, hvg, cells.obs, args.batch_key, args.label_key, seed)])
         frames.append(frame.assign(seed=seed))

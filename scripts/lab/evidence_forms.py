@@ -48,17 +48,23 @@ FORMS = {
 }
 
 
-def batchfix_rows(cells, batch_key: str, label_key: str, seed: int) -> dict[str, sp.csr_matrix]:
-    """Each form's layers['batchfix_counts'] (every gene), from one default model trained on `cells`."""
-    model = batchfix.train(cells, batch_key=batch_key, label_key=label_key, seed=seed, threads=1,
-                           enable_progress_bar=False)
+def corrected_forms(cells, model, forms: dict[str, list]) -> dict[str, sp.csr_matrix]:
+    """Each form's layers['batchfix_counts'] (every gene) of `cells` by `model`, the form's patches applied."""
     rows = {}
-    for name, patches in FORMS.items():
+    for name, patches in forms.items():
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
             corrected = batchfix.correct(cells, model, copy=True, progress=False)
         rows[name] = sp.csr_matrix(corrected.layers["batchfix_counts"])
+    return rows
+
+
+def batchfix_rows(cells, batch_key: str, label_key: str, seed: int) -> dict[str, sp.csr_matrix]:
+    """Each form's layers['batchfix_counts'] (every gene), from one default model trained on `cells`."""
+    model = batchfix.train(cells, batch_key=batch_key, label_key=label_key, seed=seed, threads=1,
+                           enable_progress_bar=False)
+    rows = corrected_forms(cells, model, FORMS)
     corrected = batchfix.correct(cells, model, copy=True, shrink="none", progress=False)
     rows["batchfix, shrink=none"] = sp.csr_matrix(corrected.layers["batchfix_counts"])
     return rows
