@@ -176,7 +176,7 @@ def estimate_unseen(bound, rows, part: Part, n_obs: int) -> Estimates:
             picked = None if sample is None else sample.picked(bound.cell_keys[cells])
             if picked is not None and picked.any():
                 batch_sums[-1].add(bound.cell_keys[cells][picked],
-                                   bound.net.encode(bound.model_input(own_rows[picked]))[0].numpy())
+                                   bound.net.encode(bound.model_input(own_rows[picked], cells[0]))[0].numpy())
             ordered.push(index, batch_sums)
         totals = ordered.totals(part.gather)
         sums, count_sums = totals[:n_unseen], totals[n_unseen:n_unseen * (1 + n_sets)]
@@ -191,7 +191,8 @@ def estimate_unseen(bound, rows, part: Part, n_obs: int) -> Estimates:
                for genes in bound.gene_sets]
     tables = tuple(count_tables(bound.trained.net, genes, set_sums, bound.reference, settings.spread, chosen)
                    for genes, set_sums, chosen in zip(bound.gene_sets, by_set, members))
-    return Estimates(statistics=statistics, count_tables=tables, state_groups=sample and fit_groups(sample))
+    groups = None if sample is None else fit_groups(sample)
+    return Estimates(statistics=statistics, count_tables=tables, state_groups=groups)
 
 
 def add_unseen(bound, cells: tuple, sums: list, count_sums: list) -> None:
