@@ -20,16 +20,23 @@ def count_layers(chunk, corrected: np.ndarray, columns: np.ndarray, corrected_ma
     """{'counts', 'log'} CSR (cells, genes) float32: the chunk's counts with the `columns` (sorted) replaced by
     `corrected` (cells, len(columns)), and their log layer."""
     raw = sp.csr_matrix(chunk, dtype=np.float32)
-    kept = raw @ sp.diags((~corrected_mask).astype(np.float32))  # the other genes' counts as they are
+    raw.sum_duplicates()  # canonical: sorted columns, so the sum below keeps them sorted
+    kept = rows_where(raw, ~corrected_mask[raw.indices])  # the other genes' counts as they are
     values = corrected.astype(np.float32)
-    flat = np.flatnonzero(values)  # the corrected counts' nonzero entries only, row by row, columns ascending
-    indptr = np.concatenate([[0], np.cumsum(np.count_nonzero(values, axis=1))])
-    replaced = sp.csr_matrix((values.ravel()[flat], columns[flat % values.shape[1]], indptr), shape=raw.shape)
+    nonzero = values != 0  # the corrected counts' nonzero entries only, row by row, columns ascending
+    replaced = sp.csr_matrix((values[nonzero], np.broadcast_to(columns, values.shape)[nonzero],
+                              np.concatenate([[0], np.cumsum(nonzero.sum(axis=1))])), shape=raw.shape)
     counts = sp.csr_matrix(kept + replaced, dtype=np.float32)
     counts.eliminate_zeros()
     counts.sort_indices()
     log = sp.csr_matrix(log_cp10k(counts), dtype=np.float32)
     return {"counts": counts, "log": log}
+
+
+def rows_where(matrix: sp.csr_matrix, keep: np.ndarray) -> sp.csr_matrix:
+    """`matrix` with only its entries where `keep` (nnz,) bool is True, every row in place."""
+    kept_before = np.concatenate([[0], np.cumsum(keep)])  # (nnz + 1,) entries kept before each position
+    return sp.csr_matrix((matrix.data[keep], matrix.indices[keep], kept_before[matrix.indptr]), shape=matrix.shape)
 
 
 def modelled_layer(values: np.ndarray, columns: np.ndarray, n_vars: int) -> sp.csr_matrix:

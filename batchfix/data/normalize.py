@@ -19,5 +19,13 @@ def log_cp10k(counts):
         return torch.log1p(counts / counts.sum(-1, keepdim=True).clamp_min(1.0) * LIBRARY_SIZE)
     library = np.asarray(counts.sum(axis=1)).ravel().clip(min=1.0)
     if sp.issparse(counts):
-        return sp.csr_matrix(sp.diags(LIBRARY_SIZE / library) @ counts).log1p()
+        counts = sp.csr_matrix(counts)
+        if not counts.has_canonical_format:  # duplicates summed, on a copy: the caller's matrix is left as it is
+            counts = counts.copy()
+            counts.sum_duplicates()
+        scale = np.repeat(LIBRARY_SIZE / library, np.diff(counts.indptr))  # (nnz,) each entry's row's factor
+        result = sp.csr_matrix((np.log1p(counts.data * scale), counts.indices.copy(), counts.indptr.copy()),
+                               shape=counts.shape)
+        result.eliminate_zeros()
+        return result
     return np.log1p(np.asarray(counts) * (LIBRARY_SIZE / library)[:, None])
