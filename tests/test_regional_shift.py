@@ -12,8 +12,9 @@ import torch
 
 import batchfix
 from batchfix.api import train_config
-from batchfix.correction import calibration, counterfactual
+from batchfix.correction import calibration, counterfactual, counts
 from batchfix.correction.regional import GenomeSmoother, genome_smoother
+from batchfix.correction.state_groups import LatentSample
 from batchfix.data.normalize import log_cp10k
 from batchfix.errors import ConfigError
 from scripts import inject_clones
@@ -258,7 +259,8 @@ def test_residual_weight_keeps_that_share_of_each_cells_residual(subset, tiny_mo
 
 def test_the_regional_correction_encodes_each_cell_once(subset, tiny_model, monkeypatch):
     """`keep` needs every batch's mean shift before the first cell is corrected: the pass that estimates it keeps
-    the cells' latents, so the correction only decodes them, and gives the values a second encoding would."""
+    the cells' latents, so the correction only decodes them, and gives the values a second encoding would. (The
+    cells sampled for the state groups, here all 200, are encoded once more before that pass.)"""
     calls = []
     encode = type(tiny_model.net).encode
 
@@ -269,7 +271,9 @@ def test_the_regional_correction_encodes_each_cell_once(subset, tiny_model, monk
     kept = batchfix.correct(subset, tiny_model, regional_shift="keep", batch_size=64, copy=True)
     monkeypatch.setattr(type(tiny_model.net), "encode", counted)
     again = batchfix.correct(subset, tiny_model, regional_shift="keep", batch_size=64, copy=True)
-    assert sum(calls) == subset.n_obs
+    keys = counts.name_keys(subset.obs_names)
+    sampled = int(LatentSample(subset.n_obs, 8).picked(keys).sum())
+    assert sampled == subset.n_obs and sum(calls) == subset.n_obs + sampled
     assert np.array_equal(kept.layers["batchfix"].toarray(), again.layers["batchfix"].toarray())
     calls.clear()
     unpatched = counterfactual.corrected
@@ -279,7 +283,7 @@ def test_the_regional_correction_encodes_each_cell_once(subset, tiny_model, monk
 
     monkeypatch.setattr(counterfactual, "corrected", without_latents)
     recomputed = batchfix.correct(subset, tiny_model, regional_shift="keep", batch_size=64, copy=True)
-    assert sum(calls) == 2 * subset.n_obs
+    assert sum(calls) == 2 * subset.n_obs + sampled
     assert np.allclose(recomputed.layers["batchfix"].toarray(), kept.layers["batchfix"].toarray(), atol=1e-5)
 
 

@@ -120,6 +120,9 @@ class BoundModel:
         self.counts_output = settings.output_mode == "counterfactual" and trained.config.likelihood == "nb"
         self.gene_sets: list[count_output.GeneSet] = []  # the counts' modelled genes, then the extra genes
         self.corrected_mask = self.modelled_mask.copy()  # genes whose values the output changes
+        # The cells' name keys: the counts' quantile draws and the state groups' sample (batchfix.correction.counts)
+        self.cell_keys = None if batch is None else counts.name_keys(obs_names if obs_names is not None
+                                                                     else range(len(batch)))
         if self.counts_output:
             self.set_count_genes(var_names, obs_names if obs_names is not None else range(len(batch)))
         if settings.output_mode == "counterfactual":
@@ -127,8 +130,8 @@ class BoundModel:
             self.log_batches()
 
     def set_count_genes(self, var_names: pd.Index, obs_names) -> None:
-        """The gene sets of the corrected counts (modelled genes; the extra genes held by the input) and the keys
-        of the randomised quantiles (the cells' and the genes' names)."""
+        """The gene sets of the corrected counts (modelled genes; the extra genes held by the input, each with the
+        keys of its randomised quantiles: the genes' names)."""
         names = pd.Index(var_names).astype(str)
         modelled = count_output.GeneSet(False, self.out_model, self.out_columns, self.present,
                                         counts.name_keys(names[self.out_columns]))
@@ -139,7 +142,6 @@ class BoundModel:
                                          extra.keys[keep])
             self.corrected_mask[extra.columns] = True
         self.gene_sets = [modelled] + ([extra] if extra is not None and len(extra.columns) else [])
-        self.cell_keys = counts.name_keys(obs_names)
         repeated_names = pd.Index(obs_names).duplicated().sum()
         if repeated_names:
             log.warning("%d cells share their obs_name with an earlier cell: cells of one name share their zeros' "

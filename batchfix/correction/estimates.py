@@ -17,7 +17,6 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 import torch
@@ -29,11 +28,13 @@ from batchfix.correction.evidence import (
     LogShiftEvidenceSums,
     ShiftEvidenceSums,
     add_evidence,
+    log_change_and_residual,
     weighted_tables,
 )
+from batchfix.correction.mean_shifts import MeanShiftSums, group_shrink, mean_shift
 from batchfix.correction.reduction import Block, OrderedSums
 from batchfix.correction.reference_cells import LogReferenceCellSums, ReferenceCellSums
-from batchfix.correction.regional import RegionalShift, genome_smoother
+from batchfix.correction.regional import RegionalShift
 from batchfix.correction.state_groups import LatentSample, StateGroups, fit_groups, group_codes
 from batchfix.nn.attention import fused_attention
 
@@ -48,9 +49,10 @@ class Estimates:
     count_tables: one `CountTables` per gene set of the bound model (corrected counts); state: the state shrink
     (state_dependence < 1); regional: the regional shift's smoother and mean shifts (reference cells' offsets
     included); shift_prior_sd: per gene set, each batch code's prior sd of its shifts across genes (the evidence
-    weights', batchfix.correction.evidence, held in the tables); state_groups: the latent's groups the evidence
-    weights are also taken in; log_shift_weight: (codes, G) the weight of each batch's change of each gene (the log
-    output's evidence weights). None (or empty) where the output does not use it."""
+    weights', batchfix.correction.evidence, held in the tables); state_groups: the latent's groups the state
+    shrink's means and the evidence weights are also taken in; log_shift_weight: (codes, G) the weight of each
+    batch's change of each gene (the log output's evidence weights), log_state_weight (codes, groups, G) the same
+    by state group, the stronger of the two. None (or empty) where the output does not use it."""
 
     statistics: calibration.Statistics | None = None
     count_tables: tuple[CountTables, ...] = ()
@@ -59,6 +61,7 @@ class Estimates:
     regional: RegionalShift | None = None
     state_groups: StateGroups | None = None
     log_shift_weight: np.ndarray | None = None
+    log_state_weight: np.ndarray | None = None
 
     def summary(self, batch_names: list[str]) -> dict:
         """What was estimated, for uns[key_added]['estimates']; `batch_names` by batch code."""
@@ -78,9 +81,10 @@ class Estimates:
         with state groups, the share of (group, gene) pairs whose group's evidence raised the weight."""
         weights = self.log_shift_weight if self.log_shift_weight is not None else \
             np.hstack([tables.shift_weight for tables in self.count_tables])  # (codes, all genes)
+        by_state = [(self.log_shift_weight, self.log_state_weight)] if self.log_shift_weight is not None else \
+            [(tables.shift_weight, tables.state_weight) for tables in self.count_tables]
         raised = None if self.state_groups is None else np.concatenate(  # (codes, groups * all genes)
-            [(t.state_weight > t.shift_weight[:, None, :]).reshape(len(weights), -1) for t in self.count_tables],
-            axis=1)
+            [(state > batch[:, None, :]).reshape(len(weights), -1) for batch, state in by_state], axis=1)
         return {name: {"prior_sd": round(float(self.shift_prior_sd[0][code]), 4),
                        "median_weight": round(float(np.median(weights[code])), 4),
                        "share_more_than_halved": round(float((weights[code] < 0.5).mean()), 4),
@@ -148,9 +152,9 @@ def detects_absence(bound) -> bool:
 
 def weighs_states(bound) -> bool:
     """Whether the correction is also estimated per state group of the latent (batchfix.correction.state_groups):
-    the corrected counts with evidence weights and some state dependence (at state_dependence=0 every cell of a
-    batch takes one shift, its batch's mean)."""
-    return bound.counts_output and bound.settings.shrink == "evidence" and bound.settings.state_dependence > 0
+    the counterfactual output (counts or log-scale) with evidence weights and some state dependence (at
+    state_dependence=0 every cell of a batch takes one shift, its batch's mean)."""
+    return bound.settings.shrink == "evidence" and bound.settings.state_dependence > 0
 
 
 def estimate_unseen(bound, rows, part: Part, n_obs: int) -> Estimates:
@@ -249,25 +253,6 @@ def batch_terms(bound, first: Estimates, x: torch.Tensor, mu: torch.Tensor, code
     return decoder.numpy(), change, (values, observed, reference_values)
 
 
-class MeanShiftSums:
-    """Per batch code, over its cells: the sums of the term whose means the state shrink and the regional shift
-    split against, of the whole change (keep_input on the log output), and the cell counts."""
-
-    SUMMED = ("terms", "changes", "n_cells")  # batchfix.correction.reduction adds these
-
-    def __init__(self, n_codes: int, n_genes: int, whole: bool):
-        self.terms = np.zeros((n_codes, n_genes))
-        self.changes = np.zeros_like(self.terms) if whole else None
-        self.n_cells = np.zeros(n_codes, dtype=np.int64)
-
-    def add(self, codes: np.ndarray, term: np.ndarray, change: np.ndarray | None) -> None:
-        for code in np.unique(codes[codes >= 0]):
-            self.terms[code] += term[codes == code].sum(axis=0)
-            if change is not None:
-                self.changes[code] += change[codes == code].sum(axis=0)
-            self.n_cells[code] += int((codes == code).sum())
-
-
 def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
                         regional: bool) -> tuple[Estimates, np.ndarray]:
     """`first` with each batch code's mean term over its cells (for state_dependence, counterfactual.StateShrink)
@@ -286,7 +271,8 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
         n_groups = [1] if first.state_groups is None else [1, len(first.state_groups.centroids)]
         templates += [ShiftEvidenceSums(n_codes * n, len(genes.present)) for n in n_groups for genes in bound.gene_sets]
     elif bound.settings.shrink == "evidence":
-        templates.append(LogShiftEvidenceSums(n_codes, len(bound.trained.genes)))
+        n_groups = [1] if first.state_groups is None else [1, len(first.state_groups.centroids)]
+        templates += [LogShiftEvidenceSums(n_codes * n, len(bound.trained.genes)) for n in n_groups]
     ordered = OrderedSums(templates)
     latents = np.empty((n_obs, bound.latent_dim), dtype=np.float32)  # this part's rows set, the others' left unset
     for start, stop in bound.chunks(part.start, part.stop):
@@ -304,10 +290,11 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
         state = group_shrink(state, sums, group_sums, first.state_groups)
     if shift is not None and normal is not None:
         shift = dataclasses.replace(shift, offset=normal.offset())
-    if log_evidence is not None:
-        log_weight, prior_sd = log_evidence.weights(bound.present.numpy())
-        return dataclasses.replace(first, log_shift_weight=log_weight, shift_prior_sd=(prior_sd,), state=state,
-                                   regional=shift), latents
+    if log_evidence:
+        log_weight, prior_sd = log_evidence[0].weights(bound.present.numpy())
+        by_state = log_evidence[1].state_weights(bound.present.numpy(), log_weight) if len(log_evidence) > 1 else None
+        return dataclasses.replace(first, log_shift_weight=log_weight, log_state_weight=by_state,
+                                   shift_prior_sd=(prior_sd,), state=state, regional=shift), latents
     tables, prior_sd = weighted_tables(bound, first, count_evidence)
     return dataclasses.replace(first, count_tables=tables, shift_prior_sd=prior_sd, state=state,
                                regional=shift), latents
@@ -326,8 +313,11 @@ def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs:
         group_sums.add(group_codes(codes, first.state_groups, mu), term, None)
     if normal is not None:
         normal.add(x, torch.from_numpy(term) if bound.counts_output else mu, codes, cells[0])
-    if log_evidence is not None:
-        log_evidence.add(codes, *log_change_and_residual(first, own, codes))
+    if log_evidence:
+        change_and_residual = log_change_and_residual(first, own, codes)
+        log_evidence[0].add(codes, *change_and_residual)
+        if len(log_evidence) > 1:  # the same, by state group
+            log_evidence[1].add(group_codes(codes, first.state_groups, mu), *change_and_residual)
     if count_evidence:
         add_evidence(bound, first, count_evidence, inputs, mu, codes, (term, own))
     return mu.numpy()
@@ -335,63 +325,10 @@ def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs:
 
 def by_role(sums: list) -> tuple:
     """The mean-shift pass's sums (`estimate_mean_shift`'s order) by role: (MeanShiftSums, those by state group or
-    None, the reference cells' or None, the log output's evidence or None, each count gene set's evidence)."""
+    None, the reference cells' or None, the log output's evidence (by batch, then by state group) or [], each count
+    gene set's evidence (by batch, then by state group) or [])."""
     mean_sums, *rest = sums
     group_sums = rest.pop(0) if rest and isinstance(rest[0], MeanShiftSums) else None
     normal = rest.pop(0) if rest and isinstance(rest[0], ReferenceCellSums) else None
-    log_evidence = rest.pop(0) if rest and isinstance(rest[0], LogShiftEvidenceSums) else None
-    return mean_sums, group_sums, normal, log_evidence, rest
-
-
-def group_shrink(state: counterfactual.StateShrink, sums: MeanShiftSums, group_sums: MeanShiftSums,
-                 groups: StateGroups) -> counterfactual.StateShrink:
-    """The state shrink toward each batch's mean over its cells of the cell's state group (its batch's mean for a
-    group without cells of the batch, which no cell then reads)."""
-    n_groups = len(groups.centroids)
-    batch_mean = np.repeat(sums.terms / np.maximum(sums.n_cells, 1)[:, None], n_groups, axis=0)  # (codes * K, G)
-    group_mean = group_sums.terms / np.maximum(group_sums.n_cells, 1)[:, None]
-    mean = np.where(group_sums.n_cells[:, None] > 0, group_mean, batch_mean)
-    return dataclasses.replace(state, mean=torch.as_tensor(mean, dtype=torch.float32), groups=groups)
-
-
-def log_change_and_residual(first: Estimates, terms: tuple, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(B, G) each cell's change on the log output before the floor (values - input) and its residual (input less
-    its batch's decoding and location), from the output's `terms` (values, input, reference decoding)."""
-    values, observed, reference_values = terms
-    statistics = first.statistics
-    scale = statistics.scale[torch.from_numpy(np.maximum(codes, 0))].clamp_min(torch.finfo(values.dtype).tiny)
-    residual = (values - reference_values - statistics.ref_location) / scale  # values = ref + loc_ref + k residual
-    return (values - observed).double().numpy(), residual.double().numpy()
-
-
-def mean_shift(bound, sums: MeanShiftSums, mode: str,
-               regional: bool) -> tuple[counterfactual.StateShrink | None, RegionalShift | None]:
-    """The state shrink and the regional shift from the per-code sums (`estimate_mean_shift`)."""
-    settings, n_cells = bound.settings, sums.n_cells
-    n_codes = len(n_cells)
-    estimated = n_cells >= calibration.MIN_UNSEEN_CELLS
-    small = [bound.batch_name(c) for c in np.flatnonzero(~estimated & (n_cells > 0))]
-    unmet = [what for what, needed in (
-        ("keep no regional part of their shift (regional_shift=keep)", mode == "keep"),
-        ("get all of its state dependence (state_dependence < 1)", settings.state_dependence < 1)) if needed]
-    if small and unmet:
-        log.warning("Batches with fewer than %d cells in the input have no mean shift of their own; their cells "
-                    "%s: %s", calibration.MIN_UNSEEN_CELLS, " and ".join(unmet), small)
-    batch_mean = sums.terms / np.maximum(n_cells, 1)[:, None]  # (codes, G)
-    as_tensor = partial(torch.as_tensor, dtype=torch.float32)
-    state = None
-    if settings.state_dependence < 1:
-        state = counterfactual.StateShrink(float(settings.state_dependence), as_tensor(batch_mean),
-                                           as_tensor(estimated))
-    if not regional:
-        return state, None
-    if mode == "keep":
-        shift = batch_mean
-    else:  # one mean over every cell, for every batch
-        split_sums = sums.terms if sums.changes is None else sums.changes
-        shift = np.repeat(split_sums.sum(axis=0, keepdims=True) / max(n_cells.sum(), 1), n_codes, axis=0)
-        estimated = np.full(n_codes, n_cells.sum() >= calibration.MIN_UNSEEN_CELLS)
-    smoother = genome_smoother(list(bound.trained.module.hparams.chromosome), settings.regional_order,
-                               settings.regional_window, settings.regional_seed)
-    return state, RegionalShift(smoother, as_tensor(shift), as_tensor(estimated),
-                                whole=mode == "keep_input" and not bound.counts_output)
+    log_evidence = [part for part in rest if isinstance(part, LogShiftEvidenceSums)]
+    return mean_sums, group_sums, normal, log_evidence, [part for part in rest if isinstance(part, ShiftEvidenceSums)]

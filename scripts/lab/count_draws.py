@@ -65,15 +65,18 @@ def batchfix_rows(cells, batch_key: str, label_key: str, seed: int) -> dict[str,
 
 
 def scores(raw: sp.csr_matrix, rows: dict[str, sp.csr_matrix], hvg: np.ndarray, obs: pd.DataFrame, batch_key: str,
-           label_key: str, truth: sp.csr_matrix | None = None) -> pd.DataFrame:
+           label_key: str, truth: sp.csr_matrix | None = None, log_rows: bool = False) -> pd.DataFrame:
     """Removal and gene lines (log_cp10k over every gene, on the HVGs) and scIB (log_cp10k over the HVGs) of every
     row's counts (cells, every gene), and of ComBat on each scale, against the raw counts `raw` (the gene lines
-    against `truth` where given: a stress set's untouched counts)."""
+    against `truth` where given: a stress set's untouched counts). With `log_rows` the rows are log values already
+    (a log-scale model's output, cells x every gene), scored as they are on both scales."""
     batch, labels = obs[batch_key].astype(str).to_numpy(), obs[label_key].astype(str).to_numpy()
     against = raw if truth is None else truth
     library = np.asarray(against.sum(axis=1)).ravel()
-    user = {name: sp.csr_matrix(log_cp10k(counts)[:, hvg]) for name, counts in rows.items()}
-    benchmark = {name: sp.csr_matrix(log_cp10k(counts[:, hvg])) for name, counts in rows.items()}
+    user = {name: sp.csr_matrix(values[:, hvg] if log_rows else log_cp10k(values)[:, hvg])
+            for name, values in rows.items()}
+    benchmark = dict(user) if log_rows else {name: sp.csr_matrix(log_cp10k(counts[:, hvg]))
+                                              for name, counts in rows.items()}
     raw_user, raw_benchmark = np.asarray(log_cp10k(raw)[:, hvg].toarray()), np.asarray(log_cp10k(raw[:, hvg]).toarray())
     user["ComBat"] = baselines.combat(raw_user, obs, batch_key)
     benchmark["ComBat"] = baselines.combat(raw_benchmark, obs, batch_key)
@@ -90,10 +93,12 @@ def scores(raw: sp.csr_matrix, rows: dict[str, sp.csr_matrix], hvg: np.ndarray, 
     return pd.DataFrame(table).T
 
 
-def seed_runs(argv: list[str] | None, description: str, rows_of_seed, extra_rows=None) -> pd.DataFrame:
+def seed_runs(argv: list[str] | None, description: str, rows_of_seed, extra_rows=None,
+              log_rows: bool = False) -> pd.DataFrame:
     """The command line the per-seed lab scripts share: the data's cells and 2,000 HVGs, then for each --seeds seed
-    the rows `rows_of_seed(cells, batch_key, label_key, seed)` scored by `scores` (and the rows
-    `extra_rows(raw, hvg, obs, batch_key, label_key, seed)` appended), each seed's table and the mean printed, every
+    the rows `rows_of_seed(cells, batch_key, label_key, seed)` scored by `scores` (as log values with `log_rows`;
+    and the rows `extra_rows(raw, hvg, obs, batch_key, label_key, seed)` appended), each seed's table and the mean
+    printed, every
     seed's rows written to --out and returned."""
     parser = argparse.ArgumentParser(description=description.split("\n\n")[0])
     add_data_arguments(parser)
@@ -109,7 +114,7 @@ def seed_runs(argv: list[str] | None, description: str, rows_of_seed, extra_rows
     frames = []
     for seed in args.seeds:
         rows = rows_of_seed(cells, args.batch_key, args.label_key, seed)
-        frame = scores(raw, rows, hvg, cells.obs, args.batch_key, args.label_key, truth)
+        frame = scores(raw, rows, hvg, cells.obs, args.batch_key, args.label_key, truth, log_rows)
         if extra_rows is not None:
             frame = pd.concat([frame, extra_rows(raw, hvg, cells.obs, args.batch_key, args.label_key, seed)])
         frames.append(frame.assign(seed=seed))

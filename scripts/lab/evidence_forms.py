@@ -48,15 +48,15 @@ FORMS = {
 }
 
 
-def corrected_forms(cells, model, forms: dict[str, list]) -> dict[str, sp.csr_matrix]:
-    """Each form's layers['batchfix_counts'] (every gene) of `cells` by `model`, the form's patches applied."""
+def corrected_forms(cells, model, forms: dict[str, list], layer: str = "batchfix_counts") -> dict[str, sp.csr_matrix]:
+    """Each form's `layer` (every gene) of `cells` by `model`, the form's patches applied."""
     rows = {}
     for name, patches in forms.items():
         with contextlib.ExitStack() as stack:
             for patch in patches:
                 stack.enter_context(patch)
             corrected = batchfix.correct(cells, model, copy=True, progress=False)
-        rows[name] = sp.csr_matrix(corrected.layers["batchfix_counts"])
+        rows[name] = sp.csr_matrix(corrected.layers[layer])
     return rows
 
 
