@@ -172,6 +172,29 @@ def test_ranks_estimating_their_own_rows_hold_one_process_estimates_bit_for_bit(
                     assert np.array_equal(compared[path], value, equal_nan=True), (count, path)
 
 
+def test_the_log_scale_outputs_state_groups_and_weights_over_parts_are_one_process_bits(log_scale_subset, tmp_path):
+    """The log-scale model's estimates (its state groups, the group means and the per-group evidence weights
+    included), each part summing only its rows, equal one process's bit for bit."""
+    import batchfix
+
+    torch.set_num_threads(1)
+    model = batchfix.train(log_scale_subset, batch_key="batch", seed=0, scale="log", likelihood="gaussian",
+                           n_top_genes=None, genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8,
+                           decoder_hidden=32, batch_size=64, max_epochs=2, threads=1, enable_progress_bar=False)
+    log_scale_subset.write_h5ad(tmp_path / "log.h5ad")
+    settings = command_line_settings(model)
+    with ondisk.open_anndata(tmp_path / "log.h5ad") as src:
+        bound, rows, n_obs = bind_file(src, tmp_path / "log.h5ad", model, settings, None, None, False)
+        one_process = estimate(bound, rows, n_obs)[0]
+        assert one_process.state_groups is not None and one_process.log_state_weight is not None
+        expected = leaves(one_process)
+        for part in estimates_of_parts(bound, rows, n_obs, 2):
+            compared = leaves(part)
+            assert compared.keys() == expected.keys()
+            for path, value in expected.items():
+                assert np.array_equal(compared[path], value, equal_nan=True), path
+
+
 def leaves(value, path: str = "") -> dict:
     """{path: numpy array} of every array, tensor and number reachable from an estimates object."""
     if isinstance(value, torch.Tensor):
