@@ -172,6 +172,7 @@ def test_ranks_estimating_their_own_rows_hold_one_process_estimates_bit_for_bit(
                     assert np.array_equal(compared[path], value, equal_nan=True), (count, path)
 
 
+@pytest.mark.slow
 def test_the_log_scale_outputs_state_groups_and_weights_over_parts_are_one_process_bits(log_scale_subset, tmp_path):
     """The log-scale model's estimates (its state groups, the group means and the per-group evidence weights
     included), each part summing only its rows, equal one process's bit for bit."""

@@ -267,11 +267,10 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
     if regional and bound.normal is not None:
         templates.append((ReferenceCellSums if bound.counts_output else LogReferenceCellSums)(bound, first, n_codes))
     evidence = bound.counts_output and bound.settings.shrink == "evidence"
+    n_groups = [1] if first.state_groups is None else [1, len(first.state_groups.centroids)]  # by batch, by group
     if evidence:
-        n_groups = [1] if first.state_groups is None else [1, len(first.state_groups.centroids)]
         templates += [ShiftEvidenceSums(n_codes * n, len(genes.present)) for n in n_groups for genes in bound.gene_sets]
     elif bound.settings.shrink == "evidence":
-        n_groups = [1] if first.state_groups is None else [1, len(first.state_groups.centroids)]
         templates += [LogShiftEvidenceSums(n_codes * n, len(bound.trained.genes)) for n in n_groups]
     ordered = OrderedSums(templates)
     latents = np.empty((n_obs, bound.latent_dim), dtype=np.float32)  # this part's rows set, the others' left unset

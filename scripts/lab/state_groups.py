@@ -14,9 +14,10 @@ Scored as scripts/lab/count_draws.py scores, paired against the form before:
 
     python -m scripts.lab.state_groups data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
 
-With --log-scale (first), the same forms of the log-scale model's output: the model trained with data.scale=log on
-log1p(counts per 10k) over every gene, restricted to the 2,000 HVGs the rows are scored on (all of them modelled),
-its layers['batchfix'] in those columns, every other gene's log value as it was:
+With --log-scale (first), the same forms of the log-scale model's output, and the default with every change applied
+in full (shrink=none): the model trained with data.scale=log on log1p(counts per 10k) over every gene, restricted to
+the 2,000 HVGs the rows are scored on (all of them modelled), its layers['batchfix'] in those columns, every other
+gene's log value as it was:
 
     python -m scripts.lab.state_groups --log-scale data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
 """
@@ -73,8 +74,10 @@ def log_scale_rows(cells, batch_key: str, label_key: str, seed: int) -> dict[str
     assert len(model.genes) == len(hvg), "every HVG is modelled"
     order = np.arange(values.shape[1])
     order[hvg] = values.shape[1] + np.arange(len(hvg))  # each HVG's column from the corrected block
-    return {name: sp.csr_matrix(sp.hstack([values, layer]))[:, order]
-            for name, layer in corrected_forms(modelled, model, FORMS, layer="batchfix").items()}
+    layers = corrected_forms(modelled, model, FORMS, layer="batchfix")
+    layers["batchfix, shrink=none"] = sp.csr_matrix(batchfix.correct(modelled, model, copy=True, shrink="none",
+                                                                     progress=False).layers["batchfix"])
+    return {name: sp.csr_matrix(sp.hstack([values, layer]))[:, order] for name, layer in layers.items()}
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
