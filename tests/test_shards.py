@@ -173,9 +173,9 @@ def test_ranks_estimating_their_own_rows_hold_one_process_estimates_bit_for_bit(
 
 
 @pytest.mark.slow
-def test_the_log_scale_outputs_state_groups_and_weights_over_parts_are_one_process_bits(log_scale_subset, tmp_path):
-    """The log-scale model's estimates (its state groups, the group means and the per-group evidence weights
-    included), each part summing only its rows, equal one process's bit for bit."""
+def test_the_log_scale_outputs_state_groups_over_parts_are_one_process_bits(log_scale_subset, tmp_path):
+    """The log-scale model's estimates (its state groups and the state shrink's group means included), each part
+    summing only its rows, equal one process's bit for bit."""
     import batchfix
 
     torch.set_num_threads(1)
@@ -187,7 +187,7 @@ def test_the_log_scale_outputs_state_groups_and_weights_over_parts_are_one_proce
     with ondisk.open_anndata(tmp_path / "log.h5ad") as src:
         bound, rows, n_obs = bind_file(src, tmp_path / "log.h5ad", model, settings, None, None, False)
         one_process = estimate(bound, rows, n_obs)[0]
-        assert one_process.state_groups is not None and one_process.log_state_weight is not None
+        assert one_process.state_groups is not None and one_process.state.groups is not None
         expected = leaves(one_process)
         for part in estimates_of_parts(bound, rows, n_obs, 2):
             compared = leaves(part)

@@ -1,6 +1,6 @@
 """State groups (batchfix.correction.state_groups): k-means groups of the latent that the evidence weights and the
-state shrink are also taken in (the corrected counts' and the log-scale output's), so a batch effect that differs
-between cell states, even in sign, is measured and removed where its cells are."""
+state shrink are also taken in (the state shrink's for the corrected counts and the log-scale output), so a batch
+effect that differs between cell states, even in sign, is measured and removed where its cells are."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,7 +9,7 @@ import torch
 from batchfix.correction import counterfactual
 from batchfix.correction.count_output import CountTables
 from batchfix.correction.counts import name_keys
-from batchfix.correction.evidence import LogShiftEvidenceSums, ShiftEvidenceSums
+from batchfix.correction.evidence import ShiftEvidenceSums
 from batchfix.correction.state_groups import LatentSample, StateGroups, fit_groups, group_codes
 
 
@@ -66,33 +66,6 @@ def test_a_shift_that_changes_sign_between_states_is_applied_where_its_state_mea
     assert np.median(batch_weight[0]) < 0.1 and state_weight[0].min() > 0.99
     assert np.median(state_weight[2]) == 0.0 and (state_weight[2] > 0.5).mean() <= 0.01
     assert (batch_weight[2, -1] == 0.0) and (state_weight[2, :, -1] == 0.0).all()
-
-
-def test_the_log_outputs_change_that_changes_sign_between_states_is_applied_where_its_state_measures_it():
-    """The log-scale output alike (LogShiftEvidenceSums): batch 0 changes every gene by +1 in state group 0 and -1 in
-    group 1, residual sd 0.5 over 100 cells each, so its mean change over the batch is 0 and its batch weight ~0, each
-    group's ~1; batch 2's changes are noise in both groups. A group of one cell gives no weight."""
-    rng = np.random.default_rng(0)
-    n_genes, n_cells, n_groups = 200, 100, 2
-    by_group = LogShiftEvidenceSums(3 * n_groups, n_genes)
-    sign = rng.choice([-1.0, 1.0], n_genes)
-    for group in range(n_groups):
-        rows = np.arange(3) * n_groups + group  # (batch codes) in group code order
-        by_group.change[rows[0]] = sign * (1.0 if group == 0 else -1.0) * n_cells
-        by_group.change[rows[2]] = rng.normal(0.0, 0.5 / np.sqrt(n_cells), n_genes) * n_cells
-        by_group.residual_squares[rows] = 0.25 * n_cells
-        by_group.n_cells[rows] = n_cells
-    by_group.n_cells[1 * n_groups + 1] = 1  # batch 1 has a single cell in group 1
-    by_batch = LogShiftEvidenceSums(3, n_genes)
-    for name in LogShiftEvidenceSums.SUMMED:
-        setattr(by_batch, name, np.add.reduceat(getattr(by_group, name), np.arange(0, 3 * n_groups, n_groups), axis=0))
-    present = np.ones(n_genes, dtype=bool)
-    batch_weight, _ = by_batch.weights(present)
-    state_weight = by_group.state_weights(present, batch_weight)
-    assert state_weight.shape == (3, n_groups, n_genes)
-    assert np.median(batch_weight[0]) < 0.1 and state_weight[0].min() > 0.99
-    assert np.median(state_weight[2]) < 0.1 and (state_weight[2] > 0.5).mean() <= 0.05
-    np.testing.assert_array_equal(state_weight[1, 1], batch_weight[1])  # the one-cell group: its batch's weight
 
 
 def test_the_state_shrink_draws_each_cell_toward_its_batch_and_groups_mean():

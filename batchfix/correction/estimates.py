@@ -50,9 +50,9 @@ class Estimates:
     (state_dependence < 1); regional: the regional shift's smoother and mean shifts (reference cells' offsets
     included); shift_prior_sd: per gene set, each batch code's prior sd of its shifts across genes (the evidence
     weights', batchfix.correction.evidence, held in the tables); state_groups: the latent's groups the state
-    shrink's means and the evidence weights are also taken in; log_shift_weight: (codes, G) the weight of each
-    batch's change of each gene (the log output's evidence weights), log_state_weight (codes, groups, G) the same
-    by state group, the stronger of the two. None (or empty) where the output does not use it."""
+    shrink's means (and the counts' evidence weights) are also taken in; log_shift_weight: (codes, G) the weight of
+    each batch's change of each gene (the log output's evidence weights). None (or empty) where the output does not
+    use it."""
 
     statistics: calibration.Statistics | None = None
     count_tables: tuple[CountTables, ...] = ()
@@ -61,7 +61,6 @@ class Estimates:
     regional: RegionalShift | None = None
     state_groups: StateGroups | None = None
     log_shift_weight: np.ndarray | None = None
-    log_state_weight: np.ndarray | None = None
 
     def summary(self, batch_names: list[str]) -> dict:
         """What was estimated, for uns[key_added]['estimates']; `batch_names` by batch code."""
@@ -81,10 +80,9 @@ class Estimates:
         with state groups, the share of (group, gene) pairs whose group's evidence raised the weight."""
         weights = self.log_shift_weight if self.log_shift_weight is not None else \
             np.hstack([tables.shift_weight for tables in self.count_tables])  # (codes, all genes)
-        by_state = [(self.log_shift_weight, self.log_state_weight)] if self.log_shift_weight is not None else \
-            [(tables.shift_weight, tables.state_weight) for tables in self.count_tables]
-        raised = None if self.state_groups is None else np.concatenate(  # (codes, groups * all genes)
-            [(state > batch[:, None, :]).reshape(len(weights), -1) for batch, state in by_state], axis=1)
+        raised = None if self.state_groups is None or not self.count_tables else np.concatenate(
+            [(t.state_weight > t.shift_weight[:, None, :]).reshape(len(weights), -1) for t in self.count_tables],
+            axis=1)  # (codes, groups * all genes)
         return {name: {"prior_sd": round(float(self.shift_prior_sd[0][code]), 4),
                        "median_weight": round(float(np.median(weights[code])), 4),
                        "share_more_than_halved": round(float((weights[code] < 0.5).mean()), 4),
@@ -267,11 +265,11 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
     if regional and bound.normal is not None:
         templates.append((ReferenceCellSums if bound.counts_output else LogReferenceCellSums)(bound, first, n_codes))
     evidence = bound.counts_output and bound.settings.shrink == "evidence"
-    n_groups = [1] if first.state_groups is None else [1, len(first.state_groups.centroids)]  # by batch, by group
     if evidence:
+        n_groups = [1] if first.state_groups is None else [1, len(first.state_groups.centroids)]  # by batch, by group
         templates += [ShiftEvidenceSums(n_codes * n, len(genes.present)) for n in n_groups for genes in bound.gene_sets]
-    elif bound.settings.shrink == "evidence":
-        templates += [LogShiftEvidenceSums(n_codes * n, len(bound.trained.genes)) for n in n_groups]
+    elif bound.settings.shrink == "evidence":  # the log output: by batch alone (batchfix.correction.evidence)
+        templates.append(LogShiftEvidenceSums(n_codes, len(bound.trained.genes)))
     ordered = OrderedSums(templates)
     latents = np.empty((n_obs, bound.latent_dim), dtype=np.float32)  # this part's rows set, the others' left unset
     for start, stop in bound.chunks(part.start, part.stop):
@@ -289,11 +287,10 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
         state = group_shrink(state, sums, group_sums, first.state_groups)
     if shift is not None and normal is not None:
         shift = dataclasses.replace(shift, offset=normal.offset())
-    if log_evidence:
-        log_weight, prior_sd = log_evidence[0].weights(bound.present.numpy())
-        by_state = log_evidence[1].state_weights(bound.present.numpy(), log_weight) if len(log_evidence) > 1 else None
-        return dataclasses.replace(first, log_shift_weight=log_weight, log_state_weight=by_state,
-                                   shift_prior_sd=(prior_sd,), state=state, regional=shift), latents
+    if log_evidence is not None:
+        log_weight, prior_sd = log_evidence.weights(bound.present.numpy())
+        return dataclasses.replace(first, log_shift_weight=log_weight, shift_prior_sd=(prior_sd,), state=state,
+                                   regional=shift), latents
     tables, prior_sd = weighted_tables(bound, first, count_evidence)
     return dataclasses.replace(first, count_tables=tables, shift_prior_sd=prior_sd, state=state,
                                regional=shift), latents
@@ -312,11 +309,8 @@ def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs:
         group_sums.add(group_codes(codes, first.state_groups, mu), term, None)
     if normal is not None:
         normal.add(x, torch.from_numpy(term) if bound.counts_output else mu, codes, cells[0])
-    if log_evidence:
-        change_and_residual = log_change_and_residual(first, own, codes)
-        log_evidence[0].add(codes, *change_and_residual)
-        if len(log_evidence) > 1:  # the same, by state group
-            log_evidence[1].add(group_codes(codes, first.state_groups, mu), *change_and_residual)
+    if log_evidence is not None:
+        log_evidence.add(codes, *log_change_and_residual(first, own, codes))
     if count_evidence:
         add_evidence(bound, first, count_evidence, inputs, mu, codes, (term, own))
     return mu.numpy()
@@ -324,10 +318,9 @@ def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs:
 
 def by_role(sums: list) -> tuple:
     """The mean-shift pass's sums (`estimate_mean_shift`'s order) by role: (MeanShiftSums, those by state group or
-    None, the reference cells' or None, the log output's evidence (by batch, then by state group) or [], each count
-    gene set's evidence (by batch, then by state group) or [])."""
+    None, the reference cells' or None, the log output's evidence or None, each count gene set's evidence)."""
     mean_sums, *rest = sums
     group_sums = rest.pop(0) if rest and isinstance(rest[0], MeanShiftSums) else None
     normal = rest.pop(0) if rest and isinstance(rest[0], ReferenceCellSums) else None
-    log_evidence = [part for part in rest if isinstance(part, LogShiftEvidenceSums)]
-    return mean_sums, group_sums, normal, log_evidence, [part for part in rest if isinstance(part, ShiftEvidenceSums)]
+    log_evidence = rest.pop(0) if rest and isinstance(rest[0], LogShiftEvidenceSums) else None
+    return mean_sums, group_sums, normal, log_evidence, rest

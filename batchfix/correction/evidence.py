@@ -27,8 +27,9 @@ reference_cells.regional_offset). A shift far beyond its noise passes nearly who
 applied at all, so its counts stay exactly as they were (a count mapped to its own distribution is its own). The
 weights come from the data alone: no tuned constant. The log-scale model's output is weighted alike
 (`LogShiftEvidenceSums`): each batch's mean change of a gene over its cells, against the sampling variance of that
-mean (the batch's residual variance over its cells; its covariance with the reference is not counted there), and
-with state groups by the stronger of its batch's and its group's weight, as the counts are.
+mean (the batch's residual variance over its cells; its covariance with the reference is not counted there), by
+batch alone: weights per state group there, whose variance leaves out the decoder's own noise, changed 19.7 % of a
+null split's values where these change 1 % (docs/lab/state-groups.md).
 
 A batch that has no count of a gene in any of its cells in the input lacks it as biology (a female donor's chrY, a
 knockout), not as a technical effect: its shift of that gene is not applied (its cells keep their zeros), and with
@@ -117,6 +118,13 @@ class ShiftEvidenceSums:
         weight[absent_from_batches(self.counts, self.n_cells, min_cells) & present[None, :]] = 0.0
         return weight, prior_sd
 
+    def state_group(self, group: int, n_groups: int) -> ShiftEvidenceSums:
+        """The sums of one state group, by batch code, from sums kept by group code (code * n_groups + group)."""
+        view = copy.copy(self)
+        for name in self.SUMMED:
+            setattr(view, name, getattr(self, name)[group::n_groups])
+        return view
+
     def state_weights(self, tables: CountTables, present: np.ndarray, reference: int | None, n_training: int,
                       batch_weight: np.ndarray) -> np.ndarray:
         """(codes, groups, genes) the weight of each batch's shift in each state group (`StateGroups`), from these
@@ -126,18 +134,10 @@ class ShiftEvidenceSums:
         a batch, is applied where its state measures it. A group without a count of the gene gives it no weight, so
         a gene the batch lacks keeps its batch's 0."""
         n_groups = len(self.n_cells) // len(batch_weight)
-        by_group = np.stack([state_group(self, group, n_groups).weights(tables, present, 0, reference, n_training)[0]
+        by_group = np.stack([self.state_group(group, n_groups).weights(tables, present, 0, reference, n_training)[0]
                              for group in range(n_groups)], axis=1)  # (codes, groups, genes)
         by_group = np.where(self.n_cells.reshape(-1, n_groups)[:, :, None] > 0, by_group, 0.0)
         return np.maximum(batch_weight[:, None, :], by_group)
-
-
-def state_group(sums, group: int, n_groups: int):
-    """The sums of one state group, by batch code, from evidence sums kept by group code (code * n_groups + group)."""
-    view = copy.copy(sums)
-    for name in sums.SUMMED:
-        setattr(view, name, getattr(sums, name)[group::n_groups])
-    return view
 
 
 def add_evidence(bound, first: Estimates, evidence: list[ShiftEvidenceSums], inputs: list[torch.Tensor],
@@ -303,16 +303,6 @@ class LogShiftEvidenceSums:
         spread = (self.residual_squares - np.square(self.residual) / np.maximum(n, 1)) / np.maximum(n - 1, 1)
         variance = np.maximum(spread, np.finfo(np.float32).eps) / np.maximum(n, 1)
         return weights_by_batch(mean_change, variance, present, np.flatnonzero(self.n_cells > 1))
-
-    def state_weights(self, present: np.ndarray, batch_weight: np.ndarray) -> np.ndarray:
-        """(codes, groups, genes) as ShiftEvidenceSums.state_weights, for these sums kept by group code: each cell's
-        change weighted by the stronger of its batch's and its state group's evidence (`batch_weight` (codes, genes));
-        a group with fewer than two cells of the batch gives no weight."""
-        n_groups = len(self.n_cells) // len(batch_weight)
-        by_group = np.stack([state_group(self, group, n_groups).weights(present)[0] for group in range(n_groups)],
-                            axis=1)  # (codes, groups, genes)
-        by_group = np.where(self.n_cells.reshape(-1, n_groups)[:, :, None] > 1, by_group, 0.0)
-        return np.maximum(batch_weight[:, None, :], by_group)
 
 
 def log_change_and_residual(first: Estimates, terms: tuple, codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

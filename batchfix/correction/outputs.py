@@ -125,10 +125,7 @@ class LogOutput(OutputKind):
                                                          mu=self.latents_of(x, cells))
         if estimates.log_shift_weight is not None:
             observed = bound.net.log_expression(x)
-            known = codes.clamp_min(0).numpy()
-            weight = torch.from_numpy(estimates.log_shift_weight[known] if estimates.log_state_weight is None else
-                                      estimates.log_state_weight[known, estimates.state_groups.assign(mu)]
-                                      ).to(values.dtype)
+            weight = torch.from_numpy(estimates.log_shift_weight[codes.clamp_min(0).numpy()]).to(values.dtype)
             weight = torch.where((codes < 0)[:, None], torch.ones_like(weight), weight)  # denoised: not weighted
             values = observed + weight * (values - observed)  # an input zero stays zero, values stay >= 0
         return mu, values, n_clipped
