@@ -76,6 +76,7 @@ def corrected_copy(path, alter=None):
     return adata
 
 
+@pytest.mark.slow  # ~45 s on 2 cores (ComBat and Wilcoxon on a real batch): in the slow run, which CI runs too
 def test_a_file_scored_against_itself_shows_no_change(split, tmp_path):
     """No count changed, no zero raised, every neighbour kept and no DE gene; ComBat, scored beside, changes counts."""
     corrected = tmp_path / "same.h5ad"
