@@ -132,6 +132,7 @@ def test_correct_takes_batch_key_and_counts_layer_from_the_checkpoint(sample_ada
     assert sha256(source) == before
 
 
+@pytest.mark.slow  # ~40 s on 2 cores (two command-line corrections): in the slow run, which CI runs too
 def test_correct_reads_x_with_counts_layer_x_and_says_so_when_the_trained_layer_is_missing(sample_adata, checkpoint,
                                                                                           tmp_path):
     """A model trained on layers['counts'] meets a file with its counts in X: the error names data.counts_layer=X
