@@ -67,6 +67,7 @@ def test_benchmark_runs_batchfix_in_both_output_modes(tmp_path):
     assert (rows.loc[modes, "fit_seconds"] > 0).all()
 
 
+@pytest.mark.slow  # ~20 s on 2 cores (the benchmark script started as a process): in the slow run, which CI runs too
 def test_benchmark_names_the_obs_columns_when_the_batch_key_is_wrong(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "scripts.benchmark", str(ROOT / "data" / "cellbench5.h5ad"),

@@ -101,6 +101,7 @@ def quadruple_and_raise(counts: sp.csr_matrix, obs) -> sp.csr_matrix:
     return sp.csr_matrix(dense)
 
 
+@pytest.mark.slow  # ~25 s on 2 cores (Wilcoxon and pseudobulk on a real batch): in the slow run, which CI runs too
 def test_an_altered_copy_shows_the_changes_made_and_their_de_genes(split, tmp_path):
     """Quadrupled counts of some genes in one pseudo-batch: the shares of counts changed and zeros raised are exactly
     those altered, and the DE genes are among the altered genes."""
