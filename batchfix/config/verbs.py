@@ -76,8 +76,9 @@ class CorrectionOptions:
     # 1 = all of it (each cell's own shift decoded_ref(z) - decoded_b(z)); 0 = its mean over the batch's cells
     # in the input, one shift per gene and batch, as ComBat's; between = mean + weight * (cell - mean), the mean
     # over the batch's cells in the cell's state group (with evidence weights: k-means groups of the latent, which
-    # the corrected counts' weights are also taken in; docs/lab/state-groups.md). 0.5 by default: every gene line up against 1
-    # on the three development sets and against a stress set's truth (docs/results.md, Which form is the default)
+    # the corrected counts' weights are also taken in; docs/lab/state-groups.md). 0.5 by default: every gene line
+    # up against 1 on the three development sets and against a stress set's truth (docs/results.md, Which form is
+    # the default)
     state_dependence: float = 0.5
     # Corrected counts: evidence = each batch's shift of each gene weighted by how well the batch's cells measure it
     # (empirical Bayes across genes, centred on no shift: a shift within its own noise is not applied, a

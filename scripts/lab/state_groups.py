@@ -15,7 +15,8 @@ Scored as scripts/lab/count_draws.py scores, paired against the form before:
     python -m scripts.lab.state_groups data/cellbench5.h5ad --batches sc_celseq2 sc_dropseq --seeds 0 1 2
 
 With --log-scale (first), the same forms of the log-scale model's output (whose evidence weights are by batch alone, so
-"group means only" is its default), and the default with every change applied in full (shrink=none): the model trained with data.scale=log on log1p(counts per 10k) over every gene, restricted to
+"group means only" is its default), and the default with every change applied in full (shrink=none): the model
+trained with data.scale=log on log1p(counts per 10k) over every gene, restricted to
 the 2,000 HVGs the rows are scored on (all of them modelled), its layers['batchfix'] in those columns, every other
 gene's log value as it was:
 
