@@ -153,6 +153,7 @@ def test_the_sweep_summary_drops_constant_columns_and_plots_head_counts_as_categ
     assert list(positions) == [2, 0, 1, 0] and labels == ["1", "2", "8"]
 
 
+@pytest.mark.slow  # an evaluate in a fresh process (10-12 s): with the slow checks, which CI runs
 def test_evaluate_says_what_it_is_scoring_and_keeps_it_in_its_log(unlabelled_run, tmp_path):
     run, _ = unlabelled_run
     result = batchfix_cli(["evaluate", f"input={run / 'corrected.h5ad'}", f"hydra.run.dir={tmp_path / 'scores'}"],
@@ -325,7 +326,8 @@ def corrupt_csr(adata, path: Path, part: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("part", ["indices", "indptr"])
+# A corrupt indptr in a fresh process (9-10 s) runs with the slow checks, which CI runs
+@pytest.mark.parametrize("part", ["indices", pytest.param("indptr", marks=pytest.mark.slow)])
 def test_a_corrupt_csr_matrix_is_one_line_and_leaves_no_run_folder(part, small_adata, tmp_path):
     from batchfix.data import ondisk
     from batchfix.errors import InputError
@@ -369,6 +371,7 @@ def test_cnv_scores_without_a_profiled_gene_are_a_note_not_a_traceback(subset):
     assert result["retention_r"] is None and "profiled chromosome" in result["note"]
 
 
+@pytest.mark.slow  # a train in a fresh process (9-11 s): with the slow checks, which CI runs
 def test_resuming_with_another_network_shape_is_one_line_and_leaves_no_run_folder(unlabelled_run, subset_h5ad,
                                                                                    tmp_path):
     run, _ = unlabelled_run

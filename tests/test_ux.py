@@ -323,6 +323,7 @@ def test_the_api_train_signature_is_every_train_option_that_has_an_effect():
         assert f"    {name}\n        " in batchfix.train.__doc__, name
 
 
+@pytest.mark.slow  # scores a corrected file twice (9-10 s): with the slow checks, which CI runs
 def test_api_evaluate_scores_a_corrected_anndata_as_the_command_line(sample_adata, checkpoint, tmp_path):
     """... and takes the model that corrected it for the detection and PIT scores when its checkpoint is gone."""
     import shutil
