@@ -38,7 +38,8 @@ CSR_ENCODING = {"encoding-type": "csr_matrix", "encoding-version": "0.1.0"}
 CHUNK_BYTES = 4 << 20  # HDF5 chunk size of the datasets written here
 # A corrected layer is written with gzip (level 1) after a byte shuffle: its column indices repeat the same
 # pattern on every row (~100x smaller), and its values shrink too: on the bundled file the counts layer's
-# 23.4 MB of float32 to 4.3 MB and the log layer's to 10.6 MB, for about half a second of writing.
+# 23.4 MB of float32 to 4.3 MB and the log layer's to 10.6 MB, for about half a second of writing. The fastest and
+# smallest gzip setting of those measured; gzip is the codec every HDF5 reader opens (docs/lab/scale.md).
 LAYER_COMPRESSION = {"compression": "gzip", "compression_opts": 1, "shuffle": True}
 
 
