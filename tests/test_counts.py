@@ -226,11 +226,16 @@ def trained(subset, tmp_path_factory):
     return model, path
 
 
-def test_counts_layer_log_layer_and_flags_of_a_real_correction(trained, subset, tmp_path):
+def test_counts_layer_log_layer_and_flags_of_a_real_correction(trained, subset, tmp_path, caplog):
+    """... and an option the counts do not read, given, is warned about with the output that reads it."""
     import batchfix
 
     model, _ = trained
-    out = batchfix.correct(subset, model, copy=True)
+    with caplog.at_level("WARNING", logger="batchfix"):
+        out = batchfix.correct(subset, model, copy=True, residual_weight=0.5)
+    assert ("correction.residual_weight=0.5 does nothing on the corrected counts (a counts model's counterfactual "
+            "output): a count is mapped whole, not as a location and a residual. It is read by a log-scale model's "
+            "counterfactual output (data.scale=log).") in caplog.text
     counts_layer, log_layer = out.layers["batchfix_counts"], out.layers["batchfix"]
     assert sp.issparse(counts_layer) and (counts_layer.data == np.round(counts_layer.data)).all()
     np.testing.assert_allclose(log_layer.toarray(), log_cp10k(counts_layer).toarray(), rtol=1e-6, atol=1e-6)
@@ -244,7 +249,7 @@ def test_counts_layer_log_layer_and_flags_of_a_real_correction(trained, subset, 
     info = out.uns["batchfix"]
     assert info["n_corrected_genes"] == corrected.sum() and 0 <= info["n_zeros_made_positive"] <= info[
         "n_observed_zeros"]
-    assert set(info["options_not_applied"]) == {"residual_weight"}
+    assert set(info["options_not_applied"]) == {"residual_weight"} and "residual_weight" not in info["params"]
 
 
 def test_streamed_in_memory_repeated_and_reordered_runs_give_the_same_counts(trained, subset, tmp_path):
@@ -382,3 +387,16 @@ def test_evaluate_counts_nonfinite_and_negative_values_of_a_corrected_layer(capl
     with caplog.at_level("WARNING"):
         assert bad_values(layer, "batchfix") == {"nonfinite_values": 2, "negative_values": 1}
     assert "layers['batchfix'] holds 2 NaN or infinite and 1 negative values" in caplog.text
+
+
+def test_an_option_the_denoised_output_does_not_read_names_the_outputs_that_do(caplog):
+    from batchfix.correction.provenance import output_kind, warn_not_applied
+
+    assert [output_kind(mode, likelihood) for mode, likelihood in [("counterfactual", "nb"), (
+        "counterfactual", "gaussian"), ("denoised", "nb")]] == ["counts", "log_counterfactual", "denoised"]
+    with caplog.at_level("WARNING", logger="batchfix"):
+        warn_not_applied({"spread": "gene", "key_added": "fixed"}, "denoised")
+    assert len(caplog.records) == 1 and ("correction.spread=gene does nothing on the denoised output "
+                                         "(output_mode=denoised): the denoised output decodes the latent alone. It is "
+                                         "read by the corrected counts (a counts model's counterfactual output) and a "
+                                         "log-scale model's counterfactual output (data.scale=log).") in caplog.text

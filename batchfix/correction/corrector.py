@@ -26,7 +26,7 @@ import scipy.sparse as sp
 import torch
 
 from batchfix.config import CorrectionSettings
-from batchfix.correction import calibration, count_output, counterfactual, counts
+from batchfix.correction import calibration, count_output, counterfactual, counts, provenance
 from batchfix.data.io import check_values, duplicate_genes_error, repeated
 from batchfix.errors import InputError
 from batchfix.training.trained import BatchfixModel
@@ -151,9 +151,7 @@ class BoundModel:
     @property
     def kind(self) -> str:
         """counts (the NB model's counterfactual output) | log_counterfactual (log-scale input) | denoised."""
-        if self.counts_output:
-            return "counts"
-        return "log_counterfactual" if self.settings.output_mode == "counterfactual" else "denoised"
+        return provenance.output_kind(self.settings.output_mode, self.trained.config.likelihood)
 
     @property
     def n_out(self) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -33,6 +34,28 @@ NOT_APPLIED = {
         "regional_shift", "regional_window", "regional_order", "regional_seed", "spread", "state_dependence",
         "residual_weight", "quantile_seed", "shrink")},
 }
+KIND_NAMES = {"counts": "the corrected counts (a counts model's counterfactual output)",
+              "log_counterfactual": "a log-scale model's counterfactual output (data.scale=log)",
+              "denoised": "the denoised output (output_mode=denoised)"}
+
+log = logging.getLogger(__name__)
+
+
+def output_kind(output_mode: str, likelihood: str) -> str:
+    """counts (the NB model's counterfactual output) | log_counterfactual (a log-scale model's) | denoised."""
+    if output_mode != "counterfactual":
+        return "denoised"
+    return "counts" if likelihood == "nb" else "log_counterfactual"
+
+
+def warn_not_applied(told: Mapping, kind: str) -> None:
+    """A warning for each correction option given one by one (`told`: name -> value) that the output `kind` does
+    not read: why, and the output kinds that read it. It is still recorded, as not applied."""
+    for name, value in told.items():
+        if name in NOT_APPLIED[kind]:
+            readers = [KIND_NAMES[other] for other in NOT_APPLIED if name not in NOT_APPLIED[other]]
+            log.warning("correction.%s=%s does nothing on %s: %s. It is read by %s.", name, value, KIND_NAMES[kind],
+                        NOT_APPLIED[kind][name], " and ".join(readers))
 
 
 def file_sha256(path: str | Path) -> str:

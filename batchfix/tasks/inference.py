@@ -11,7 +11,7 @@ import torch
 
 from batchfix import signals
 from batchfix.config import AttentionConfig, CorrectConfig, CorrectionChoice, CorrectionSettings
-from batchfix.correction.provenance import refuse_key_collisions_in_file
+from batchfix.correction.provenance import output_kind, refuse_key_collisions_in_file, warn_not_applied
 from batchfix.correction.writers import correct_file
 from batchfix.data.atomic import CORRECTED_SUFFIX, default_output, refuse_existing
 from batchfix.data.io import input_path
@@ -31,8 +31,10 @@ def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
     refuse_existing(output, cfg.overwrite, reads={"input": source, "checkpoint": cfg.checkpoint})
     earlier = file_identity(output)
     trained = load_trained(cfg.checkpoint)
-    preset, options = (told or CorrectionChoice()).resolve(trained.correction)
+    told = told or CorrectionChoice()
+    preset, options = told.resolve(trained.correction)
     settings = CorrectionSettings(**asdict(options), **asdict(cfg.inference), preset=preset)
+    warn_not_applied(told.options, output_kind(settings.output_mode, trained.config.likelihood))
     refuse_key_collisions_in_file(source, settings.key_added)
     try:
         written = correct_parts(cfg, source, output, trained, settings)
