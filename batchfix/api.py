@@ -39,7 +39,7 @@ from batchfix.config import (
 )
 from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.extra_genes import add_extra_genes_from
-from batchfix.correction.provenance import output_kind, refuse_key_collisions, warn_not_applied
+from batchfix.correction.provenance import output_kind_name, refuse_key_collisions, warn_not_applied
 from batchfix.correction.recommendation import recommend_and_remember
 from batchfix.correction.writers import correct_adata, normal_cells
 from batchfix.errors import ConfigError
@@ -211,7 +211,7 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, correction:
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
     preset, chosen = CorrectionChoice(correction, told).resolve(trained.correction)
     settings = CorrectionSettings(**asdict(chosen), **asdict(inference), preset=preset)
-    warn_not_applied(told, output_kind(settings.output_mode, trained.config.likelihood))
+    warn_not_applied(told, output_kind_name(settings.output_mode, trained.config.likelihood))
     refuse_key_collisions(settings.key_added, adata.layers, adata.obsm, adata.var.columns, adata.uns)
     return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,
                          progress=progress, all_batches_new=all_batches_new)

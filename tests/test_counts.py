@@ -390,9 +390,9 @@ def test_evaluate_counts_nonfinite_and_negative_values_of_a_corrected_layer(capl
 
 
 def test_an_option_the_denoised_output_does_not_read_names_the_outputs_that_do(caplog):
-    from batchfix.correction.provenance import output_kind, warn_not_applied
+    from batchfix.correction.provenance import output_kind_name, warn_not_applied
 
-    assert [output_kind(mode, likelihood) for mode, likelihood in [("counterfactual", "nb"), (
+    assert [output_kind_name(mode, likelihood) for mode, likelihood in [("counterfactual", "nb"), (
         "counterfactual", "gaussian"), ("denoised", "nb")]] == ["counts", "log_counterfactual", "denoised"]
     with caplog.at_level("WARNING", logger="batchfix"):
         warn_not_applied({"spread": "gene", "key_added": "fixed"}, "denoised")
@@ -400,3 +400,20 @@ def test_an_option_the_denoised_output_does_not_read_names_the_outputs_that_do(c
                                          "(output_mode=denoised): the denoised output decodes the latent alone. It is "
                                          "read by the corrected counts (a counts model's counterfactual output) and a "
                                          "log-scale model's counterfactual output (data.scale=log).") in caplog.text
+
+
+def test_latents_encoded_again_above_the_cache_size_give_the_same_correction(trained, subset, monkeypatch, caplog):
+    """Above estimates.LATENT_CACHE_BYTES the correction encodes the cells again instead of keeping the estimate
+    pass's latents (memory flat in the number of cells): the same layers and latent, bit for bit."""
+    import batchfix
+    from batchfix.correction import estimates
+
+    model, _ = trained
+    kept = batchfix.correct(subset, model, copy=True)
+    monkeypatch.setattr(estimates, "LATENT_CACHE_BYTES", 0)
+    with caplog.at_level("INFO", logger="batchfix"):
+        again = batchfix.correct(subset, model, copy=True)
+    assert f"{subset.n_obs} cells: their latents" in caplog.text
+    for key, layer in kept.layers.items():
+        assert (layer != again.layers[key]).nnz == 0, key
+    np.testing.assert_array_equal(kept.obsm["X_batchfix"], again.obsm["X_batchfix"])

@@ -151,7 +151,7 @@ class BoundModel:
     @property
     def kind(self) -> str:
         """counts (the NB model's counterfactual output) | log_counterfactual (log-scale input) | denoised."""
-        return provenance.output_kind(self.settings.output_mode, self.trained.config.likelihood)
+        return provenance.output_kind_name(self.settings.output_mode, self.trained.config.likelihood)
 
     @property
     def n_out(self) -> int:

@@ -39,6 +39,7 @@ from batchfix.correction.state_groups import LatentSample, StateGroups, fit_grou
 from batchfix.nn.attention import fused_attention
 
 log = logging.getLogger(__name__)
+LATENT_CACHE_BYTES = 1 << 30  # the estimate pass keeps the latents it encodes up to this size (8.9 M cells of 30)
 
 
 @dataclass(frozen=True)
@@ -252,10 +253,10 @@ def batch_terms(bound, first: Estimates, x: torch.Tensor, mu: torch.Tensor, code
 
 
 def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
-                        regional: bool) -> tuple[Estimates, np.ndarray]:
+                        regional: bool) -> tuple[Estimates, np.ndarray | None]:
     """`first` with each batch code's mean term over its cells (for state_dependence, counterfactual.StateShrink)
     and, with `regional`, the mean that regional_shift splits against (RegionalShift); and the (cells, latent)
-    latents encoded on the way."""
+    latents encoded on the way (None above `latent_cache`'s size)."""
     n_codes = bound.batches.n_training + len(bound.batches.unseen)
     mode = bound.settings.regional_shift if regional else "apply"
     whole = mode == "keep_input" and not bound.counts_output
@@ -271,15 +272,17 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
     elif bound.settings.shrink == "evidence":  # the log output: by batch alone (batchfix.correction.evidence)
         templates.append(LogShiftEvidenceSums(n_codes, len(bound.trained.genes)))
     ordered = OrderedSums(templates)
-    latents = np.empty((n_obs, bound.latent_dim), dtype=np.float32)  # this part's rows set, the others' left unset
+    latents = latent_cache(n_obs, bound.latent_dim)  # this part's rows set, the others' left unset
     for start, stop in bound.chunks(part.start, part.stop):
         chunk = rows.rows(start, stop)
         x = bound.model_input(chunk, start)
         inputs = [x] + [genes.observed(chunk) for genes in bound.gene_sets[1:]] if evidence else []
         for rows_of_batch, cells in bound.forward_batches(stop - start, start):
             batch_sums = ordered.fresh()
-            latents[cells] = add_mean_shift(bound, first, batch_sums, x[rows_of_batch],
-                                            [values[rows_of_batch] for values in inputs], cells, whole)
+            mu = add_mean_shift(bound, first, batch_sums, x[rows_of_batch],
+                                [values[rows_of_batch] for values in inputs], cells, whole)
+            if latents is not None:
+                latents[cells] = mu
             ordered.push(bound.batch_index(cells[0]), batch_sums)
     sums, group_sums, normal, log_evidence, count_evidence = by_role(ordered.totals(part.gather))
     state, shift = mean_shift(bound, sums, mode, regional)
@@ -294,6 +297,17 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
     tables, prior_sd = weighted_tables(bound, first, count_evidence)
     return dataclasses.replace(first, count_tables=tables, shift_prior_sd=prior_sd, state=state,
                                regional=shift), latents
+
+
+def latent_cache(n_obs: int, latent_dim: int) -> np.ndarray | None:
+    """(cells, latent) float32, unset, for the latents the estimate pass encodes, which the correction then reads
+    instead of encoding every cell again (the same values); None above LATENT_CACHE_BYTES, so that memory stays flat
+    in the number of cells: the correction encodes them again."""
+    if n_obs * latent_dim * np.dtype(np.float32).itemsize > LATENT_CACHE_BYTES:
+        log.info("%d cells: their latents (%.1f GB) are encoded again while correcting, not kept from the estimate "
+                 "pass.", n_obs, n_obs * latent_dim * 4 / 1e9)
+        return None
+    return np.empty((n_obs, latent_dim), dtype=np.float32)
 
 
 def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs: list[torch.Tensor],

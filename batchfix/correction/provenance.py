@@ -41,7 +41,7 @@ KIND_NAMES = {"counts": "the corrected counts (a counts model's counterfactual o
 log = logging.getLogger(__name__)
 
 
-def output_kind(output_mode: str, likelihood: str) -> str:
+def output_kind_name(output_mode: str, likelihood: str) -> str:
     """counts (the NB model's counterfactual output) | log_counterfactual (a log-scale model's) | denoised."""
     if output_mode != "counterfactual":
         return "denoised"

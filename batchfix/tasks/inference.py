@@ -11,7 +11,7 @@ import torch
 
 from batchfix import signals
 from batchfix.config import AttentionConfig, CorrectConfig, CorrectionChoice, CorrectionSettings
-from batchfix.correction.provenance import output_kind, refuse_key_collisions_in_file, warn_not_applied
+from batchfix.correction.provenance import output_kind_name, refuse_key_collisions_in_file, warn_not_applied
 from batchfix.correction.writers import correct_file
 from batchfix.data.atomic import CORRECTED_SUFFIX, default_output, refuse_existing
 from batchfix.data.io import input_path
@@ -34,7 +34,7 @@ def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
     told = told or CorrectionChoice()
     preset, options = told.resolve(trained.correction)
     settings = CorrectionSettings(**asdict(options), **asdict(cfg.inference), preset=preset)
-    warn_not_applied(told.options, output_kind(settings.output_mode, trained.config.likelihood))
+    warn_not_applied(told.options, output_kind_name(settings.output_mode, trained.config.likelihood))
     refuse_key_collisions_in_file(source, settings.key_added)
     try:
         written = correct_parts(cfg, source, output, trained, settings)
