@@ -43,7 +43,6 @@ from batchfix.correction.provenance import output_kind_name, refuse_key_collisio
 from batchfix.correction.recommendation import recommend_and_remember
 from batchfix.correction.writers import correct_adata, normal_cells
 from batchfix.errors import ConfigError
-from batchfix.training import fitting
 from batchfix.training.trained import BatchfixModel, load_trained
 
 # Options of the command line that have no meaning for an in-memory AnnData.
@@ -129,6 +128,8 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
     cfg = train_config(**options, **correction_options)
     preset, chosen = CorrectionChoice(correction, correction_options).resolve()
     normal_cells(adata.obs.get(chosen.normal_key or ""), chosen, list(adata.obs.columns))  # refused before training
+    from batchfix.training import fitting  # Lightning: loaded by train alone, so that correct starts without it
+
     fitting.seed_and_threads(cfg.seed, cfg.threads)
     prepared = fitting.load_training_data(cfg.data, adata)
     with tempfile.TemporaryDirectory(prefix="batchfix-train-") as scratch:
