@@ -312,8 +312,9 @@ def write_uns_entry(dst: h5py.File, key: str, value: dict) -> None:
 
 def placed_columns(rows, columns: np.ndarray, places: np.ndarray, width: int) -> np.ndarray:
     """(cells, width) float32: the input `rows`' (sparse or dense) `columns` at `places` of a matrix of zeros (a
-    model's gene order; its other places stay 0). Sparse rows are placed entry by entry: 0.27 s where a dense copy
-    in the input's order, then placed, took 1.37 s (4,096 cells x 9,533 genes)."""
+    model's gene order; its other places stay 0). Sparse rows are placed entry by entry: for 4,096 cells x 9,533
+    genes in a shuffled order 0.27 s where a dense copy in the input's order, then placed, took 1.37 s (in the
+    input's own order both take 0.14 s)."""
     picked = rows[:, columns]
     if not sp.issparse(picked):
         values = np.zeros((picked.shape[0], width), dtype=np.float32)
