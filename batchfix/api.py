@@ -129,7 +129,6 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
     preset, chosen = CorrectionChoice(correction, correction_options).resolve()
     normal_cells(adata.obs.get(chosen.normal_key or ""), chosen, list(adata.obs.columns))  # refused before training
     from batchfix.training import fitting  # Lightning: loaded by train alone, so that correct starts without it
-
     fitting.seed_and_threads(cfg.seed, cfg.threads)
     prepared = fitting.load_training_data(cfg.data, adata)
     with tempfile.TemporaryDirectory(prefix="batchfix-train-") as scratch:
