@@ -118,7 +118,7 @@ class BoundModel:
         self.modelled_mask[self.out_columns] = True
         self.batches = None if batch is None else counterfactual.batch_codes(batch, trained.batch_categories)
         # The NB model's counterfactual output is corrected counts (and their log layer)
-        self.counts_output = settings.output_mode == "counterfactual" and trained.config.likelihood == "nb"
+        self.counts_output = self.kind == "counts"
         self.gene_sets: list[count_output.GeneSet] = []  # the counts' modelled genes, then the extra genes
         self.corrected_mask = self.modelled_mask.copy()  # genes whose values the output changes
         # The cells' name keys: the counts' quantile draws and the state groups' sample (batchfix.correction.counts)

@@ -303,9 +303,10 @@ def latent_cache(n_obs: int, latent_dim: int) -> np.ndarray | None:
     """(cells, latent) float32, unset, for the latents the estimate pass encodes, which the correction then reads
     instead of encoding every cell again (the same values); None above LATENT_CACHE_BYTES, so that memory stays flat
     in the number of cells: the correction encodes them again."""
-    if n_obs * latent_dim * np.dtype(np.float32).itemsize > LATENT_CACHE_BYTES:
+    size = n_obs * latent_dim * np.dtype(np.float32).itemsize
+    if size > LATENT_CACHE_BYTES:
         log.info("%d cells: their latents (%.1f GB) are encoded again while correcting, not kept from the estimate "
-                 "pass.", n_obs, n_obs * latent_dim * 4 / 1e9)
+                 "pass.", n_obs, size / 1e9)
         return None
     return np.empty((n_obs, latent_dim), dtype=np.float32)
 
