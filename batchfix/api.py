@@ -21,6 +21,7 @@ import anndata as ad
 
 from batchfix.config import (
     CorrectConfig,
+    CorrectionAblations,
     CorrectionChoice,
     CorrectionOptions,
     CorrectionSettings,
@@ -28,6 +29,7 @@ from batchfix.config import (
     EvaluationOptions,
     FitConfig,
     InferenceOptions,
+    ModelAblations,
     ModelConfig,
     TrainConfig,
     TrainerConfig,
@@ -57,6 +59,8 @@ NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a 
                    "shard": "parts of a file are corrected over processes by the command line (inference.shard)"}
 # The correction options: keywords of batchfix.train (remembered by the model) and of batchfix.correct.
 CORRECTION_OPTIONS = tuple(option.name for option in fields(CorrectionOptions))
+CORRECTION_ABLATIONS = tuple(option.name for option in fields(CorrectionAblations))  # keywords of batchfix.correct
+MODEL_ABLATIONS = tuple(option.name for option in fields(ModelAblations))  # keywords of batchfix.train
 INFERENCE_OPTIONS = tuple(option.name for option in fields(InferenceOptions) if option.name not in NOT_API_OPTIONS)
 log = logging.getLogger(__name__)
 
@@ -86,11 +90,7 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
           genes_per_token: int = ModelConfig.genes_per_token, d_model: int = ModelConfig.d_model,
           n_heads: int = ModelConfig.n_heads, n_layers: int = ModelConfig.n_layers,
           dropout: float = ModelConfig.dropout, latent_dim: int = ModelConfig.latent_dim,
-          decoder_hidden: int = ModelConfig.decoder_hidden, attention: str = ModelConfig.attention,
-          position_encoding: str = ModelConfig.position_encoding, shuffle_seed: int | None = ModelConfig.shuffle_seed,
-          token_identity: str = ModelConfig.token_identity,
-          distance_bias: bool = ModelConfig.distance_bias, distance_buckets: int = ModelConfig.distance_buckets,
-          min_wavelength: float = ModelConfig.min_wavelength, max_wavelength: float = ModelConfig.max_wavelength,
+          decoder_hidden: int = ModelConfig.decoder_hidden, min_wavelength: float = ModelConfig.min_wavelength, max_wavelength: float = ModelConfig.max_wavelength,
           attention_block_size: int | None = ModelConfig.attention_block_size,
           gradient_checkpointing: bool = ModelConfig.gradient_checkpointing,
           likelihood: str = ModelConfig.likelihood, kl_weight: float = ModelConfig.kl_weight,
@@ -111,21 +111,25 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
           enable_model_summary: bool = TrainerConfig.enable_model_summary,
           deterministic: bool = TrainerConfig.deterministic, seed: int = TrainConfig.seed,
           threads: int | None = TrainConfig.threads, correction: str | None = None,
-          **correction_options) -> BatchfixModel:
+          **options) -> BatchfixModel:
     """Train batchfix on an in-memory AnnData (raw counts in X, or in `counts_layer`); returns the model.
 
     Every keyword is the `python -m batchfix train` option of that last name, with its default and
     validation (`python -m batchfix train --help`, batchfix.config); their descriptions follow below.
     The data options (batch_key, counts_layer, label_key, genome, scale) are saved with the model and
     are `batchfix.correct`'s defaults, and so is the correction: the preset `correction` names (an entry of
-    conf/correction/; None = default) with the correction options given as keywords on top. `adata` is not
-    changed. An option that is no train option, or has no effect here (resume, ...), is refused (ConfigError)
-    naming the option meant.
+    conf/correction/; None = default) with the correction options given as keywords on top; the network's
+    ablations (`position_encoding`, ..., listed last) are keywords too. `adata` is not changed. An option that is
+    no train option, or has no effect here (resume, ...), is refused (ConfigError) naming the option meant.
     """
-    options = {name: value for name, value in locals().items()
-               if name not in ("adata", "correction", "correction_options")}
+    given = {name: value for name, value in locals().items() if name not in ("adata", "correction", "options")}
     require_in_memory(adata, "train")
-    cfg = train_config(**options, **correction_options)
+    ignored = sorted(set(options) & set(CORRECTION_ABLATIONS))
+    if ignored:
+        raise ConfigError(f"{ignored} have no effect in batchfix.train, which writes no corrected expression: give "
+                          f"them to batchfix.correct.")
+    cfg = train_config(**given, **options)
+    correction_options = {name: value for name, value in options.items() if name in CORRECTION_OPTIONS}
     preset, chosen = CorrectionChoice(correction, correction_options).resolve()
     normal_cells(adata.obs.get(chosen.normal_key or ""), chosen, list(adata.obs.columns))  # refused before training
     from batchfix.training import fitting  # Lightning: loaded by train alone, so that correct starts without it
@@ -185,8 +189,9 @@ API_ONLY = {
                   "model was trained with.",
     "copy": "Return a corrected copy instead of adding to `adata` (which is then left unchanged).",
 }
-TRAIN_KEYWORDS = [name for name in inspect.signature(train).parameters if name not in ("adata", "correction_options")]
-train.__doc__ += options_doc(TRAIN_KEYWORDS + [name for name in CORRECTION_OPTIONS if name not in TRAIN_KEYWORDS])
+TRAIN_KEYWORDS = [name for name in inspect.signature(train).parameters if name not in ("adata", "options")]
+train.__doc__ += options_doc(TRAIN_KEYWORDS + [name for name in CORRECTION_OPTIONS if name not in TRAIN_KEYWORDS]
+                             + list(MODEL_ABLATIONS))
 
 
 def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, correction: str | None = None,
@@ -204,27 +209,27 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, correction:
     from disk.
     """
     require_in_memory(adata, "correct")
-    told, inference = correct_keywords(options)
+    told, inference, ablations = correct_keywords(options)
     if not isinstance(model, (BatchfixModel, str, Path)):
         raise ConfigError(f"model must be a BatchfixModel (batchfix.train, BatchfixModel.load) or a checkpoint's path, "
                           f"got {type(model).__name__}.")
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
     preset, chosen = CorrectionChoice(correction, told).resolve(trained.correction)
-    settings = CorrectionSettings(**asdict(chosen), **asdict(inference), preset=preset)
+    settings = CorrectionSettings(**asdict(chosen), **asdict(inference), **asdict(ablations), preset=preset)
     warn_not_applied(told, output_kind_name(settings.output_mode, trained.config.likelihood))
     refuse_key_collisions(settings.key_added, adata.layers, adata.obsm, adata.var.columns, adata.uns)
     return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,
                          progress=progress, all_batches_new=all_batches_new)
 
 
-def correct_keywords(options: dict) -> tuple[dict, InferenceOptions]:
-    """batchfix.correct's option keywords: (the correction options given, the inference options checked); an
-    unknown keyword is refused naming the option meant."""
-    known = [*CORRECTION_OPTIONS, *INFERENCE_OPTIONS, *inspect.signature(correct).parameters]
+def correct_keywords(options: dict) -> tuple[dict, InferenceOptions, CorrectionAblations]:
+    """batchfix.correct's option keywords: (the correction options given, the inference options checked, the
+    ablations checked); an unknown keyword is refused naming the option meant."""
+    known = [*CORRECTION_OPTIONS, *INFERENCE_OPTIONS, *CORRECTION_ABLATIONS, *inspect.signature(correct).parameters]
     for name in options:
         if name in NOT_API_OPTIONS:
             raise ConfigError(f"'{name}' is not an option of batchfix.correct: {NOT_API_OPTIONS[name]}.")
-        if name not in CORRECTION_OPTIONS and name not in INFERENCE_OPTIONS:
+        if name not in (*CORRECTION_OPTIONS, *INFERENCE_OPTIONS, *CORRECTION_ABLATIONS):
             close = difflib.get_close_matches(name, known, n=3)
             raise ConfigError(f"Unknown option '{name}' of batchfix.correct" +
                               (f"; did you mean {close}?" if close else "."))
@@ -232,11 +237,13 @@ def correct_keywords(options: dict) -> tuple[dict, InferenceOptions]:
     validated(told, CorrectionOptions)  # a bad value is refused before the model is read
     inference = validated({name: value for name, value in options.items() if name in INFERENCE_OPTIONS},
                           InferenceOptions)
-    return told, inference
+    ablations = validated({name: value for name, value in options.items() if name in CORRECTION_ABLATIONS},
+                          CorrectionAblations)
+    return told, inference, ablations
 
 
 correct.__doc__ += options_doc([*(name for name in inspect.signature(correct).parameters if name != "options"),
-                                *CORRECTION_OPTIONS, *INFERENCE_OPTIONS], CorrectConfig)
+                                *CORRECTION_OPTIONS, *INFERENCE_OPTIONS, *CORRECTION_ABLATIONS], CorrectConfig)
 
 
 def evaluate(adata: ad.AnnData, *, batch_key: str = DataConfig.batch_key, label_key: str | None = "cell_type",

@@ -21,7 +21,7 @@ Methods (their own packages, default settings):
                 integrated values put back on the log scale with the gene means and sds -> PCA
   batchfix      `run_batchfix`: trained once; latent, and PCA of the corrected log expression in
                 each output mode (counterfactual and denoised: two rows)
-With `--ablation`, batchfix runs once per position encoding (model.position_encoding =
+With `--ablation`, batchfix runs once per position encoding (ablation.position_encoding =
 real, none, shuffled, learned) for every seed; `--variant NAME KEY=VALUE ...` (repeatable) names a
 model variant whose overrides are added to `--batchfix-override`, and each variant gets its own
 batchfix runs (its own ablation with `--ablation`). The report then ends with the ablation table:
@@ -149,7 +149,7 @@ def companion_settings(run: CorrectionOptions) -> dict[str, CorrectionSettings]:
     others.update({f"counterfactual_{spread}": dataclasses.replace(own, spread=spread)
                    for spread in SPREADS if spread != run.spread})
     others.update({f"counterfactual_regional_{shift}": dataclasses.replace(own, regional_shift=shift)
-                   for shift in REGIONAL_SHIFTS if shift != run.regional_shift})
+                   for shift in REGIONAL_SHIFTS if shift not in (run.regional_shift, "reference_cells")})
     others.update({f"counterfactual_state_{weight}": dataclasses.replace(own, state_dependence=weight)
                    for weight in STATE_DEPENDENCES if weight != run.state_dependence})
     others.update({f"counterfactual_shrink_{shrink}": dataclasses.replace(own, shrink=shrink)
@@ -562,7 +562,7 @@ def batchfix_runs(args: argparse.Namespace) -> list[tuple[str, str, str, list[st
             continue
         for encoding in ABLATION_ENCODINGS:
             runs.append((f"{base} [position_encoding={encoding}]", variant, encoding,
-                         [*overrides, f"model.position_encoding={encoding}"]))
+                         [*overrides, f"ablation.position_encoding={encoding}"]))
     return runs
 
 
@@ -748,7 +748,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--methods", nargs="+", choices=ALL_METHODS, default=ALL_METHODS)
     parser.add_argument("--ablation", action="store_true",
-                        help="run batchfix with model.position_encoding=" + "|".join(ABLATION_ENCODINGS))
+                        help="run batchfix with ablation.position_encoding=" + "|".join(ABLATION_ENCODINGS))
     parser.add_argument("--variant", nargs="+", action="append", type=str, metavar=("NAME", "KEY=VALUE"),
                         help="a named batchfix variant and its overrides (repeatable): each gets its own runs")
     parser.add_argument("--batchfix-override", nargs="*", default=[], metavar="KEY=VALUE",

@@ -1,7 +1,7 @@
 """CNV fidelity of batch corrections (docs/cnv.md): profile retention, injected clones, the confounded design
 and the oligodendroglioma tumours, for uncorrected data, ComBat and batchfix's counterfactual output with
-each correction.regional_shift (apply, keep = the default, keep_all, keep_input; genomic and shuffled gene
-orders).
+each correction.regional_shift (apply, keep = the default, keep_input; genomic and shuffled gene orders, the
+latter by ablation.regional_order).
 
 Every method is scored on the genes batchfix modelled (its 2,000 batch-aware HVGs), on log1p(counts per
 10k) of those genes for the uncorrected data and ComBat. batchfix is trained once per (data, seed); its
@@ -34,7 +34,7 @@ from batchfix.eval import cnv, metrics
 from scripts import inject_clones
 from scripts.baselines import cellanova, combat, missing_module, scvi_fit
 
-SHUFFLE_SEEDS = (1, 2, 3)  # gene orders of correction.regional_order=shuffled
+SHUFFLE_SEEDS = (1, 2, 3)  # gene orders of ablation.regional_order=shuffled
 TRAIN_OPTIONS = dict(threads=1, enable_progress_bar=False)
 
 
@@ -49,10 +49,11 @@ def emit(records: list[dict]) -> None:
 
 
 def regional_variants(shuffles=SHUFFLE_SEEDS) -> dict[str, dict]:
-    """batchfix correction options by row name: regional_shift apply, keep, keep_all and keep_input over the genome,
-    and the last three over shuffled gene orders."""
+    """batchfix correction options by row name: regional_shift apply, keep and keep_input over the genome, and the
+    last two over shuffled gene orders (ablation.regional_order; keep_all, measured in the runs recorded before it
+    was retired, is keep_input's predecessor)."""
     variants = {"batchfix regional=apply": {"regional_shift": "apply"}}
-    for mode in ("keep", "keep_all", "keep_input"):
+    for mode in ("keep", "keep_input"):
         variants[f"batchfix regional={mode}"] = {"regional_shift": mode}
         for seed in shuffles:
             variants[f"batchfix regional={mode}_shuffled/{seed}"] = {"regional_shift": mode,
@@ -197,11 +198,11 @@ def oligodendroglioma_run(args) -> list[dict]:
     per_patient = np.char.add(np.char.add(cell_type, " @"), adata.obs["patient"].to_numpy().astype(str))
     adata.obs["reference"] = np.where(normal, "normal", "malignant")
     experiment, variants = "oligodendroglioma", regional_variants()
-    if args.reference_cells:  # the normal cells named (correction.normal_key), beside the rows they are weighed with
+    if args.reference_cells:  # normal cells named (regional_shift=reference_cells), beside the rows weighed with them
         experiment = "oligodendroglioma/reference"
         variants = {name: variants[name] for name in ("batchfix regional=keep", "batchfix regional=keep_input")}
-        variants["batchfix keep + reference cells"] = {"regional_shift": "keep", "normal_key": "reference",
-                                                       "normal_values": ["normal"]}
+        variants["batchfix keep + reference cells"] = {"regional_shift": "reference_cells",
+                                                       "normal_key": "reference", "normal_values": ["normal"]}
     records = []
     for seed in args.seeds:
         options = dict(scale="log", n_top_genes=None)
@@ -249,8 +250,9 @@ def summary_rows(records: list[dict], columns: list[str], by: str = "method") ->
 
 
 def paired_rows(records: list[dict], columns: list[str]) -> list[list[str]]:
-    """Table rows (header first): regional=keep, keep_all and keep_input minus each other method on each column,
-    paired by (label, seed) (shuffled orders averaged first): mean, standard error and number of pairs."""
+    """Table rows (header first): regional=keep and keep_input (and keep_all, in runs recorded before it was
+    retired) minus each other method on each column, paired by (label, seed) (shuffled orders averaged first):
+    mean, standard error and number of pairs."""
     frame = pd.DataFrame(records)
     frame["method"] = frame["method"].str.replace(r"_shuffled/\d+$", "_shuffled (mean of orders)", regex=True)
     keys = [k for k in ("label", "seed") if k in frame]
@@ -352,8 +354,8 @@ def oligodendroglioma_rows(records: list[dict]) -> list[dict]:
 REFERENCE_VARIANTS = {
     "batchfix regional=keep": {"regional_shift": "keep"},
     "batchfix regional=keep_input": {"regional_shift": "keep_input"},
-    "batchfix keep + reference cells": {"regional_shift": "keep"},  # normal_key / normal_values added per run
-    "batchfix keep + reference cells, spread=gene": {"regional_shift": "keep", "spread": "gene"},
+    "batchfix keep + reference cells": {"regional_shift": "reference_cells"},  # normal_key / values added per run
+    "batchfix keep + reference cells, spread=gene": {"regional_shift": "reference_cells", "spread": "gene"},
 }
 
 

@@ -135,7 +135,8 @@ def test_correct_refuses_the_command_lines_shard_option(small_adata):
 
 def test_train_refuses_normal_values_no_cell_has_before_training(small_adata):
     with pytest.raises(InputError, match=r"normal_values=\['no_such_type'\]: no cell of obs column 'cell_type'"):
-        batchfix.train(small_adata, normal_key="cell_type", normal_values=["no_such_type"], max_epochs=1,
+        batchfix.train(small_adata, regional_shift="reference_cells", normal_key="cell_type",
+                       normal_values=["no_such_type"], max_epochs=1,
                        threads=1, enable_progress_bar=False, n_top_genes=200, genes_per_token=16)
 
 

@@ -55,7 +55,7 @@ def test_benchmark_runs_batchfix_in_both_output_modes(tmp_path):
     # and the counterfactual output with its other spread (correction.spread=gene) and its other regional shifts,
     # from the same model
     modes = ["batchfix counterfactual (PCA)", "batchfix denoised (PCA)", "batchfix counterfactual_gene (PCA)",
-             "batchfix counterfactual_regional_apply (PCA)", "batchfix counterfactual_regional_keep_all (PCA)",
+             "batchfix counterfactual_regional_apply (PCA)",
              "batchfix counterfactual_regional_keep_input (PCA)", "batchfix counterfactual_state_1.0 (PCA)",
              "batchfix counterfactual_shrink_none (PCA)"]
     assert set(modes + ["batchfix latent", "Unintegrated PCA"]) == set(rows.index)
@@ -266,7 +266,7 @@ def test_companion_outputs_keep_the_variants_correction_options():
                                                     "correction.residual_weight=0.75"]), TrainConfig)
     others = benchmark.companion_settings(cfg.correction)
     assert set(others) == {"denoised", "counterfactual_batch", "counterfactual_regional_apply",
-                           "counterfactual_regional_keep_all", "counterfactual_regional_keep_input",
+                           "counterfactual_regional_keep_input",
                            "counterfactual_state_1.0", "counterfactual_shrink_none"}
     assert others["counterfactual_shrink_none"].shrink == "none" and others["denoised"].shrink == "evidence"
     assert others["counterfactual_batch"].spread == "batch"

@@ -64,7 +64,7 @@ def test_every_preset_composes_and_builds_what_it_describes(group, preset, tmp_p
         return
     cfg = composed("train", [f"{group}={preset}"], TrainConfig)
     if group == "model":
-        assert tiny_net(cfg.model).n_genes == 40
+        assert tiny_net(fitting.network_config(cfg)).n_genes == 40
     elif group == "trainer":
         assert isinstance(fitting.build_trainer(cfg, tmp_path, has_validation=True), pl.Trainer)
     elif group == "data":
@@ -77,11 +77,11 @@ BAD_OPTIONS = [
     ("model.latent_dim=0", "model.latent_dim must be >= 1"),
     ("model.n_heads=3", "model.d_model (64) must be divisible by model.n_heads (3)"),
     ("model.dropout=1.0", "model.dropout must be in [0.0, 1.0)"),
-    ("model.attention=flash", "model.attention must be one of ['guarded', 'sdpa']"),
+    ("ablation.attention=flash", "ablation.attention must be one of ['guarded', 'sdpa']"),
     ("model.min_wavelength=1e9", "model.min_wavelength and model.max_wavelength"),
-    ("model.position_encoding=sorted", "model.position_encoding must be one of ['real', 'shuffled', 'none', 'learned']"),
-    ("model.token_identity=genes", "model.token_identity must be one of ['learned', 'coordinates']"),
-    ("model.distance_buckets=1", "model.distance_buckets must be >= 2"),
+    ("ablation.position_encoding=sorted", "ablation.position_encoding must be one of ['real', 'shuffled', 'none', 'learned']"),
+    ("ablation.token_identity=genes", "ablation.token_identity must be one of ['learned', 'coordinates']"),
+    ("ablation.distance_buckets=1", "ablation.distance_buckets must be >= 2"),
     ("model.attention_block_size=0", "model.attention_block_size must be >= 1"),
     ("model.gradient_checkpointing=maybe", "Value 'maybe' is not a valid bool"),
     ("fit.batch_size=0", "fit.batch_size must be >= 1"),
@@ -126,11 +126,15 @@ def test_bad_train_options_are_refused_naming_the_option(override, message):
     ("correction.key_added=''", "correction.key_added must be a non-empty name"),
     ("correction.key_added=a/b", "correction.key_added must not contain '/'"),
     ("threads=0", "threads must be >= 1"),
-    ("inference.int8=sometimes", "Value 'sometimes' is not a valid bool"),
+    ("ablation.regional_order=random", "ablation.regional_order must be one of ['genome', 'shuffled']"),
+    ("correction.regional_shift=keep_all", "correction.regional_shift=keep_all is retired: keep_input replaces it"),
+    ("correction.normal_key=cell_type correction.normal_values=[T]", "regional_shift=reference_cells and "
+     "correction.normal_key go together"),
+    ("correction.regional_order=shuffled", "Could not override 'correction.regional_order'"),
 ])
 def test_bad_correct_options_are_refused_naming_the_option(override, message):
     with pytest.raises(Exception) as err:
-        composed("correct", ["checkpoint=x", override], CorrectConfig)
+        composed("correct", ["checkpoint=x", *override.split()], CorrectConfig)
     assert isinstance(err.value, ConfigError) or type(err.value).__module__.startswith("hydra")
     assert message in f"{err.value} {err.value.__cause__}"
 

@@ -402,6 +402,26 @@ def test_an_option_the_denoised_output_does_not_read_names_the_outputs_that_do(c
                                          "log-scale model's counterfactual output (data.scale=log).") in caplog.text
 
 
+def test_a_checkpoint_remembering_a_retired_option_corrects_as_its_successor(trained, subset, tmp_path, caplog):
+    """A checkpoint of the earlier release remembers regional_shift=keep_all and the ablations among its correction
+    options: it loads, and corrects as keep_input (the same corrected counts), bit for bit."""
+    import batchfix
+
+    model, _ = trained
+    earlier = batchfix.BatchfixModel.load(model.save(tmp_path / "model.ckpt"))
+    options = {**earlier.correction["options"], "regional_shift": "keep_all", "regional_order": "genome",
+               "regional_seed": 0}
+    earlier.remember_correction({"preset": "default", "options": options})
+    reloaded = batchfix.BatchfixModel.load(earlier.save(tmp_path / "earlier.ckpt"))
+    with caplog.at_level("WARNING", logger="batchfix"):
+        out = batchfix.correct(subset, reloaded, copy=True)
+    assert "regional_shift=keep_all, which this release names keep_input" in caplog.text
+    successor = batchfix.correct(subset, model, copy=True, regional_shift="keep_input")
+    assert out.uns["batchfix"]["params"]["regional_shift"] == "keep_input"
+    for layer in ("batchfix", "batchfix_counts"):
+        assert (out.layers[layer] != successor.layers[layer]).nnz == 0, layer
+
+
 def test_latents_encoded_again_above_the_cache_size_give_the_same_correction(trained, subset, monkeypatch, caplog):
     """Above estimates.LATENT_CACHE_BYTES the correction encodes the cells again instead of keeping the estimate
     pass's latents (memory flat in the number of cells): the same layers and latent, bit for bit."""

@@ -49,7 +49,7 @@ def epoch_log(run_dir: Path) -> pd.DataFrame:
 def per_gene_runs(subset_h5ad, tmp_path_factory) -> dict[str, Path]:
     """One epoch with one token per gene (200 tokens), attention whole and in recomputed blocks of 48 queries."""
     work = tmp_path_factory.mktemp("per_gene")
-    common = ("model.genes_per_token=1", "trainer.max_epochs=2", "model.distance_bias=true")
+    common = ("model.genes_per_token=1", "trainer.max_epochs=2", "ablation.distance_bias=true")
     return {
         "whole": train_run(subset_h5ad, work / "whole", *common),
         "blocks": train_run(subset_h5ad, work / "blocks", *common, "model.attention_block_size=48",
@@ -164,27 +164,6 @@ def test_attention_verb_writes_only_what_is_asked(per_gene_runs, subset_h5ad, tm
         tasks.attention(again)
 
 
-# ---------------------------------------------------------------- INT8 inference
-
-
-def test_int8_correction_is_close_to_float32_and_recorded(per_gene_runs, small_adata):
-    trained = load_trained(per_gene_runs["whole"] / "model.ckpt")
-    fp32 = batchfix.correct(small_adata, trained, copy=True)
-    int8 = batchfix.correct(small_adata, trained, copy=True, int8=True)
-    approximate, exact = int8.layers["batchfix_counts"], fp32.layers["batchfix_counts"]
-    modelled = fp32.var["batchfix_modelled"].to_numpy()
-    # The modelled genes: a count near a quantile boundary moves by one, a large one (the middle of its interval
-    # moves with the mean) by two; the extra genes' decoder stays in float32.
-    moved = (approximate[:, modelled] - exact[:, modelled]).toarray()
-    assert 0 < np.count_nonzero(moved) / moved.size < 0.02 and np.abs(moved).max() <= 2
-    assert (approximate != exact).nnz / np.prod(exact.shape) < 0.2
-    totals = np.asarray(approximate.sum(axis=1)).ravel() / np.asarray(exact.sum(axis=1)).ravel()
-    np.testing.assert_allclose(totals, 1.0, atol=0.05)
-    np.testing.assert_allclose(int8.obsm["X_batchfix"], fp32.obsm["X_batchfix"], atol=0.2)
-    assert int8.uns["batchfix"]["params"]["int8"] and not fp32.uns["batchfix"]["params"]["int8"]
-    assert type(trained.net.decoder.out) is torch.nn.Linear, "the trained model itself is left in float32"
-
-
 # ---------------------------------------------------------------- the benchmark's ablation per variant
 
 
@@ -192,14 +171,14 @@ def test_the_benchmark_ablation_runs_every_encoding_of_every_variant():
     from scripts import benchmark
 
     args = benchmark.parse_args(["x.h5ad", "--methods", "batchfix", "--ablation", "--batchfix-override", "threads=1",
-                                 "--variant", "cb", "model.token_identity=coordinates", "model.distance_bias=true",
+                                 "--variant", "cb", "ablation.token_identity=coordinates", "ablation.distance_bias=true",
                                  "--variant", "plain"])
     runs = benchmark.batchfix_runs(args)
     assert [(v, e) for _, v, e, _ in runs] == [(v, e) for v in ("cb", "plain") for e in ("real", "none", "shuffled",
                                                                                        "learned")]
     name, _, _, overrides = runs[3]
     assert name == "batchfix cb [position_encoding=learned]"
-    assert overrides == ["threads=1", "model.token_identity=coordinates", "model.distance_bias=true",
-                         "model.position_encoding=learned"]
+    assert overrides == ["threads=1", "ablation.token_identity=coordinates", "ablation.distance_bias=true",
+                         "ablation.position_encoding=learned"]
     with pytest.raises(SystemExit):
-        benchmark.parse_args(["x.h5ad", "--variant", "model.distance_bias=true"])
+        benchmark.parse_args(["x.h5ad", "--variant", "ablation.distance_bias=true"])

@@ -19,6 +19,8 @@ from batchfix.eval.cnv import segment_shift
 from scripts import inject_clones
 
 NORMAL_LINE, CLONE_BATCH, ARTEFACT_BATCH = "H1975", "sc_celseq2", "sc_dropseq"
+# The correction that reads the normal line as reference cells
+REFERENCE_CELLS = dict(regional_shift="reference_cells", normal_key="cell_type", normal_values=[NORMAL_LINE])
 TINY = dict(genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8, decoder_hidden=32, batch_size=64,
             max_epochs=20, threads=1, enable_progress_bar=False, n_top_genes=None)
 
@@ -77,8 +79,7 @@ def test_reference_cells_keep_a_clone_every_malignant_cell_carries_and_remove_a_
     before = np.asarray(log_cp10k(np.asarray(subset.X)))
     runs = {name: scores(adata, clone, batchfix.correct(adata, model, copy=True, **options).layers["batchfix"].toarray(),
                          before)
-            for name, options in {"keep": {}, "reference cells": dict(normal_key="cell_type",
-                                                                       normal_values=[NORMAL_LINE])}.items()}
+            for name, options in {"keep": {}, "reference cells": REFERENCE_CELLS}.items()}
     uncorrected = scores(adata, clone, np.asarray(log_cp10k(np.asarray(adata.X))), before)
     assert runs["reference cells"]["clone kept"] > 0.8  # batch-wide against the other batches, yet kept
     assert runs["reference cells"]["clone kept"] > runs["keep"]["clone kept"] + 0.2
@@ -92,7 +93,8 @@ def test_a_batch_without_reference_cells_keeps_its_regional_profile_and_is_named
     profile (the artefact too), and a warning names them."""
     monkeypatch.setattr(reference_cells, "MIN_NORMAL_CELLS", 5)
     adata, clone = injected
-    out = batchfix.correct(adata, model, copy=True, normal_key="cell_type", normal_values=["A549"])
+    out = batchfix.correct(adata, model, copy=True, regional_shift="reference_cells", normal_key="cell_type",
+                           normal_values=["A549"])
     assert "fewer than 5 reference cells: ['sc_celseq2', 'sc_dropseq']" in caplog.text
     assert out.uns["batchfix"]["params"]["normal_key"] == "cell_type"
     assert list(out.uns["batchfix"]["params"]["normal_values"]) == ["A549"]
@@ -100,16 +102,15 @@ def test_a_batch_without_reference_cells_keeps_its_regional_profile_and_is_named
 
 def test_reference_cells_are_checked_and_named(injected, model):
     adata = injected[0]
+    reference = dict(regional_shift="reference_cells", copy=True)
     with pytest.raises(InputError, match=r"no such column.*cell_type"):
-        batchfix.correct(adata, model, normal_key="tissue", normal_values=["normal"], copy=True)
+        batchfix.correct(adata, model, normal_key="tissue", normal_values=["normal"], **reference)
     with pytest.raises(InputError, match=r"Its values: \['A549', 'H1975'"):
-        batchfix.correct(adata, model, normal_key="cell_type", normal_values=["T cell"], copy=True)
+        batchfix.correct(adata, model, normal_key="cell_type", normal_values=["T cell"], **reference)
     with pytest.raises(ConfigError, match="go together"):
-        batchfix.correct(adata, model, normal_key="cell_type", copy=True)
-    with pytest.raises(ConfigError, match="regional_shift=keep"):
-        batchfix.correct(adata, model, normal_key="cell_type", normal_values=["A549"], regional_shift="keep_all",
-                         copy=True)
-
+        batchfix.correct(adata, model, normal_key="cell_type", **reference)
+    with pytest.raises(ConfigError, match="regional_shift=reference_cells and correction.normal_key go together"):
+        batchfix.correct(adata, model, normal_key="cell_type", normal_values=["A549"], copy=True)
 
 
 def test_reference_cells_work_on_a_log_scale_model(subset, injected, monkeypatch):
@@ -125,8 +126,7 @@ def test_reference_cells_work_on_a_log_scale_model(subset, injected, monkeypatch
     before = np.asarray(log_cp10k(np.asarray(subset.X)))
     runs = {name: scores(adata, clone, np.asarray(batchfix.correct(log_values, log_model, copy=True,
                                                                    **options).layers["batchfix"].toarray()), before)
-            for name, options in {"keep": {}, "reference cells": dict(normal_key="cell_type",
-                                                                       normal_values=[NORMAL_LINE])}.items()}
+            for name, options in {"keep": {}, "reference cells": REFERENCE_CELLS}.items()}
     uncorrected = scores(adata, clone, log_values.X, before)
     assert runs["reference cells"]["clone kept"] > 0.8
     assert runs["reference cells"]["clone kept"] > runs["keep"]["clone kept"] + 0.2
@@ -162,12 +162,14 @@ def test_normal_values_that_match_no_cell_are_named(subset, caplog):
     from batchfix.correction.writers import normal_cells
 
     columns = list(subset.obs.columns)
-    settings = CorrectionSettings(normal_key="cell_type", normal_values=["A549", "T cell", "H1975"])
+    settings = CorrectionSettings(regional_shift="reference_cells", normal_key="cell_type",
+                                  normal_values=["A549", "T cell", "H1975"])
     with caplog.at_level("WARNING", logger="batchfix"):
         normal = normal_cells(subset.obs["cell_type"], settings, columns)
     assert (normal == subset.obs["cell_type"].isin(["A549", "H1975"]).to_numpy()).all() and normal.any()
     assert "correction.normal_values ['T cell'] match no cell of obs column 'cell_type'" in caplog.text
     assert "those of ['A549', 'H1975']. Its values: ['A549', 'H1975'" in caplog.text
     with pytest.raises(InputError, match=r"no cell of obs column 'cell_type' has one of them. Its values: \['A549'"):
-        normal_cells(subset.obs["cell_type"], CorrectionSettings(normal_key="cell_type", normal_values=["T cell"]),
+        normal_cells(subset.obs["cell_type"], CorrectionSettings(regional_shift="reference_cells",
+                                                                 normal_key="cell_type", normal_values=["T cell"]),
                      columns)

@@ -76,7 +76,7 @@ def in_model_order(adata, model, mode: str, **options) -> np.ndarray:
 def test_a_regional_shift_of_one_state_is_kept_and_a_gene_wise_one_removed(subset, tiny_model, monkeypatch):
     """The decoder is made to shift one line of one batch by +0.5 on every chr1 gene (regional) and by +-0.5
     alternating on chr2 genes (gene by gene): `apply` removes both, `keep` leaves the regional one in, less the
-    share the line holds of its batch (that part is the batch's mean shift), `keep_all` less its share of all
+    share the line holds of its batch (that part is the batch's mean shift), `keep_input` less its share of all
     cells."""
     labels, batch = subset.obs["cell_type"].astype(str).to_numpy(), subset.obs["batch"].astype(str).to_numpy()
     line, own = "H2228", "sc_celseq2"
@@ -108,7 +108,7 @@ def test_a_regional_shift_of_one_state_is_kept_and_a_gene_wise_one_removed(subse
         output = in_model_order(subset, tiny_model, mode, state_dependence=1.0)  # the split alone (state: below)
         return output, np.concatenate(floored)[-len(output):]  # the last pass over the cells is the correction's
 
-    modes = ("apply", "keep", "keep_all", "keep_input")
+    modes = ("apply", "keep", "keep_input")
     before = {mode: corrected(mode) for mode in modes}
     monkeypatch.setattr(counterfactual, "decoded_pair", shifted)
     after = {mode: corrected(mode) for mode in modes}
@@ -128,7 +128,6 @@ def test_a_regional_shift_of_one_state_is_kept_and_a_gene_wise_one_removed(subse
     scale = -changes["apply"][0] / 0.5  # the batch's spread ratio k_b: the decoder's term enters as -k_b decoded_b
     assert 0.5 < scale < 2
     assert changes["keep"][0] == pytest.approx(-scale * 0.5 * share, abs=0.01)
-    assert changes["keep_all"][0] == pytest.approx(-scale * 0.5 * clone.mean(), abs=0.01)  # the share of all cells
     assert changes["keep_input"][0] == pytest.approx(-scale * 0.5 * clone.mean(), abs=0.015)  # the final floor lifts a little
     for mode in modes:
         gene_change, expected = changes[mode][1], -scale * changes[mode][2]
@@ -139,7 +138,7 @@ def test_a_regional_shift_of_one_state_is_kept_and_a_gene_wise_one_removed(subse
 
 def test_keep_input_keeps_a_regional_shift_in_a_batch_location(subset, tiny_model, monkeypatch):
     """A regional shift in one batch's residual location (-0.5 on every chr1 gene, a CNV that all of a patient's
-    cells carry and the decoder left to the location): `apply`, `keep` and `keep_all` remove it with the
+    cells carry and the decoder left to the location): `apply` and `keep` remove it with the
     location, `keep_input` keeps it less the batch's share of all cells (what the correction changes in every
     cell)."""
     own = "sc_celseq2"
@@ -152,7 +151,7 @@ def test_keep_input_keeps_a_regional_shift_in_a_batch_location(subset, tiny_mode
         unpatched(stats, net, *args, **kwargs)
         stats.location[list(tiny_model.batch_categories).index(own), torch.as_tensor(chromosome == "1")] -= 0.5
 
-    modes = ("apply", "keep", "keep_all", "keep_input")
+    modes = ("apply", "keep", "keep_input")
     before = {mode: in_model_order(subset, tiny_model, mode)[cells] for mode in modes}
     monkeypatch.setattr(calibration.Statistics, "__init__", shifted)
     after = {mode: in_model_order(subset, tiny_model, mode)[cells] for mode in modes}
@@ -165,8 +164,7 @@ def test_keep_input_keeps_a_regional_shift_in_a_batch_location(subset, tiny_mode
         change[mode] = (after[mode] - before[mode])[:, chr1].mean()
     scale = change["apply"] / 0.5  # the location enters as -k_b location_b
     assert 0.5 < scale < 2
-    for mode in ("keep", "keep_all"):
-        assert change[mode] == pytest.approx(change["apply"], abs=0.01)
+    assert change["keep"] == pytest.approx(change["apply"], abs=0.01)
     assert change["keep_input"] == pytest.approx(scale * 0.5 * share, abs=0.01)
 
 

@@ -154,7 +154,7 @@ def estimates_of_parts(bound, rows, n_obs: int, count: int) -> list:
         rounds.append(pending)
 
 
-@pytest.mark.parametrize("options", [{}, {"shrink": "none", "state_dependence": 1.0}, {"regional_shift": "keep_all"}])
+@pytest.mark.parametrize("options", [{}, {"shrink": "none", "state_dependence": 1.0}, {"regional_shift": "keep_input"}])
 def test_ranks_estimating_their_own_rows_hold_one_process_estimates_bit_for_bit(files, options):
     """Unseen batches' tables, the mean shifts and the evidence weights, each part summing only its rows."""
     trained = files["trained"]

@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import anndata as ad
@@ -315,7 +316,12 @@ def test_the_api_train_signature_is_every_train_option_that_has_an_effect():
     explicit = [name for name, p in parameters.items()
                 if p.kind is not p.VAR_KEYWORD and name not in ("adata", "correction")]
     names = config.flat_option_names(TrainConfig)
-    assert set(explicit) == set(names) - set(NOT_API_OPTIONS) - set(CORRECTION_OPTIONS) | {"seed"}
+    ablations = {name for name, dotted in names.items() if dotted.startswith("ablation.")}
+    assert set(explicit) == set(names) - set(NOT_API_OPTIONS) - set(CORRECTION_OPTIONS) - ablations | {"seed"}
+    for name in ablations & {f.name for f in fields(config.ModelAblations)}:  # keywords, listed after the others
+        assert f"    {name}\n        " in batchfix.train.__doc__, name
+    with pytest.raises(ConfigError, match=r"\['regional_order'\] have no effect in batchfix.train"):
+        batchfix.train(ad.AnnData(np.ones((3, 3), dtype=np.float32)), regional_order="shuffled")
     defaults = TrainConfig()
     for name in explicit:  # the schema's defaults, and each documented from config.py
         group, _, last = names[name].rpartition(".")
@@ -378,9 +384,9 @@ def test_the_run_summary_names_a_high_model_misfit_and_what_to_do(tmp_path):
 
 
 @pytest.mark.parametrize("normal, message", [
-    (["correction.normal_key=cell_type", "correction.normal_values=[no_such_type]"],
+    (["correction.regional_shift=reference_cells", "correction.normal_key=cell_type", "correction.normal_values=[no_such_type]"],
      "correction.normal_values=['no_such_type']: no cell of obs column 'cell_type' has one of them"),
-    (["correction.normal_key=no_such_column", "correction.normal_values=[x]"],
+    (["correction.regional_shift=reference_cells", "correction.normal_key=no_such_column", "correction.normal_values=[x]"],
      "correction.normal_key='no_such_column': obs has no such column")])
 def test_train_refuses_normal_cells_the_input_lacks_before_training(subset_h5ad, tmp_path, normal, message):
     run = tmp_path / "run"

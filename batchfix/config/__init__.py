@@ -24,6 +24,7 @@ from batchfix.config.choices import (
     PRECISIONS,
     REGIONAL_ORDERS,
     REGIONAL_SHIFTS,
+    RETIRED_REGIONAL_SHIFTS,
     SCALES,
     SHRINKS,
     SPREADS,
@@ -35,7 +36,15 @@ from batchfix.config.choices import (
     one_of,
     within,
 )
-from batchfix.config.groups import DataConfig, DataKeys, FitConfig, ModelConfig, TrainerConfig
+from batchfix.config.groups import (
+    DataConfig,
+    DataKeys,
+    FitConfig,
+    ModelAblations,
+    ModelConfig,
+    ModelOptions,
+    TrainerConfig,
+)
 from batchfix.config.help_text import (
     dashed_option_error,
     dotted_options,
@@ -48,6 +57,7 @@ from batchfix.config.parsing import readable, unknown_options, validated
 from batchfix.config.presets import (
     DEFAULT_PRESET,
     CorrectionChoice,
+    current_options,
     preset_names,
     preset_options,
     remembered_correction,
@@ -58,6 +68,7 @@ from batchfix.config.verbs import (
     AttentionConfig,
     CorrectConfig,
     CorrectDataKeys,
+    CorrectionAblations,
     CorrectionKey,
     CorrectionOptions,
     CorrectionSettings,
@@ -66,19 +77,23 @@ from batchfix.config.verbs import (
     EvaluationOptions,
     ForwardOptions,
     InferenceOptions,
+    TrainAblations,
     TrainConfig,
+    correction_ablations,
     register_schemas,
 )
 
 __all__ = [
     "ATTENTION_BACKENDS", "GENOMES", "HYDRA_FLAGS", "LIKELIHOODS", "NEIGHBOR_METHODS", "OUTPUT_MODES", "POSITION_ENCODINGS",
-    "PRECISIONS", "REGIONAL_ORDERS", "REGIONAL_SHIFTS", "SCALES", "SHRINKS", "SPREADS", "STREAM_CHOICES", "TOKEN_IDENTITIES",
+    "PRECISIONS", "REGIONAL_ORDERS", "REGIONAL_SHIFTS",
+    "RETIRED_REGIONAL_SHIFTS", "SCALES", "SHRINKS", "SPREADS", "STREAM_CHOICES", "TOKEN_IDENTITIES",
     "UNPLACED_CHOICES", "at_least", "non_empty", "one_of", "within",
-    "DataConfig", "DataKeys", "FitConfig", "ModelConfig", "TrainerConfig",
+    "DataConfig", "DataKeys", "FitConfig", "ModelAblations", "ModelConfig", "ModelOptions", "TrainerConfig",
     "dashed_option_error", "dotted_options", "field_comments", "flat_option_names", "option_descriptions", "unknown_option_error",
     "readable", "unknown_options", "validated",
-    "DEFAULT_PRESET", "CorrectionChoice", "preset_names", "preset_options", "remembered_correction",
-    "GROUP_SCHEMAS", "SCHEMAS", "AttentionConfig", "CorrectConfig", "CorrectDataKeys", "CorrectionKey",
+    "DEFAULT_PRESET", "CorrectionChoice", "current_options", "preset_names", "preset_options", "remembered_correction",
+    "GROUP_SCHEMAS", "SCHEMAS", "AttentionConfig", "CorrectConfig", "CorrectDataKeys", "CorrectionAblations",
+    "CorrectionKey",
     "CorrectionOptions", "CorrectionSettings", "CountsKey", "EvaluateConfig", "EvaluationOptions", "ForwardOptions",
-    "InferenceOptions", "TrainConfig", "register_schemas",
+    "InferenceOptions", "TrainAblations", "TrainConfig", "correction_ablations", "register_schemas",
 ]

@@ -17,7 +17,10 @@ LIKELIHOODS = ("nb", "gaussian")
 PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true", "64")
 STREAM_CHOICES = ("auto", "true", "false")
 OUTPUT_MODES = ("counterfactual", "denoised")
-REGIONAL_SHIFTS = ("apply", "keep", "keep_all", "keep_input")  # batchfix.correction.regional.RegionalShift
+REGIONAL_SHIFTS = ("keep", "keep_input", "reference_cells", "apply")  # batchfix.correction.regional.RegionalShift
+# Values a release accepted and this one refuses, with what replaces them (a checkpoint's are translated on load)
+RETIRED_REGIONAL_SHIFTS = {"keep_all": "keep_input replaces it (it keeps a batch-wide regional shift whole, where "
+                                       "keep_all still scaled it by the batch's spread: docs/cnv.md)"}
 REGIONAL_ORDERS = ("genome", "shuffled")
 SHRINKS = ("evidence", "none")  # the corrected counts' shifts: weighted by their evidence | applied in full
 SPREADS = ("batch", "gene")  # the counterfactual output's residual scale: one per batch | per gene and batch, shrunk

@@ -72,7 +72,7 @@ class DataConfig(DataKeys):
 
 
 @dataclass
-class ModelConfig:
+class ModelOptions:
     """Network hyperparameters (`model.*`); sizes derived from the data (genes, batches) are not options."""
 
     genes_per_token: int = 32  # genes per locus token; attention cost grows with (genes / genes_per_token)^2
@@ -84,20 +84,6 @@ class ModelConfig:
     dropout: float = 0.0  # dropout rate in the transformer blocks
     latent_dim: int = 30  # batch-free latent space
     decoder_hidden: int = 128  # hidden units of the decoder
-    attention: str = "guarded"  # guarded (written-out softmax with the fp16 guards) | sdpa (fused kernel)
-    # Where a token's position comes from: real (sinusoids of its base-pair coordinate + a learned chromosome
-    # vector) | shuffled (the same, coordinates permuted across tokens) | none | learned (a learned vector per
-    # token, no coordinates). shuffled, none and learned are ablations; none and learned also switch the
-    # distance bias off, so that they use no genomic coordinate at all.
-    position_encoding: str = "real"
-    # The permutation of position_encoding=shuffled; null = the run's seed (so each seed draws its own).
-    shuffle_seed: Optional[int] = None
-    # learned: each token has its own gene weights and a learned embedding | coordinates: one set of value
-    # weights shared by every token, so the position encoding is all that tells tokens apart (with
-    # position_encoding=none they are then interchangeable: the control of the ablation).
-    token_identity: str = "learned"
-    distance_bias: bool = False  # a learned per-head bias of the base-pair distance between tokens in attention
-    distance_buckets: int = 16  # log-distance buckets of that bias, spanning min_wavelength..max_wavelength
     min_wavelength: float = 1e3  # bp; sinusoid wavelengths span min..max geometrically
     max_wavelength: float = 3e8  # bp; the longest sinusoid wavelength
     attention_block_size: Optional[int] = None  # queries per attention block (bounds memory); null = all at once
@@ -116,12 +102,6 @@ class ModelConfig:
         if self.d_model % self.n_heads:
             raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}).")
         within("model.dropout", self.dropout, 0.0, 1.0, high_open=True)
-        one_of("model.attention", self.attention, ATTENTION_BACKENDS)
-        one_of("model.position_encoding", self.position_encoding, POSITION_ENCODINGS)
-        if self.shuffle_seed is not None:
-            within("model.shuffle_seed", self.shuffle_seed, 0, 2**32 - 1)
-        one_of("model.token_identity", self.token_identity, TOKEN_IDENTITIES)
-        at_least("model.distance_buckets", self.distance_buckets, 2)
         if self.attention_block_size is not None:
             at_least("model.attention_block_size", self.attention_block_size, 1, " (or null: all queries at once)")
         one_of("model.likelihood", self.likelihood, LIKELIHOODS)
@@ -130,6 +110,46 @@ class ModelConfig:
                               f"{self.min_wavelength!r} and {self.max_wavelength!r}.")
         at_least("model.kl_weight", self.kl_weight, 0.0)
         at_least("model.adversarial_weight", self.adversarial_weight, 0.0)
+
+
+@dataclass
+class ModelAblations:
+    """The network's ablations (`ablation.*` of train): each takes away, or adds, one part of what makes the model
+    genome-aware and fp16-safe, to measure what that part is worth (docs/lab/genomic-position.md, docs/lab/scale.md).
+    Their verdicts are written; the defaults are the product."""
+
+    # Where a token's position comes from: real (sinusoids of its base-pair coordinate + a learned chromosome
+    # vector) | shuffled (the same, coordinates permuted across tokens) | none | learned (a learned vector per
+    # token, no coordinates). none and learned also switch the distance bias off, so that they use no genomic
+    # coordinate at all.
+    position_encoding: str = "real"
+    # The permutation of position_encoding=shuffled; null = the run's seed (so each seed draws its own).
+    shuffle_seed: Optional[int] = None
+    # learned: each token has its own gene weights and a learned embedding | coordinates: one set of value
+    # weights shared by every token, so the position encoding is all that tells tokens apart (with
+    # position_encoding=none they are then interchangeable: the control of the ablation).
+    token_identity: str = "learned"
+    distance_bias: bool = False  # a learned per-head bias of the base-pair distance between tokens in attention
+    distance_buckets: int = 16  # log-distance buckets of that bias, spanning min_wavelength..max_wavelength
+    attention: str = "guarded"  # guarded (written-out softmax with the fp16 guards) | sdpa (torch's fused kernel)
+
+    def __post_init__(self):
+        one_of("ablation.attention", self.attention, ATTENTION_BACKENDS)
+        one_of("ablation.position_encoding", self.position_encoding, POSITION_ENCODINGS)
+        if self.shuffle_seed is not None:
+            within("ablation.shuffle_seed", self.shuffle_seed, 0, 2**32 - 1)
+        one_of("ablation.token_identity", self.token_identity, TOKEN_IDENTITIES)
+        at_least("ablation.distance_buckets", self.distance_buckets, 2)
+
+
+@dataclass
+class ModelConfig(ModelOptions, ModelAblations):
+    """The network a checkpoint describes: the `model.*` options and the network's `ablation.*` switches together
+    (a checkpoint's `model` hyperparameter; `batchfix.training.fitting.network_config` makes it)."""
+
+    def __post_init__(self):
+        ModelOptions.__post_init__(self)
+        ModelAblations.__post_init__(self)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

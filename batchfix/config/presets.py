@@ -3,12 +3,15 @@ which correction a command applies: a preset or option it was given, else the on
 from __future__ import annotations
 
 import difflib
-from dataclasses import asdict, dataclass, field
+import logging
+from dataclasses import asdict, dataclass, field, fields
 from importlib import resources
 
 from batchfix.config.parsing import validated
-from batchfix.config.verbs import CorrectionOptions
+from batchfix.config.verbs import CorrectionAblations, CorrectionOptions
 from batchfix.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 GROUP = "correction"
 DEFAULT_PRESET = "default"
@@ -55,3 +58,21 @@ class CorrectionChoice:
 def remembered_correction(preset: str, options: CorrectionOptions) -> dict:
     """What a checkpoint keeps of the correction it was trained with: the preset's name and every option."""
     return {"preset": preset, "options": asdict(options)}
+
+
+def current_options(options: dict, ablations: bool = True) -> dict:
+    """Correction options as a checkpoint or a corrected file of an earlier release recorded them, in this release's
+    terms: regional_shift=keep_all is keep_input (the same corrected counts; a log-scale output keeps a batch-wide
+    regional shift whole now), normal_key with regional_shift=keep is reference_cells. Without `ablations`, the
+    ablations are left out (a checkpoint remembered them once; each command now takes its own)."""
+    options = dict(options)
+    if options.get("regional_shift") == "keep_all":
+        log.warning("The correction recorded regional_shift=keep_all, which this release names keep_input (the same "
+                    "corrected counts; on a log-scale output each cell now keeps its input's regional profile).")
+        options["regional_shift"] = "keep_input"
+    if options.get("normal_key") is not None and options.get("regional_shift") == "keep":
+        options["regional_shift"] = "reference_cells"
+    if not ablations:
+        for name in (f.name for f in fields(CorrectionAblations)):
+            options.pop(name, None)
+    return options

@@ -2,7 +2,7 @@
 options they share, and their registration in Hydra's ConfigStore."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import ClassVar, List, Optional
 
 from batchfix.config.choices import (
@@ -10,6 +10,7 @@ from batchfix.config.choices import (
     OUTPUT_MODES,
     REGIONAL_ORDERS,
     REGIONAL_SHIFTS,
+    RETIRED_REGIONAL_SHIFTS,
     SHRINKS,
     SPREADS,
     at_least,
@@ -18,7 +19,7 @@ from batchfix.config.choices import (
     thread_count,
     within,
 )
-from batchfix.config.groups import DataConfig, DataKeys, FitConfig, ModelConfig, TrainerConfig
+from batchfix.config.groups import DataConfig, DataKeys, FitConfig, ModelAblations, ModelOptions, TrainerConfig
 from batchfix.errors import ConfigError
 
 
@@ -47,25 +48,20 @@ class CorrectionOptions:
     output_mode: str = "counterfactual"
     reference: Optional[str] = None  # a training batch to express every cell as; null / average = all batches
     key_added: str = "batchfix"  # writes layers[KEY], var[KEY_modelled], obsm[X_KEY], uns[KEY]
-    # Counterfactual output: what happens to the part of a cell's state-dependent batch shift that is smooth
-    # along the genome (copy-number-like: batchfix.correction.counterfactual): keep (its deviation from the
-    # batch's mean shift is left in the cell: a clone found in one batch keeps its CNVs) | apply (removed with
-    # the rest) | keep_all (its deviation from the mean shift over all cells: a batch-wide regional shift, e.g.
-    # a patient whose cells all carry one CNV, is kept too) | keep_input (the regional part of the whole change
-    # the output makes to the cell, beyond the mean change over all cells, is not made: each cell keeps its
-    # input's regional profile; the one that keeps a patient's CNVs whatever its batch's location and spread)
+    # Counterfactual output: what happens to the part of a cell's batch shift that is smooth along the genome
+    # (copy-number-like: batchfix.correction.regional): keep (its deviation from the batch's mean shift is left in
+    # the cell: a clone found in one batch keeps its CNVs) | keep_input (the regional part of the whole change the
+    # output makes to the cell, beyond the mean change over all cells, is not made: each cell keeps its input's
+    # regional profile, a patient's CNVs whatever its batch's location and spread) | reference_cells (each batch's
+    # regional part taken from its normal cells, named by normal_key / normal_values) | apply (removed with the rest)
     regional_shift: str = "keep"
     regional_window: int = 100  # genes of the running mean along each chromosome that defines "regional"
-    # genome (neighbours along the real coordinates) | shuffled (ablation: a random gene order drawn with
-    # regional_seed, so "neighbours" are unrelated genes)
-    regional_order: str = "genome"
-    regional_seed: int = 0  # the random gene order of regional_order=shuffled
-    # Reference (normal) cells for copy number, as infercnv's reference groups: the obs column and its values that
-    # mark cells known to be diploid (set at correct time, no retraining; counts or log scale). The regional part
-    # of each batch's correction is then taken from its normal cells (their regional level, shrunk by its noise,
-    # brought to the batches' mean): a batch's regional artefact leaves all its cells, a clone all its malignant
-    # cells carry stays. A batch with fewer than 20 normal cells keeps its cells' regional profile. Name normal cells
-    # of the same types in every batch (docs/cnv.md, Reference cells).
+    # regional_shift=reference_cells: the obs column and its values that mark cells known to be diploid, as
+    # infercnv's reference groups (set at correct time, no retraining; counts or log scale). The regional part of
+    # each batch's correction is taken from its normal cells (their regional level, shrunk by its noise, brought to
+    # the batches' mean): a batch's regional artefact leaves all its cells, a clone all its malignant cells carry
+    # stays. A batch with fewer than 20 normal cells keeps its cells' regional profile. Name normal cells of the
+    # same types in every batch (docs/cnv.md, Reference cells).
     normal_key: Optional[str] = None
     normal_values: List[str] = field(default_factory=list)  # normal_key's values marking normal cells
     # Spread. Corrected counts: batch = each count keeps its batch's NB dispersion, only the mean moves | gene = mapped
@@ -98,12 +94,13 @@ class CorrectionOptions:
         one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
         one_of(f"{self.PREFIX}spread", self.spread, SPREADS)
         one_of(f"{self.PREFIX}shrink", self.shrink, SHRINKS)
+        if self.regional_shift in RETIRED_REGIONAL_SHIFTS:
+            raise ConfigError(f"{self.PREFIX}regional_shift={self.regional_shift} is retired: "
+                              f"{RETIRED_REGIONAL_SHIFTS[self.regional_shift]}.")
         one_of(f"{self.PREFIX}regional_shift", self.regional_shift, REGIONAL_SHIFTS)
-        one_of(f"{self.PREFIX}regional_order", self.regional_order, REGIONAL_ORDERS)
         at_least(f"{self.PREFIX}regional_window", self.regional_window, 2)
         within(f"{self.PREFIX}state_dependence", self.state_dependence, 0.0, 1.0)
         within(f"{self.PREFIX}residual_weight", self.residual_weight, 0.0, 1.0)
-        within(f"{self.PREFIX}regional_seed", self.regional_seed, 0, 2**32 - 1)
         non_empty(f"{self.PREFIX}reference", self.reference)
         non_empty(f"{self.PREFIX}normal_key", self.normal_key)
         if (self.normal_key is None) != (not self.normal_values):
@@ -111,10 +108,13 @@ class CorrectionOptions:
                               f"and its values that mark normal cells (e.g. {self.PREFIX}normal_key=cell_type "
                               f"{self.PREFIX}normal_values=[T_cell,fibroblast]); got normal_key={self.normal_key!r}, "
                               f"normal_values={list(self.normal_values)!r}.")
-        if self.normal_key is not None and (self.output_mode != "counterfactual" or self.regional_shift != "keep"):
-            raise ConfigError(f"{self.PREFIX}normal_key works with output_mode=counterfactual and regional_shift=keep "
-                              f"(the mean shift it replaces); got output_mode={self.output_mode}, "
-                              f"regional_shift={self.regional_shift}.")
+        if (self.normal_key is not None) != (self.regional_shift == "reference_cells"):
+            raise ConfigError(f"{self.PREFIX}regional_shift=reference_cells and {self.PREFIX}normal_key go together: "
+                              f"the regional correction taken from the normal cells normal_key / normal_values name; "
+                              f"got regional_shift={self.regional_shift}, normal_key={self.normal_key!r}.")
+        if self.normal_key is not None and self.output_mode != "counterfactual":
+            raise ConfigError(f"{self.PREFIX}regional_shift=reference_cells works with output_mode=counterfactual "
+                              f"(the denoised output has no regional part); got output_mode={self.output_mode}.")
         if self.key_added is None or not str(self.key_added).strip():
             raise ConfigError(f"{self.PREFIX}key_added must be a non-empty name, got {self.key_added!r}.")
         if "/" in self.key_added:
@@ -141,9 +141,6 @@ class InferenceOptions(ForwardOptions):
     """How many cells correction handles at a time (`inference.*` of correct)."""
 
     chunk_size: int = 4096  # cells read, corrected and written at a time (memory grows with it)
-    # Dynamically quantized int8 linear layers (CPU): corrected values move slightly, and it was not faster on the
-    # default model (docs/benchmarks.md, INT8).
-    int8: bool = False
     # One part of the correction, for independent jobs (a SLURM array): i/N writes OUT.shard-i-of-N, the cells of
     # part i of N; merge/N writes OUT from the N parts. null = every cell (under torchrun: each rank its part, rank 0
     # merges). Parts start where a one-process run starts a forward batch, so they give its numbers.
@@ -170,9 +167,43 @@ class InferenceOptions(ForwardOptions):
 
 
 @dataclass
-class CorrectionSettings(CorrectionOptions, InferenceOptions):
-    """Everything the correction core needs besides the data and the model: the options and the name of the
-    correction preset they came from (recorded in uns[key_added])."""
+class CorrectionAblations:
+    """Ablations: switches that measure a claim (docs/lab/), not choices for a user's data; listed last.
+
+    The correction's (`ablation.*` of correct, and of train with the network's): not remembered by the model,
+    each command takes its own."""
+
+    PREFIX: ClassVar[str] = "ablation."  # how the options are named in messages
+    # The gene order regional_shift smooths along: genome (neighbours along the real coordinates) | shuffled (a
+    # random gene order drawn with regional_seed, so "neighbours" are unrelated genes)
+    regional_order: str = "genome"
+    regional_seed: int = 0  # the random gene order of regional_order=shuffled
+
+    def __post_init__(self):
+        one_of(f"{self.PREFIX}regional_order", self.regional_order, REGIONAL_ORDERS)
+        within(f"{self.PREFIX}regional_seed", self.regional_seed, 0, 2**32 - 1)
+
+
+def correction_ablations(ablation: CorrectionAblations) -> dict:
+    """{name: value} of the correction's ablations among a verb's `ablation.*` (train's hold the model's too)."""
+    return {f.name: getattr(ablation, f.name) for f in fields(CorrectionAblations)}
+
+
+@dataclass
+class TrainAblations(ModelAblations, CorrectionAblations):
+    """Ablations: switches that measure a claim (docs/lab/), not choices for a user's data; listed last.
+
+    The network's (ModelAblations) and the correction's (CorrectionAblations); the defaults are the product."""
+
+    def __post_init__(self):
+        ModelAblations.__post_init__(self)
+        CorrectionAblations.__post_init__(self)
+
+
+@dataclass
+class CorrectionSettings(CorrectionOptions, InferenceOptions, CorrectionAblations):
+    """Everything the correction core needs besides the data and the model: the options, the ablations and the name
+    of the correction preset they came from (recorded in uns[key_added])."""
 
     PREFIX: ClassVar[str] = ""
     preset: Optional[str] = None  # the conf/correction/ entry the correction options came from
@@ -180,6 +211,7 @@ class CorrectionSettings(CorrectionOptions, InferenceOptions):
     def __post_init__(self):
         CorrectionOptions.__post_init__(self)
         InferenceOptions.__post_init__(self)
+        CorrectionAblations.__post_init__(self)
 
 
 @dataclass
@@ -187,7 +219,7 @@ class TrainConfig:
     """`python -m batchfix train`: fit a model, write model.ckpt, corrected.h5ad and metrics.json."""
 
     data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelOptions = field(default_factory=ModelOptions)
     fit: FitConfig = field(default_factory=FitConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     correction: CorrectionOptions = field(default_factory=CorrectionOptions)
@@ -198,6 +230,7 @@ class TrainConfig:
     overwrite: bool = False  # train into a run folder that holds a run: its outputs and checkpoints are deleted first
     # score the corrected file into metrics.json and umap.png (without data.label_key: batch mixing only)
     evaluate: bool = True
+    ablation: TrainAblations = field(default_factory=TrainAblations)
 
     def __post_init__(self):
         within("seed", self.seed, 0, 2**32 - 1)
@@ -235,6 +268,7 @@ class CorrectConfig:
     overwrite: bool = False  # replace an existing output
     progress: bool = True  # progress bar (cells/s) on stderr
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
+    ablation: CorrectionAblations = field(default_factory=CorrectionAblations)
 
     def __post_init__(self):
         for name in ("input", "output"):
@@ -306,7 +340,7 @@ class AttentionConfig:
 
 
 SCHEMAS = {"train": TrainConfig, "correct": CorrectConfig, "evaluate": EvaluateConfig, "attention": AttentionConfig}
-GROUP_SCHEMAS = {"data": DataConfig, "model": ModelConfig, "fit": FitConfig, "trainer": TrainerConfig}
+GROUP_SCHEMAS = {"data": DataConfig, "model": ModelOptions, "fit": FitConfig, "trainer": TrainerConfig}
 
 
 def bundled_only(path: str | None, value: str) -> str | None:

@@ -16,7 +16,6 @@ counterfactual output their batch effect is estimated from their own cells first
 """
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Iterator
 
@@ -71,18 +70,6 @@ def gene_columns(var_names: pd.Index, trained: BatchfixModel, max_missing_fracti
     return columns
 
 
-def int8_network(net: torch.nn.Module) -> torch.nn.Module:
-    """A copy of the network whose linear layers run in int8 (weights quantized once, activations per batch).
-
-    CPU only; the gene weights, the attention products and the extra genes' decoder stay in float32 (int8 there
-    moved 13 % of those genes' corrected counts, some by tens).
-    """
-    quantized = torch.ao.quantization.quantize_dynamic(copy.deepcopy(net), {torch.nn.Linear}, dtype=torch.qint8)
-    if getattr(net, "extra_decoder", None) is not None:
-        quantized.extra_decoder = copy.deepcopy(net.extra_decoder)
-    return quantized
-
-
 class BoundModel:
     """A trained model bound to one input's genes (and, for the counterfactual output, its cells' batches): what
     every step of a correction reads and none changes.
@@ -97,8 +84,8 @@ class BoundModel:
                  source: str = "X", batch: np.ndarray | None = None, batch_key: str | None = None,
                  obs_names: pd.Index | None = None, normal: np.ndarray | None = None):
         self.trained = trained
-        self.normal = normal  # (cells,) bool: reference cells (correction.normal_key), or None
-        self.net = int8_network(trained.net) if settings.int8 else trained.net
+        self.normal = normal  # (cells,) bool: reference cells (regional_shift=reference_cells), or None
+        self.net = trained.net
         self.batch_key = batch_key
         self.settings = settings
         self.batch_size = settings.batch_size

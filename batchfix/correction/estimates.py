@@ -6,9 +6,9 @@
 - Batches the model never saw: their location and spread (the log output), or their per-gene ratio to the
   average decoder and their dispersion (the corrected counts), from one pass over their cells.
 - Every batch's mean shift, for correction.state_dependence < 1 and the regional shift: the mean of the decoder
-  term (log output) or of the log-mean shift (counts) over the batch's cells (keep) or over all cells (keep_all;
-  keep_input, whose whole change is on the log output's scale, splits the counts' shift as keep_all does);
-  with reference cells (correction.normal_key), each batch's regional correction from its normal cells instead
+  term (log output) or of the log-mean shift (counts) over the batch's cells (keep, reference_cells) or over all
+  cells (keep_input: the whole change on the log output's scale, the log-mean shift on the counts');
+  with reference cells (regional_shift=reference_cells), each batch's regional correction from its normal cells instead
   (`ReferenceCellSums`).
 """
 from __future__ import annotations

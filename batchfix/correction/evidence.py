@@ -21,8 +21,8 @@ ComBat shrinks its location by an empirical-Bayes prior across genes, here centr
 and each cell's whole shift of gene g (state-dependent part included) is multiplied by lambda_bg, or with state
 groups (batchfix.correction.state_groups) by the larger of lambda_bg and lambda_bkg, the same over the batch's cells
 in the cell's group k (`state_weights`): a shift that changes sign between cell states averages to nothing over the
-batch and is measured in each state's cells instead; with reference cells (correction.normal_key) the regional part
-is then the batch's own, as its reference cells measured it (shrunk by its own noise:
+batch and is measured in each state's cells instead; with reference cells (regional_shift=reference_cells) the
+regional part is then the batch's own, as its reference cells measured it (shrunk by its own noise:
 reference_cells.regional_offset). A shift far beyond its noise passes nearly whole; one within its noise is not
 applied at all, so its counts stay exactly as they were (a count mapped to its own distribution is its own). The
 weights come from the data alone: no tuned constant. The log-scale model's output is weighted alike

@@ -18,6 +18,8 @@ from batchfix.correction.regional import RegionalShift, genome_smoother
 from batchfix.correction.state_groups import StateGroups
 
 log = logging.getLogger(__name__)
+# The regional modes that split a cell's shift against its batch's mean (the others: against the mean over all cells)
+BATCH_MEAN_MODES = ("keep", "reference_cells")
 
 
 class MeanShiftSums:
@@ -47,7 +49,7 @@ def mean_shift(bound, sums: MeanShiftSums, mode: str,
     estimated = n_cells >= calibration.MIN_UNSEEN_CELLS
     small = [bound.batch_name(c) for c in np.flatnonzero(~estimated & (n_cells > 0))]
     unmet = [what for what, needed in (
-        ("keep no regional part of their shift (regional_shift=keep)", mode == "keep"),
+        (f"keep no regional part of their shift (regional_shift={mode})", mode in BATCH_MEAN_MODES),
         ("get all of its state dependence (state_dependence < 1)", settings.state_dependence < 1)) if needed]
     if small and unmet:
         log.warning("Batches with fewer than %d cells in the input have no mean shift of their own; their cells "
@@ -60,7 +62,7 @@ def mean_shift(bound, sums: MeanShiftSums, mode: str,
                                            as_tensor(estimated))
     if not regional:
         return state, None
-    if mode == "keep":
+    if mode in BATCH_MEAN_MODES:
         shift = batch_mean
     else:  # one mean over every cell, for every batch
         split_sums = sums.terms if sums.changes is None else sums.changes

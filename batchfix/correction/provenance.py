@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 import batchfix
-from batchfix.config import CorrectionOptions, InferenceOptions
+from batchfix.config import CorrectionAblations, CorrectionOptions, InferenceOptions
 from batchfix.correction.layers import LOG_TRANSFORM
 from batchfix.data import ondisk
 from batchfix.data.io import OutputKeys
@@ -80,7 +80,8 @@ def provenance(bound, estimates, tallies) -> dict:
     chunk (batchfix.correction.outputs)."""
     trained, settings = bound.trained, bound.settings
     kind = bound.kind
-    names = [f.name for schema in (CorrectionOptions, InferenceOptions) for f in dataclasses.fields(schema)]
+    names = [f.name for schema in (CorrectionOptions, InferenceOptions, CorrectionAblations)
+             for f in dataclasses.fields(schema)]
     skipped = {name: why for name, why in NOT_APPLIED[kind].items() if name in names}
     params = {name: (float(v) if isinstance(v, float) else v) for name in names
               if name not in skipped and (v := getattr(settings, name)) is not None and v != []}
@@ -111,7 +112,8 @@ def provenance(bound, estimates, tallies) -> dict:
         info["n_observed_zeros"] = tallies.n_zeros
         info["n_zeros_made_positive"] = tallies.n_zeros_raised
         if settings.regional_shift == "keep_input":
-            info["regional_shift_note"] = "keep_input splits the counts' log-mean shift as keep_all does"
+            info["regional_shift_note"] = ("keep_input splits the counts' log-mean shift against its mean over "
+                                           "every input cell")
     if bound.batches is not None:
         info["params"]["batch_key"] = bound.batch_key
         info["unseen_batches_estimated"] = bound.batches.unseen

@@ -111,7 +111,8 @@ def rule(gene_effect: float, regional_shift: float, regional_batch: str, confine
     if regional_shift >= CNV_SHIFT and confined >= CONFINED_CELLS:
         return "patient_cnv", (f"{measured}: a copy-number-sized regional shift in one batch and states confined "
                                "to batches, as in patients with their own clones; patient_cnv keeps each cell's "
-                               "regional profile (better still: name normal cells with correction.normal_key)")
+                               "regional profile (better still: name normal cells with "
+                               "correction.regional_shift=reference_cells and correction.normal_key)")
     if gene_effect >= PROTOCOL_EFFECT:
         return "protocols", (f"{measured}: chemistry-sized gene-wise effects, which protocols (each gene's "
                              "dispersion mapped to the reference's) mixes better")

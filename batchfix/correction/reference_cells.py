@@ -1,4 +1,4 @@
-"""The reference cells' regional correction (correction.normal_key): each batch's regional level read off its
+"""The reference cells' regional correction (regional_shift=reference_cells): each batch's regional level read off its
 reference cells in the estimate pass, shrunk by its sampling noise (`regional_offset`), so that the batch's other
 cells lose the batch's technical regional profile and keep their own.
 """
@@ -12,15 +12,15 @@ import torch
 from batchfix.correction import count_output, counterfactual
 from batchfix.correction.regional import genome_smoother
 
-MIN_NORMAL_CELLS = 20  # reference cells a batch needs for its own regional correction (correction.normal_key)
+MIN_NORMAL_CELLS = 20  # reference cells a batch needs for its own regional correction (regional_shift=reference_cells)
 PRIOR_WINDOWS = 5  # windows around a gene over which a reference level's signal is estimated (regional_offset)
 
 log = logging.getLogger(__name__)
 
 
 class ReferenceCellSums:
-    """Per batch code, over its reference cells (correction.normal_key; corrected counts): their modelled genes'
-    counts with the non-regional part of the correction applied (count x exp(shift - its running mean along the
+    """Per batch code, over its reference cells (regional_shift=reference_cells; corrected counts): their modelled
+    genes' counts with the non-regional part of the correction applied (count x exp(shift - its running mean along the
     genome)), their squares and their libraries, from which `offset` gives each batch's regional correction."""
 
     SUMMED = ("sums", "squares", "library", "n_cells")  # batchfix.correction.reduction adds these

@@ -10,7 +10,13 @@ from pathlib import Path
 import torch
 
 from batchfix import signals
-from batchfix.config import AttentionConfig, CorrectConfig, CorrectionChoice, CorrectionSettings
+from batchfix.config import (
+    AttentionConfig,
+    CorrectConfig,
+    CorrectionChoice,
+    CorrectionSettings,
+    correction_ablations,
+)
 from batchfix.correction.provenance import output_kind_name, refuse_key_collisions_in_file, warn_not_applied
 from batchfix.correction.writers import correct_file
 from batchfix.data.atomic import CORRECTED_SUFFIX, default_output, refuse_existing
@@ -33,7 +39,8 @@ def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
     trained = load_trained(cfg.checkpoint)
     told = told or CorrectionChoice()
     preset, options = told.resolve(trained.correction)
-    settings = CorrectionSettings(**asdict(options), **asdict(cfg.inference), preset=preset)
+    settings = CorrectionSettings(**asdict(options), **asdict(cfg.inference), **correction_ablations(cfg.ablation),
+                                  preset=preset)
     warn_not_applied(told.options, output_kind_name(settings.output_mode, trained.config.likelihood))
     refuse_key_collisions_in_file(source, settings.key_added)
     try:

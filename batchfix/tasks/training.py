@@ -17,6 +17,7 @@ from batchfix.config import (
     AttentionConfig,
     CorrectionSettings,
     TrainConfig,
+    correction_ablations,
     remembered_correction,
 )
 from batchfix.correction.calibration import calibrated_model
@@ -144,7 +145,8 @@ def training_labels(cfg: TrainConfig, adata: ad.AnnData | None):
 def write_corrected(cfg: TrainConfig, model: BatchfixModel, adata: ad.AnnData | None, target: Path) -> Path:
     """The training input with corrected expression added (the correction the model remembers): from the AnnData
     in memory, or streamed from the file."""
-    settings = CorrectionSettings(**model.correction["options"], preset=model.correction["preset"])
+    settings = CorrectionSettings(**model.correction["options"], **correction_ablations(cfg.ablation),
+                                  preset=model.correction["preset"])
     keys = dict(counts_layer=cfg.data.counts_layer, batch_key=cfg.data.batch_key)
     if adata is None:
         return correct_file(input_path(cfg.data.path), target, model, settings, overwrite=True, **keys)

@@ -10,7 +10,7 @@ import math
 import signal
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import anndata as ad
@@ -23,7 +23,7 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException, SI
 from torch.utils.data import DataLoader
 
 from batchfix import runfolder, signals
-from batchfix.config import DataConfig, FitConfig, ModelConfig, TrainConfig, TrainerConfig
+from batchfix.config import DataConfig, FitConfig, ModelAblations, ModelConfig, TrainConfig, TrainerConfig
 from batchfix.console import quiet_lightning_logs, quiet_warnings
 from batchfix.data.genome import chromosome_runs
 from batchfix.data.io import expression_input, input_path, read_h5ad
@@ -154,7 +154,7 @@ def build_trainer(cfg: TrainConfig, run_dir: Path, has_validation: bool) -> pl.T
 
 def build_module(cfg: TrainConfig, prepared: PreparedData, planned_steps: int) -> BatchfixModule:
     """The Lightning module for the prepared genes and batches, with their standardisation statistics."""
-    model = replace(cfg.model, likelihood="gaussian") if cfg.data.scale == "log" else cfg.model
+    model = network_config(cfg)
     coordinates = prepared.coordinates
     widest = max(len(run) for run in chromosome_runs(coordinates))  # windows never cross a chromosome
     if model.genes_per_token > widest:
@@ -174,9 +174,21 @@ def build_module(cfg: TrainConfig, prepared: PreparedData, planned_steps: int) -
     return module
 
 
+def network_config(cfg: TrainConfig) -> ModelConfig:
+    """The network to train: the model.* options, the network's ablation.* switches, a Gaussian likelihood for
+    log-scale data."""
+    model = ModelConfig(**asdict(cfg.model), **{f.name: getattr(cfg.ablation, f.name) for f in fields(ModelAblations)})
+    return replace(model, likelihood="gaussian") if cfg.data.scale == "log" else model
+
+
 # The model options that shape the network's weights: a resumed run must keep them
 SHAPE_OPTIONS = ("genes_per_token", "d_model", "n_heads", "n_layers", "latent_dim", "decoder_hidden",
                  "position_encoding", "token_identity", "distance_bias", "distance_buckets", "likelihood")
+
+
+def option_group(name: str) -> str:
+    """model | ablation: where a network option is set."""
+    return "ablation" if name in {f.name for f in fields(ModelAblations)} else "model"
 
 
 def resume_checkpoint(resume: str | None, prepared: PreparedData, model: ModelConfig | None = None) -> Path | None:
@@ -191,7 +203,7 @@ def resume_checkpoint(resume: str | None, prepared: PreparedData, model: ModelCo
     if saved.genes != prepared.genes or saved.batch_categories != prepared.batch_categories:
         raise InputError(f"Cannot resume from {resume}: it was trained on other genes or batches "
                          "(same data and data.* options are needed).")
-    changed = [f"model.{name}={getattr(saved.config, name)!r} (not {getattr(model, name)!r})"
+    changed = [f"{option_group(name)}.{name}={getattr(saved.config, name)!r} (not {getattr(model, name)!r})"
                for name in SHAPE_OPTIONS if model is not None and getattr(saved.config, name) != getattr(model, name)]
     if changed:
         raise InputError(f"Cannot resume from {resume}: its network has another shape; resume with "
@@ -221,7 +233,7 @@ def fit(cfg: TrainConfig, prepared: PreparedData, run_dir: Path) -> FitResult:
     """
     datamodule = CellDataModule(prepared, cfg.fit.batch_size, cfg.fit.validation_fraction, cfg.seed,
                                 cfg.fit.max_validation_cells, cfg.data.chunk_cells)
-    resume_from = resume_checkpoint(cfg.resume, prepared, cfg.model)
+    resume_from = resume_checkpoint(cfg.resume, prepared, network_config(cfg))
     trainer = build_trainer(cfg, run_dir, has_validation=len(datamodule.validation_rows) > 0)
     # Under DDP each process takes every world_size-th minibatch: steps per epoch shrink accordingly.
     steps_per_epoch = math.ceil(math.ceil(len(datamodule.train_rows) / cfg.fit.batch_size) / trainer.world_size)

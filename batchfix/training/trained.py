@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from batchfix.config import ModelConfig
+from batchfix.config import ModelConfig, current_options
 from batchfix.data.atomic import atomic_output
 from batchfix.data.genome import GeneCoordinates, LocusWindows, make_windows
 from batchfix.errors import CheckpointError, CheckpointFormatError
@@ -126,8 +126,12 @@ class BatchfixModel:
     @property
     def correction(self) -> dict | None:
         """The correction it was trained with ({'preset': name, 'options': every correction option}), which
-        `correct` applies unless told otherwise; None for a checkpoint that does not record it."""
-        return self.module.hparams.get("correction")
+        `correct` applies unless told otherwise; None for a checkpoint that does not record it. An earlier
+        release's record is read in this release's terms (batchfix.config.current_options)."""
+        remembered = self.module.hparams.get("correction")
+        if remembered is None:
+            return None
+        return {**remembered, "options": current_options(remembered["options"], ablations=False)}
 
     @property
     def recommendation(self) -> dict | None:

@@ -183,7 +183,7 @@ def report(n_cells: int, n_genes: int, input_path: Path, output_path: Path, reco
           f"  throughput        {steady:,.0f} cells/s steady state ({overall:,.0f} cells/s over the correction loop)\n"
           f"  wall time         {row['total_s']:,.0f} s{' (extrapolated)' if not finished else ''}, "
           f"of which {loop_started:.1f} s before the loop (loading the model, copying the input's other groups; "
-          f"for regional_shift keep|keep_all|keep_input, the pass that encodes every cell and estimates the batch means) "
+          f"for regional_shift keep|keep_input, the pass that encodes every cell and estimates the batch means) "
           f"(+ {row['imports_s']:.0f} s of Python imports before)\n"
           f"  peak RSS          {row['peak_rss_mb']:,} MB (kernel high-water mark; sampled: "
           f"{row['sampled_peak_rss_mb']:,} MB)\n"
