@@ -39,10 +39,7 @@ from batchfix.config import (
     remembered_correction,
     validated,
 )
-from batchfix.correction.calibration import calibrated_model
-from batchfix.correction.extra_genes import add_extra_genes_from
 from batchfix.correction.provenance import output_kind_name, refuse_key_collisions, warn_not_applied
-from batchfix.correction.recommendation import recommend_and_remember
 from batchfix.correction.writers import correct_adata, normal_cells
 from batchfix.errors import ConfigError
 from batchfix.training.trained import BatchfixModel, load_trained
@@ -124,32 +121,38 @@ def train(adata: ad.AnnData, batch_key: str = DataConfig.batch_key, label_key: s
     """
     given = {name: value for name, value in locals().items() if name not in ("adata", "correction", "options")}
     require_in_memory(adata, "train")
-    ignored = sorted(set(options) & set(CORRECTION_ABLATIONS))
-    if ignored:
-        raise ConfigError(f"{ignored} have no effect in batchfix.train, which writes no corrected expression: give "
-                          f"them to batchfix.correct.")
     cfg = train_config(**given, **options)
-    correction_options = {name: value for name, value in options.items() if name in CORRECTION_OPTIONS}
+    correction_options = train_correction_options(options)
     preset, chosen = CorrectionChoice(correction, correction_options).resolve()
     normal_cells(adata.obs.get(chosen.normal_key or ""), chosen, list(adata.obs.columns))  # refused before training
-    from batchfix.training import fitting  # Lightning: loaded by train alone, so that correct starts without it
+    from batchfix.tasks.training import finish  # Lightning: loaded by train alone, so that correct starts without it
+    from batchfix.training import fitting
+
     fitting.seed_and_threads(cfg.seed, cfg.threads)
     prepared = fitting.load_training_data(cfg.data, adata)
+    labels = None if label_key is None else adata.obs[label_key].astype(str).to_numpy()
     with tempfile.TemporaryDirectory(prefix="batchfix-train-") as scratch:
         result = fitting.fit(cfg, prepared, Path(scratch))
-        model = calibrated_model(result.best_checkpoint, prepared)
-        add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
-    model.remember_correction(remembered_correction(preset, chosen))
-    recommend_in_notebook(model, prepared, None if label_key is None else adata.obs[label_key], preset, cfg.seed)
+        model, _, advice = finish(result.best_checkpoint, prepared, cfg, adata, remembered_correction(preset, chosen),
+                                  labels, 'batchfix.correct(adata, model, correction="{preset}")')
+    warn_if_recommended_otherwise(advice, preset)
     model.path = None  # the checkpoint it came from is gone: model.save(path) keeps it
     return model
 
 
-def recommend_in_notebook(model: BatchfixModel, prepared, labels, preset: str, seed: int) -> None:
-    """The recommended correction, remembered by the model; one other than `preset`, the correction trained with, is
-    a warning, which a notebook shows (info lines it does not, by default)."""
-    advice = recommend_and_remember(model, prepared, None if labels is None else labels.astype(str).to_numpy(),
-                                    'batchfix.correct(adata, model, correction="{preset}")', seed)
+def train_correction_options(options: dict) -> dict:
+    """The correction options among batchfix.train's keywords (the model remembers them); the correction's ablations,
+    which act on no model, refused: train writes no corrected expression."""
+    ignored = sorted(set(options) & set(CORRECTION_ABLATIONS))
+    if ignored:
+        raise ConfigError(f"{ignored} have no effect in batchfix.train, which writes no corrected expression: give "
+                          f"them to batchfix.correct.")
+    return {name: value for name, value in options.items() if name in CORRECTION_OPTIONS}
+
+
+def warn_if_recommended_otherwise(advice, preset: str) -> None:
+    """A recommended correction other than `preset`, the one trained with, is a warning, which a notebook shows (info
+    lines it does not, by default)."""
     if advice.preset != preset:
         log.warning("batchfix recommends correction=%r for these data (trained with %r): %s.%s", advice.preset, preset,
                     advice.reason, f" Apply it: {advice.command}" if advice.command else "")

@@ -24,7 +24,7 @@ from batchfix.correction.calibration import calibrated_model
 from batchfix.correction.corrector import reference_index
 from batchfix.correction.extra_genes import MIN_CELLS, add_extra_genes_from
 from batchfix.correction.provenance import refuse_key_collisions_in_file
-from batchfix.correction.recommendation import recommend_and_remember
+from batchfix.correction.recommendation import Recommendation, recommend_and_remember
 from batchfix.correction.writers import correct_adata, correct_file
 from batchfix.data import ondisk
 from batchfix.data.atomic import atomic_output, refuse_unreplaceable
@@ -102,15 +102,9 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
                   run_dir: Path, preset: str = DEFAULT_PRESET) -> dict:
     """model.ckpt (the best checkpoint, calibrated, with the correction it remembers), corrected.h5ad and the
     evaluation of a finished fit; returns the metrics so far."""
-    log.info("Calibrating the output on the training cells (best checkpoint: %s).", result.best_checkpoint.name)
-    model = calibrated_model(result.best_checkpoint, prepared)
-    if model.config.likelihood == "nb":
-        log.info("Fitting the extra genes' decoder (genes detected in >= %d cells beyond the modelled ones).",
-                 MIN_CELLS)
-    corrected_genes = add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
-    model.remember_correction(remembered_correction(preset, cfg.correction))
-    apply = correct_command(cfg, run_dir)
-    advice = recommend_and_remember(model, prepared, training_labels(cfg, adata), apply, cfg.seed)
+    model, corrected_genes, advice = finish(result.best_checkpoint, prepared, cfg, adata,
+                                            remembered_correction(preset, cfg.correction),
+                                            training_labels(cfg, adata), correct_command(cfg, run_dir))
     model.save(run_dir / runfolder.MODEL_CKPT, overwrite=True)
     metrics = {**fit_metrics(result, prepared), "corrected_genes": corrected_genes,
                "recommendation": advice.as_dict()}
@@ -130,6 +124,21 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
                                               max_cells=cfg.evaluation.max_cells,
                                               neighbors=cfg.evaluation.neighbors)
     return metrics
+
+
+def finish(best_checkpoint: Path, prepared: PreparedData, cfg: TrainConfig, adata: ad.AnnData | None,
+           correction: dict, labels, apply: str) -> tuple[BatchfixModel, int, Recommendation]:
+    """A fit made a model, for the verb and the API alike: the best checkpoint calibrated on the training cells, the
+    extra genes' decoder fitted, the `correction` (remembered_correction) and the recommended preset remembered
+    (`apply`: the command that applies a preset, with {preset}). (model, extra genes corrected, recommendation)."""
+    log.info("Calibrating the output on the training cells (best checkpoint: %s).", best_checkpoint.name)
+    model = calibrated_model(best_checkpoint, prepared)
+    if model.config.likelihood == "nb":
+        log.info("Fitting the extra genes' decoder (genes detected in >= %d cells beyond the modelled ones).",
+                 MIN_CELLS)
+    corrected_genes = add_extra_genes_from(model, prepared, cfg.data, adata, cfg.seed)
+    model.remember_correction(correction)
+    return model, corrected_genes, recommend_and_remember(model, prepared, labels, apply, cfg.seed)
 
 
 def training_labels(cfg: TrainConfig, adata: ad.AnnData | None):
