@@ -16,7 +16,7 @@ import anndata as ad
 import numpy as np
 import scipy.sparse as sp
 
-from batchfix.eval.sweep import flatten
+from batchfix.cli.sweep import flatten
 
 TIMING_KEYS = ("seconds", "time", "_s", "peak", "memory", "rss")  # metrics.json entries that vary run to run
 
@@ -26,7 +26,7 @@ def dense(matrix) -> np.ndarray:
 
 
 def scores(metrics: dict) -> dict[str, float]:
-    """Every number in metrics.json by its dotted path (batchfix.eval.sweep.flatten), timings left out."""
+    """Every number in metrics.json by its dotted path (batchfix.cli.sweep.flatten), timings left out."""
     return {name: value for name, value in flatten(metrics).items()
             if not any(word in name.rsplit(".", 1)[-1].lower() for word in TIMING_KEYS)}
 

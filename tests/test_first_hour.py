@@ -121,7 +121,7 @@ def test_the_attention_picture_has_a_large_panel_per_layer(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from batchfix.eval.attention_maps import PANEL_INCHES, PICTURE_DPI, AttentionMaps, plot_attention_maps
+    from batchfix.tasks.attention_maps import PANEL_INCHES, PICTURE_DPI, AttentionMaps, plot_attention_maps
 
     groups, layers, heads, bins = 3, 2, 4, 48
     maps = np.random.default_rng(0).dirichlet(np.ones(bins), size=(groups, layers, heads, bins)).astype(np.float32)
@@ -138,7 +138,7 @@ def test_the_attention_picture_has_a_large_panel_per_layer(tmp_path):
 def test_the_sweep_summary_drops_constant_columns_and_plots_head_counts_as_categories(tmp_path):
     import pandas as pd
 
-    from batchfix.eval.sweep import SUMMARY_MD, category_positions, summarize_sweep
+    from batchfix.cli.sweep import SUMMARY_MD, category_positions, summarize_sweep
 
     for job, heads in enumerate((1, 2, 8)):
         (tmp_path / str(job) / ".hydra").mkdir(parents=True)
@@ -445,7 +445,7 @@ def test_a_one_layer_attention_pictures_title_is_wrapped_not_cut(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from batchfix.eval.attention_maps import AttentionMaps, plot_attention_maps
+    from batchfix.tasks.attention_maps import AttentionMaps, plot_attention_maps
 
     bins = 48
     maps = np.random.default_rng(0).dirichlet(np.ones(bins), size=(1, 1, 2, bins)).astype(np.float32)

@@ -20,7 +20,7 @@ import batchfix
 from batchfix import tasks
 from batchfix.config import AttentionConfig, CorrectionSettings, TrainConfig, validated
 from batchfix.errors import InputError, OutputExistsError
-from batchfix.eval.attention_maps import attention_maps
+from batchfix.tasks.attention_maps import attention_maps
 from batchfix.training.module import ENTROPY_PREFIX, BatchfixModule
 from batchfix.training.trained import load_trained
 

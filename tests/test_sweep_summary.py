@@ -9,7 +9,7 @@ import textwrap
 import pandas as pd
 import pytest
 
-from batchfix.eval.sweep import SUMMARY_CSV, SUMMARY_MD, flatten, parse_override, summarize_sweep
+from batchfix.cli.sweep import SUMMARY_CSV, SUMMARY_MD, flatten, parse_override, summarize_sweep
 
 
 def make_job(sweep_dir, name, overrides, metrics=None):
@@ -94,7 +94,7 @@ def test_callback_runs_at_the_end_of_a_real_multirun(tmp_path):
             dir: {tmp_path / "sweep"}
           callbacks:
             summary:
-              _target_: batchfix.eval.sweep.SweepSummary
+              _target_: batchfix.cli.sweep.SweepSummary
     """))
     run = subprocess.run(
         [sys.executable, str(app), "-m", "model.n_heads=1,2,4"],

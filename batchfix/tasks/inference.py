@@ -83,7 +83,7 @@ def correct_parts(cfg: CorrectConfig, source: Path, output: Path, trained, setti
 
 def attention(cfg: AttentionConfig) -> list[Path]:
     """Mean attention between loci per group of cfg.input's cells: attention.png and attention.npz in cfg.output."""
-    from batchfix.eval.attention_maps import attention_maps, write_attention
+    from batchfix.tasks.attention_maps import attention_maps, write_attention
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

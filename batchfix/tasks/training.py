@@ -211,7 +211,7 @@ def fit_metrics(result: fitting.FitResult, prepared: PreparedData) -> dict:
 
 def attention_picture(cfg: TrainConfig, model: BatchfixModel, run_dir: Path) -> Path:
     """run_dir/attention.png: the trained model's attention along the genome, per label (else per batch)."""
-    from batchfix.eval.attention_maps import attention_maps, write_attention
+    from batchfix.tasks.attention_maps import attention_maps, write_attention
 
     options = AttentionConfig(checkpoint=str(model.path), group_by=cfg.data.label_key or cfg.data.batch_key)
     maps = attention_maps(model, input_path(cfg.data.path), options.group_by,
