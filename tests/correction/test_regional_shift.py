@@ -2,7 +2,7 @@
 
 The smoother is checked on constructed values; the option on a tiny model trained on the real 200-cell
 subset with an injected clone (scripts/inject_clones.py) in one cell line of one batch. Reference cells
-(correction.normal_key): tests/test_reference_cells.py.
+(correction.normal_key): tests/correction/test_reference_cells.py.
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def tiny_model(subset):
 
 def in_model_order(adata, model, mode: str, **options) -> np.ndarray:
     """The corrected layer's modelled genes (cells, genes) in the model's (genomic) order, one forward pass; every
-    change applied in full (shrink=none: the formula's terms, the evidence weights apart, tests/test_evidence.py)."""
+    change applied in full (shrink=none: the formula's terms, the evidence weights apart, tests/correction/test_evidence.py)."""
     options = {"shrink": "none", **options}
     out = batchfix.correct(adata, model, regional_shift=mode, batch_size=adata.n_obs, copy=True, **options)
     genes = out.var["batchfix_modelled"].to_numpy()

@@ -10,7 +10,7 @@ import pytest
 from batchfix.cli.common import config_groups
 from batchfix.config import SCHEMAS, dotted_options
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Different options that share a last name: {last name: their spellings}.
 DISTINCT = {
     "batch_size": {"fit.batch_size", "inference.batch_size"},  # cells per training step / per forward pass

@@ -9,7 +9,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-TUTORIAL = Path(__file__).resolve().parents[1] / "docs" / "tutorial.ipynb"
+TUTORIAL = Path(__file__).resolve().parents[2] / "docs" / "tutorial.ipynb"
 BUDGET = "max_epochs = None"
 
 

@@ -15,7 +15,7 @@ from batchfix.data.normalize import log_cp10k
 from batchfix.eval import fidelity, matrix_scores, metrics, reports, umap_plots
 from batchfix.eval.evaluate import evaluate_file
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "cellbench5.h5ad"
+DATA = Path(__file__).resolve().parents[2] / "data" / "cellbench5.h5ad"
 N_CELLS = 300
 N_GENES = 1000
 

@@ -18,7 +18,7 @@ from batchfix.errors import ConfigError
 from batchfix.nn.network import BatchfixNet
 from batchfix.training import fitting
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 PRESETS = sorted((p.parent.name, p.stem) for p in CONF.glob("*/*.yaml"))
 
 

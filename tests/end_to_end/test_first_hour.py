@@ -198,7 +198,7 @@ def test_correct_refuses_an_existing_output_before_reading_anything(tmp_path):
 
 
 def test_the_quick_starts_outputs_are_ignored_by_git():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
         pytest.skip("not a git checkout")
     outputs = ["run/model.ckpt", "scores/umap.png", "cellbench5.corrected.h5ad", "outputs/train/x/train.log"]

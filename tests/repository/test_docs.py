@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 MANUAL = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LAB_PAGES = sorted((ROOT / "docs" / "lab").glob("*.md"))

@@ -15,7 +15,7 @@ from batchfix.eval import fidelity
 from scripts.lab import count_scaling, decoding_scale, marker_loss, residual_forms, residual_weight, shift_forms
 
 pytestmark = pytest.mark.lab
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(n_top_genes=None, genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8,
             decoder_hidden=32, batch_size=64, max_epochs=30, threads=1, enable_progress_bar=False)
 

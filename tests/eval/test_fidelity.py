@@ -16,7 +16,7 @@ from batchfix.data.normalize import log_cp10k
 from batchfix.eval import fidelity
 from batchfix.eval.fidelity import DE_RANK, GENE_METRICS, HVG_CONSERVATION, MARKER_RECALL, WITHIN_TYPE
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "cellbench5.h5ad"
+DATA = Path(__file__).resolve().parents[2] / "data" / "cellbench5.h5ad"
 BATCHES, LABELS = ["b0", "b1", "b2"], ["A", "B", "C"]
 
 

@@ -24,7 +24,7 @@ from batchfix.tasks.attention_maps import attention_maps
 from batchfix.training.module import ENTROPY_PREFIX, BatchfixModule
 from batchfix.training.trained import load_trained
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(n_top_genes=200, genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8, decoder_hidden=32,
             batch_size=64, threads=1, enable_progress_bar=False, seed=0)
 

@@ -17,9 +17,9 @@ from batchfix.api import train_config
 from batchfix.correction import extra_genes
 from batchfix.errors import ConfigError, InputError, OutputError
 
-ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).resolve().parent / "data" / "tiny_run_seed0.npz"
-# The options of the regression run (tests/data/tiny_run_seed0.npz): the test_training.py tiny model, 4 epochs.
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parent / "tiny_run_seed0.npz"
+# The options of the regression run (tests/verbs/tiny_run_seed0.npz): the test_training.py tiny model, 4 epochs.
 TINY = dict(n_top_genes=200, genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8, decoder_hidden=32,
             batch_size=64, learning_rate=2e-3, threads=1, enable_progress_bar=False, max_epochs=4, seed=0,
             precision="32-true")  # recorded in float32 (a CPU with bf16 units would train bf16-mixed by default)
@@ -50,7 +50,7 @@ def test_the_readme_example_runs_as_written(tmp_path, monkeypatch):
 
 
 def test_api_training_gives_the_recorded_regression_values(small_adata):
-    """Same data, options and seed as tests/data/tiny_run_seed0.npz, recorded with the command-line route
+    """Same data, options and seed as tests/verbs/tiny_run_seed0.npz, recorded with the command-line route
     (tasks.train on the file) before the configuration and API were reorganised: the same numbers. The
     recording holds the denoised output (the only one then)."""
     golden = np.load(GOLDEN)

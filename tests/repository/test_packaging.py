@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-LOCAL_MODULES = {"batchfix", "conftest", "scripts"} | {p.stem for p in (ROOT / "tests").glob("*.py")}
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL_MODULES = {"batchfix", "conftest", "scripts"} | {p.stem for p in (ROOT / "tests").rglob("*.py")}
 
 
 def normalized(name: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "batchfix"
+PACKAGE = Path(__file__).resolve().parents[2] / "batchfix"
 # Why each cap: a function is one step a reader follows without scrolling (one screen); a class is one concept whose
 # state and methods a reader holds at once (its methods moved into free functions over an untyped object to meet the
 # file cap would hide it, so the class is capped itself); a file is one step of the data flow (docs/architecture.md).

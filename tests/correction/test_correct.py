@@ -34,7 +34,7 @@ from batchfix.data.normalize import log_cp10k
 from batchfix.errors import CheckpointError, InputError
 from batchfix.training.trained import load_trained
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAINING_BATCHES = 3
 N_TOP_GENES = 300
 

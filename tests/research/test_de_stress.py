@@ -13,7 +13,7 @@ import scipy.sparse as sp
 
 from scripts import de_stress
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 

@@ -210,7 +210,7 @@ def test_a_batchs_dispersion_is_estimated_on_many_cells_and_shrunk_on_few():
 
 
 # --------------------------------------------------------------------------------------------
-# The layers a real trained model writes (the tiny model of tests/test_correct.py's trained_run)
+# The layers a real trained model writes (the tiny model of tests/correction/test_correct.py's trained_run)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 from scripts.bench import bench_gpu
 
 pytestmark = pytest.mark.bench
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_guard_inputs_overflow_fp16_only_without_the_guards():
