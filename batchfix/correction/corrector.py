@@ -81,7 +81,7 @@ class BoundModel:
     """
 
     def __init__(self, trained: BatchfixModel, var_names: pd.Index, settings: CorrectionSettings,
-                 source: str = "X", batch: np.ndarray | None = None, batch_key: str | None = None,
+                 counts_layer: str | None = None, batch: np.ndarray | None = None, batch_key: str | None = None,
                  obs_names: pd.Index | None = None, normal: np.ndarray | None = None):
         self.trained = trained
         self.normal = normal  # (cells,) bool: reference cells (regional_shift=reference_cells), or None
@@ -91,7 +91,8 @@ class BoundModel:
         self.batch_size = settings.batch_size
         self.reference = reference_index(trained.batch_categories, settings.reference)
         self.reference_name = "average" if self.reference is None else str(settings.reference)
-        self.source = source
+        self.counts_layer = counts_layer  # the layer holding the input's counts; None = X
+        self.source = "X" if counts_layer is None else f"layers['{counts_layer}']"  # as messages name it
         self.n_vars = len(var_names)
         columns = gene_columns(var_names, trained, settings.max_missing_fraction)
         self.missing_genes = [g for g, c in zip(trained.genes, columns) if c < 0]

@@ -102,7 +102,7 @@ def provenance(bound, estimates, tallies) -> dict:
         "extra_genes_corrected": int(bound.corrected_mask.sum() - bound.modelled_mask.sum()),
         "n_cells_without_counts": tallies.n_empty_modelled,  # in the modelled genes: decoded from nothing
         "layers": layer_entries(bound),
-        "params": {**params, "counts": bound.source, "scale": trained.scale,
+        "params": {**params, "counts": bound.source, "counts_layer": bound.counts_layer or "X", "scale": trained.scale,
                    "model": dict(trained.module.hparams["model"])},
         "options_not_applied": skipped,
         "estimates": estimates.summary(batch_names(bound)),

@@ -60,10 +60,6 @@ def layer_names(keys: OutputKeys) -> dict[str, str]:
     return {"log": keys.layer, "counts": keys.counts}
 
 
-def source_name(counts_layer: str | None) -> str:
-    return "X" if counts_layer is None else f"layers['{counts_layer}']"
-
-
 def data_keys(trained: BatchfixModel, batch_key: str | None, counts_layer: str | None) -> tuple[str, str | None]:
     """(batch_key, counts_layer) to correct with: the caller's, else those the model was trained with
     (counts_layer 'X' names the X matrix)."""
@@ -132,7 +128,7 @@ def prepared_output(adata: ad.AnnData, trained: BatchfixModel, settings: Correct
         batch_level_columns(adata.obs.items(), batch, batch_key)
     normal = normal_cells(adata.obs[settings.normal_key] if settings.normal_key in adata.obs else None, settings,
                           list(map(str, adata.obs.columns)))
-    bound = BoundModel(trained, adata.var_names, settings, source_name(counts_layer), batch, batch_key,
+    bound = BoundModel(trained, adata.var_names, settings, counts_layer, batch, batch_key,
                        adata.obs_names, normal)
     rows = ondisk.InMemoryRows(matrix)
     return output_kind(bound, *estimate(bound, rows, adata.n_obs)), rows
@@ -277,7 +273,7 @@ def bind_file(src: h5py.File, source: Path, trained: BatchfixModel, settings: Co
                             batch, batch_key)
     normal = None if settings.normal_key is None else normal_cells(
         ondisk.read_obs_column(src, settings.normal_key), settings, ondisk.obs_columns(src))
-    bound = BoundModel(trained, var_names, settings, source_name(counts_layer), batch, batch_key,
+    bound = BoundModel(trained, var_names, settings, counts_layer, batch, batch_key,
                        ondisk.read_obs_names(src), normal)
     return bound, rows, n_obs
 

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import scipy.sparse as sp
 
-from batchfix.config import CorrectionSettings
+from batchfix.config import CorrectionSettings, current_options
 from batchfix.correction import writers
 from batchfix.correction.provenance import file_sha256
 from batchfix.eval import detection, metrics
@@ -138,9 +138,11 @@ def model_checks(adata, key_added: str, genes: np.ndarray, trained=None, batch_k
     params = dict(info["params"])
     names = {f.name for f in fields(CorrectionSettings)}
     options = {k: (list(v) if isinstance(v, np.ndarray) else v) for k, v in params.items() if k in names}
-    settings = CorrectionSettings(**options, preset=str(info.get("correction_preset")))
+    settings = CorrectionSettings(**current_options(options), preset=str(info.get("correction_preset")))
     source = params["counts"]
-    counts_layer = "X" if source == "X" else source[len("layers['"):-len("']")]
+    # a file corrected before "counts_layer" was recorded names the layer only in the display string "counts"
+    counts_layer = str(params["counts_layer"]) if "counts_layer" in params else (
+        "X" if source == "X" else source[len("layers['"):-len("']")])
     if (adata.X is None) if counts_layer == "X" else (counts_layer not in adata.layers):
         # a subsample holds the counts evaluate compares with, not those the correction read
         raise NoModelChecks(f"the scored cells lack {source}, the counts the correction read")

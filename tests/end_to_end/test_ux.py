@@ -129,6 +129,7 @@ def test_correct_takes_batch_key_and_counts_layer_from_the_checkpoint(sample_ada
     out = ad.read_h5ad(tmp_path / "out.h5ad")
     assert out.uns["batchfix"]["params"]["batch_key"] == "sample"
     assert out.uns["batchfix"]["params"]["counts"] == "layers['counts']"
+    assert out.uns["batchfix"]["params"]["counts_layer"] == "counts"
     assert list(out.uns["batchfix"]["unseen_batches_estimated"]) == []
     assert sha256(source) == before
 
