@@ -2,8 +2,8 @@
 
 Training batches are calibrated once after the fit (`calibrate`), on the training cells (at most
 CALIBRATION_CELLS_PER_BATCH per batch), and the statistics travel in the checkpoint
-(BatchfixNet.residual_location / residual_spread, and residual_gene_spread / residual_cells for the
-per-gene form). A batch the model never saw has no decoder of its
+(the model's CalibrationTables, batchfix.training.tables: residual_location / residual_spread, and
+residual_gene_spread / residual_cells for the per-gene form). A batch the model never saw has no decoder of its
 own: the average decoder stands in for decoded_b, and its location and spread are estimated from its
 own cells in the input (`ResidualSums`); an unseen batch with fewer than `MIN_UNSEEN_CELLS` cells is
 given the denoised output instead.
@@ -21,6 +21,7 @@ from batchfix.data.prepare import PreparedData, in_order
 from batchfix.errors import CheckpointError
 from batchfix.nn.attention import fused_attention
 from batchfix.nn.network import BatchfixNet
+from batchfix.training.tables import CalibrationTables
 from batchfix.training.trained import BatchfixModel, load_trained
 
 log = logging.getLogger(__name__)
@@ -87,13 +88,14 @@ def calibration_cells(batch_index: np.ndarray, n_batches: int, per_batch: int, s
 def calibrated_model(checkpoint: Path, prepared: PreparedData) -> BatchfixModel:
     """A fit's best checkpoint, with its training batches' residual statistics (`calibrate`)."""
     model = load_trained(checkpoint)
-    calibrate(model.net, prepared)
+    calibrate(model.net, model.tables, prepared)
     return model
 
 
 @torch.no_grad()
-def calibrate(net: BatchfixNet, prepared: PreparedData) -> None:
-    """Store each training batch's residual location and spread in the net (its checkpoint carries them).
+def calibrate(net: BatchfixNet, tables: CalibrationTables, prepared: PreparedData) -> None:
+    """Store each training batch's residual location and spread, dispersions and ratios in `tables` (the
+    checkpoint carries them).
 
     An inference pass over the training cells (at most CALIBRATION_CELLS_PER_BATCH per batch): like correction
     it runs the fused attention kernel (the same values up to float rounding, faster on CPU).
@@ -118,16 +120,16 @@ def calibrate(net: BatchfixNet, prepared: PreparedData) -> None:
     net.train(was_training)
     if net.cfg.likelihood == "nb":
         shared = net.decoder.log_theta.detach().double().exp().numpy()
-        store_count_tables(net.count_theta, net.count_ratio, dispersions, shared)
+        store_count_tables(tables.count_theta, tables.count_ratio, dispersions, shared)
     spreads = np.array([s.spread() for s in sums])
     fallback = np.sqrt(np.mean(np.square(spreads[spreads > 0]))) if (spreads > 0).any() else 1.0
     spreads[spreads <= 0] = fallback  # a batch of one training cell: its residuals keep their scale
     gene_spreads = np.stack([np.sqrt(s.variance()) if s.n_cells >= 2 else np.full(net.n_genes, fallback)
                              for s in sums])  # (batches, G)
-    net.residual_gene_spread.copy_(torch.as_tensor(gene_spreads, dtype=torch.float32))
-    net.residual_cells.copy_(torch.as_tensor([s.n_cells for s in sums], dtype=torch.float32))
-    net.residual_location.copy_(torch.as_tensor(np.stack([s.location() for s in sums]), dtype=torch.float32))
-    net.residual_spread.copy_(torch.as_tensor(spreads, dtype=torch.float32))
+    tables.residual_gene_spread.copy_(torch.as_tensor(gene_spreads, dtype=torch.float32))
+    tables.residual_cells.copy_(torch.as_tensor([s.n_cells for s in sums], dtype=torch.float32))
+    tables.residual_location.copy_(torch.as_tensor(np.stack([s.location() for s in sums]), dtype=torch.float32))
+    tables.residual_spread.copy_(torch.as_tensor(spreads, dtype=torch.float32))
     log.info("Calibrated the counterfactual output on %d of %d cells (at most %d per batch): residual spread per "
              "batch %s.", len(cells), prepared.n_cells, CALIBRATION_CELLS_PER_BATCH,
              dict(zip(prepared.batch_categories, np.round(spreads, 3).tolist())))
@@ -139,14 +141,14 @@ def store_count_tables(theta: torch.Tensor, ratio: torch.Tensor, sums: list, sha
     ratio.copy_(torch.as_tensor(np.stack([s.ratio() for s in sums]), dtype=torch.float32))
 
 
-def training_statistics(net: BatchfixNet) -> tuple[np.ndarray, np.ndarray]:
-    """(location (batches, genes), spread (batches,)) stored by `calibrate`; refuses an uncalibrated net."""
-    spread = net.residual_spread.numpy().astype(np.float64)
+def training_statistics(tables: CalibrationTables) -> tuple[np.ndarray, np.ndarray]:
+    """(location (batches, genes), spread (batches,)) stored by `calibrate`; refuses uncalibrated tables."""
+    spread = tables.residual_spread.numpy().astype(np.float64)
     if not (spread > 0).all():
         raise CheckpointError("This checkpoint has no residual calibration, which output_mode=counterfactual "
                               "needs: use the run folder's model.ckpt (or a model from batchfix.train), or "
                               "output_mode=denoised.")
-    return net.residual_location.numpy().astype(np.float64), spread
+    return tables.residual_location.numpy().astype(np.float64), spread
 
 
 def reference_statistics(location: np.ndarray, spread: np.ndarray, reference: int | None) -> tuple[np.ndarray, float]:
@@ -189,17 +191,17 @@ def shrunk_variances(variance: np.ndarray, cells: np.ndarray, n_training: int,
     return shrunk * gene_level
 
 
-def gene_scales(net: BatchfixNet, reference: int | None, unseen: list[ResidualSums],
+def gene_scales(tables: CalibrationTables, reference: int | None, unseen: list[ResidualSums],
                 present: np.ndarray | None = None) -> np.ndarray:
     """k_{b,g} = spread_ref(g) / spread_b(g) (codes, G) from the shrunk per-gene spreads (`shrunk_variances`);
     the average reference's spread is the root-mean-square over the training batches, as for one per batch."""
-    variance = np.square(net.residual_gene_spread.numpy().astype(np.float64))  # (batches, G)
-    cells = net.residual_cells.numpy().astype(np.float64)
+    variance = np.square(tables.residual_gene_spread.numpy().astype(np.float64))  # (batches, G)
+    cells = tables.residual_cells.numpy().astype(np.float64)
     if unseen:  # prior fitted on the genes the input holds: a missing gene's residual means nothing
         variance = np.vstack([variance, [s.variance() for s in unseen]])
         cells = np.concatenate([cells, [s.n_cells for s in unseen]])
-    shrunk = shrunk_variances(variance, cells, net.n_batches, present)
-    reference_variance = shrunk[:net.n_batches].mean(axis=0) if reference is None else shrunk[reference]
+    shrunk = shrunk_variances(variance, cells, tables.n_batches, present)
+    reference_variance = shrunk[:tables.n_batches].mean(axis=0) if reference is None else shrunk[reference]
     return np.sqrt(reference_variance / np.maximum(shrunk, np.finfo(np.float32).tiny))
 
 
@@ -207,16 +209,16 @@ class Statistics:
     """Location (per gene) and scale factor k = residual_weight * spread_ref / spread of every batch code (one per
     batch, or one per gene for spread_by="gene"), and the reference's location."""
 
-    def __init__(self, net: BatchfixNet, reference: int | None, unseen: list[ResidualSums],
+    def __init__(self, tables: CalibrationTables, reference: int | None, unseen: list[ResidualSums],
                  present: np.ndarray | None = None, spread_by: str = "batch", residual_weight: float = 1.0):
-        location, spread = training_statistics(net)
+        location, spread = training_statistics(tables)
         reference_location, reference_spread = reference_statistics(location, spread, reference)
         if unseen:  # their spread over the genes the input holds: a missing gene's residual means nothing
             location = np.vstack([location, [s.location() for s in unseen]])
             spread = np.concatenate([spread, [s.spread(present) or reference_spread for s in unseen]])
         self.location = torch.as_tensor(location, dtype=torch.float32)  # (codes, G)
         if spread_by == "gene":
-            scale = gene_scales(net, reference, unseen, present)  # (codes, G)
+            scale = gene_scales(tables, reference, unseen, present)  # (codes, G)
         else:
             scale = (reference_spread / spread)[:, None]  # (codes, 1)
         self.scale = torch.as_tensor(residual_weight * scale, dtype=torch.float32)

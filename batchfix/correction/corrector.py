@@ -115,7 +115,7 @@ class BoundModel:
         if self.counts_output:
             self.set_count_genes(var_names, obs_names if obs_names is not None else range(len(batch)))
         if settings.output_mode == "counterfactual":
-            calibration.training_statistics(trained.net)  # refuses an uncalibrated checkpoint before any work
+            calibration.training_statistics(trained.tables)  # refuses an uncalibrated checkpoint before any work
             self.log_batches()
 
     def set_count_genes(self, var_names: pd.Index, obs_names) -> None:

@@ -187,12 +187,12 @@ def estimate_unseen(bound, rows, part: Part, n_obs: int) -> Estimates:
         sample = totals[-1] if sample else None
     by_set = [count_sums[i * n_unseen:(i + 1) * n_unseen] for i in range(n_sets)]
     settings = bound.settings
-    statistics = calibration.Statistics(bound.trained.net, bound.reference, sums, bound.present.numpy(),
+    statistics = calibration.Statistics(bound.trained.tables, bound.reference, sums, bound.present.numpy(),
                                         settings.spread, settings.residual_weight)
     members = [None if detection is None else
                detection.members(genes, bound.batches.n_training, calibration.MIN_UNSEEN_CELLS)
                for genes in bound.gene_sets]
-    tables = tuple(count_tables(bound.trained.net, genes, set_sums, bound.reference, settings.spread, chosen)
+    tables = tuple(count_tables(bound.trained, genes, set_sums, bound.reference, settings.spread, chosen)
                    for genes, set_sums, chosen in zip(bound.gene_sets, by_set, members))
     groups = None if sample is None else fit_groups(sample)
     return Estimates(statistics=statistics, count_tables=tables, state_groups=groups)
@@ -214,16 +214,17 @@ def add_unseen(bound, cells: tuple, sums: list, count_sums: list) -> None:
             count_sums[i * n_unseen + code - n_training].add(values.numpy()[codes == code], mean[codes == code])
 
 
-def count_tables(net, genes, count_sums: list[counts.CountSums], reference: int | None, spread: str,
+def count_tables(trained, genes, count_sums: list[counts.CountSums], reference: int | None, spread: str,
                  members: np.ndarray | None = None) -> CountTables:
     """The gene set's theta and ratio (codes, G: the training batches', then the unseen batches' from `count_sums`)
     and the reference's ratio (G,), float64, the average's over each gene's `members` (training batches, G) bool
     (None: every batch); the reference's theta (G,) with spread=gene, None with spread=batch (each count keeps its
     own batch's dispersion: only the mean moves)."""
+    net, tables = trained.net, trained.tables
     decoder = net.extra_decoder if genes.extra else net.decoder
     shared = decoder.log_theta.detach().double().exp().numpy()
-    trained_theta = (net.extra_count_theta if genes.extra else net.count_theta).double().numpy()
-    trained_ratio = (net.extra_count_ratio if genes.extra else net.count_ratio).double().numpy()
+    trained_theta = (tables.extra_count_theta if genes.extra else tables.count_theta).double().numpy()
+    trained_ratio = (tables.extra_count_ratio if genes.extra else tables.count_ratio).double().numpy()
     theta = np.vstack([trained_theta, *[s.dispersion().theta(shared) for s in count_sums]])
     ratio = np.vstack([trained_ratio, *[s.ratio() for s in count_sums]])
     tiny = np.finfo(np.float64).tiny

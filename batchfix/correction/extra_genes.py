@@ -128,8 +128,8 @@ def fit_decoder(net, latents: torch.Tensor, codes: torch.Tensor, extra_counts: S
 
 
 @torch.no_grad()
-def calibrate_dispersion(net, latents: torch.Tensor, codes: torch.Tensor, extra_counts: SparseCounts) -> None:
-    """Each training batch's dispersion and ratio of the extra genes around the fitted means (net.extra_count_*)."""
+def calibrate_dispersion(net, tables, latents: torch.Tensor, codes: torch.Tensor, extra_counts: SparseCounts) -> None:
+    """Each training batch's dispersion and ratio of the extra genes around the fitted means (tables.extra_count_*)."""
     shared = net.extra_decoder.log_theta.double().exp().numpy()
     sums = [counts.CountSums(extra_counts.matrix.shape[1]) for _ in range(net.n_batches)]
     for start in range(0, len(latents), 1024):
@@ -139,7 +139,7 @@ def calibrate_dispersion(net, latents: torch.Tensor, codes: torch.Tensor, extra_
         for b in np.unique(codes[part].numpy()):
             chosen = (codes[part] == b).numpy()
             sums[b].add(observed[chosen], mean[chosen])
-    store_count_tables(net.extra_count_theta, net.extra_count_ratio, sums, shared)
+    store_count_tables(tables.extra_count_theta, tables.extra_count_ratio, sums, shared)
 
 
 def add_extra_genes(model: BatchfixModel, prepared: PreparedData, rows, var_names, seed: int = 0) -> dict:
@@ -165,8 +165,9 @@ def add_extra_genes(model: BatchfixModel, prepared: PreparedData, rows, var_name
     latents, codes = latents_and_codes(model, prepared, cells)
     torch.manual_seed(seed)
     model.net.add_extra_genes(len(columns))
+    model.tables.add_extra_genes(len(columns))
     loss, steps = fit_decoder(model.net, latents, codes, extra_counts, seed)
-    calibrate_dispersion(model.net, latents, codes, extra_counts)
+    calibrate_dispersion(model.net, model.tables, latents, codes, extra_counts)
     genes = var_names[columns].tolist()
     model.module.hparams["extra_genes"] = genes
     log.info("Corrected beyond the %d modelled genes: %d more genes detected in >= %d cells, through a second "

@@ -145,7 +145,7 @@ def batch_log_means(model: BatchfixModel, prepared: PreparedData, cells: np.ndar
             latents.append(mu.numpy())
             for b in range(len(sums)):
                 if counts:
-                    shares = net.mean_fractions(mu, b).double().numpy() * net.count_ratio[b].double().numpy()
+                    shares = net.mean_fractions(mu, b).double().numpy() * model.tables.count_ratio[b].double().numpy()
                     sums[b] += np.log(np.maximum(shares, 1e-12)).sum(axis=0)
                 else:
                     sums[b] += net.decoded(mu, b).double().numpy().sum(axis=0)

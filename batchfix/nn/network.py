@@ -14,10 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from batchfix.config import ModelConfig
 from batchfix.data.genome import LocusWindows
 from batchfix.data.normalize import LIBRARY_SIZE, log_cp10k
-from batchfix.errors import CheckpointFormatError
 from batchfix.nn.attention import GenomicCoordinateEncoding, GenomicDistanceBias, TransformerBlock
-
-CHECKPOINT_FORMAT = 2  # 2: per-batch NB dispersions (count_theta) for the corrected counts
 
 
 class GradientReversal(torch.autograd.Function):
@@ -143,35 +140,12 @@ class BatchfixNet(nn.Module):
         self.encoder = LocusEncoder(cfg, windows, n_genes)
         self.decoder = ExpressionDecoder(cfg, n_genes, n_batches)
         self.adversary = nn.Sequential(nn.Linear(cfg.latent_dim, 64), nn.ReLU(), nn.Linear(64, n_batches))
-        # Residual statistics of each training batch (batchfix.correction.calibration.calibrate, after the fit): the
-        # counterfactual output's per-gene location and per-batch spread. A spread of 0 means not calibrated.
-        self.register_buffer("residual_location", torch.zeros(n_batches, n_genes))
-        self.register_buffer("residual_spread", torch.zeros(n_batches))
-        # Per gene: the residual's within-batch sd and the cells it was estimated on (correction.spread=gene).
-        self.register_buffer("residual_gene_spread", torch.zeros(n_batches, n_genes))
-        self.register_buffer("residual_cells", torch.zeros(n_batches))
-        # Each training batch's NB inverse dispersion and observed-over-decoded mean ratio per gene
-        # (batchfix.correction.counts, calibrated after the fit; theta 0 = not calibrated): the corrected counts map
-        # a count from its batch's NB to the reference's.
-        self.register_buffer("count_theta", torch.zeros(n_batches, n_genes))
-        self.register_buffer("count_ratio", torch.ones(n_batches, n_genes))  # observed / decoded mean, per gene
         self.extra_decoder: ExpressionDecoder | None = None  # the genes the encoder does not read (`add_extra_genes`)
 
     def add_extra_genes(self, n_extra: int) -> None:
         """A second NB decoder for `n_extra` genes the encoder does not read (fitted after the main fit with the
-        encoder frozen: batchfix.correction.extra_genes), with its per-batch dispersions and ratios."""
+        encoder frozen: batchfix.correction.extra_genes; their dispersions and ratios: training.tables)."""
         self.extra_decoder = ExpressionDecoder(self.cfg, n_extra, self.n_batches)
-        self.register_buffer("extra_count_theta", torch.zeros(self.n_batches, n_extra))
-        self.register_buffer("extra_count_ratio", torch.ones(self.n_batches, n_extra))
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """A checkpoint of an earlier format (no per-batch dispersions) is refused in one line."""
-        if prefix + "decoder.log_theta" in state_dict and prefix + "count_theta" not in state_dict:
-            raise CheckpointFormatError(
-                f"This checkpoint was written by an earlier batchfix (checkpoint format 1, before version "
-                f"{CHECKPOINT_FORMAT}): it lacks the per-batch dispersions that corrected counts need. Train again "
-                "with this version (docs/reference.md, 'Migrating from 0.1 outputs').")
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def log_expression(self, x: torch.Tensor) -> torch.Tensor:
         """Counts -> log1p(counts per 10k); log-scale input passes through."""

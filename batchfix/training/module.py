@@ -11,6 +11,7 @@ import torch
 
 from batchfix.errors import TrainingError
 from batchfix.nn.attention import EntropyMeter
+from batchfix.training.tables import tables_from_network_keys
 from batchfix.training.trained import network_parts
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ class BatchfixModule(pl.LightningModule):
                  extra_genes: list[str] | None = None, recommendation: dict | None = None):
         super().__init__()
         self.save_hyperparameters()
-        self.model_config, self.windows, self.net = network_parts(model, genes, chromosome, start, end,
-                                                                  batch_categories, extra_genes)
+        self.model_config, self.windows, self.net, self.tables = network_parts(model, genes, chromosome, start, end,
+                                                                               batch_categories, extra_genes)
+        self._register_load_state_dict_pre_hook(tables_from_network_keys, with_module=True)
         self.entropy = EntropyMeter(self.model_config.n_layers, self.model_config.n_heads)
         self.last_entropy: torch.Tensor | None = None  # (layers, heads) of the last validation epoch
         self.warned_heads: set[tuple[int, int]] = set()

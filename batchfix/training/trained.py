@@ -22,6 +22,7 @@ from batchfix.data.atomic import atomic_output
 from batchfix.data.genome import GeneCoordinates, LocusWindows, make_windows
 from batchfix.errors import CheckpointError, CheckpointFormatError
 from batchfix.nn.network import BatchfixNet
+from batchfix.training.tables import CalibrationTables, tables_from_network_keys
 
 # What a checkpoint records of the data it was trained on (hyperparameter `data`), and what checkpoints written
 # before it was recorded are taken to have used: the defaults of that time.
@@ -40,30 +41,34 @@ class Hyperparameters(dict):
 
 
 def network_parts(model: dict, genes: list[str], chromosome: list[str | None], start: list[int], end: list[int],
-                  batch_categories: list[str], extra_genes: list[str] | None) -> tuple[ModelConfig, LocusWindows,
-                                                                                        BatchfixNet]:
-    """(model config, loci windows, untrained network) of a checkpoint's hyperparameters."""
+                  batch_categories: list[str], extra_genes: list[str] | None
+                  ) -> tuple[ModelConfig, LocusWindows, BatchfixNet, CalibrationTables]:
+    """(model config, loci windows, untrained network, empty calibration tables) of a checkpoint's
+    hyperparameters."""
     config = ModelConfig(**model)
     coordinates = GeneCoordinates(np.array(chromosome, dtype=object), np.array(start), np.array(end))
     windows = make_windows(coordinates, config.genes_per_token)
     n_genes = len(genes)
     net = BatchfixNet(config, windows, n_genes, len(batch_categories), gene_mean=np.zeros(n_genes),
                       gene_std=np.ones(n_genes))
+    tables = CalibrationTables(len(batch_categories), n_genes)
     if extra_genes:  # the genes the encoder does not read, corrected through a second decoder
         net.add_extra_genes(len(extra_genes))
-    return config, windows, net
+        tables.add_extra_genes(len(extra_genes))
+    return config, windows, net, tables
 
 
 class TrainedNetwork(nn.Module):
-    """The network of a checkpoint and its hyperparameters (`hparams`), as the training plan holds them: the
-    same state_dict keys (`net.*`)."""
+    """The network of a checkpoint, its calibration tables and its hyperparameters (`hparams`), as the training plan
+    holds them: the same state_dict keys (`net.*`, `tables.*`)."""
 
     def __init__(self, hyper_parameters: dict):
         super().__init__()
         self.hparams = Hyperparameters(hyper_parameters)
         h = self.hparams
-        self.model_config, self.windows, self.net = network_parts(
+        self.model_config, self.windows, self.net, self.tables = network_parts(
             h["model"], h["genes"], h["chromosome"], h["start"], h["end"], h["batch_categories"], h.get("extra_genes"))
+        self._register_load_state_dict_pre_hook(tables_from_network_keys, with_module=True)
 
 
 @dataclass
@@ -98,6 +103,11 @@ class BatchfixModel:
     @property
     def net(self) -> BatchfixNet:
         return self.module.net
+
+    @property
+    def tables(self) -> CalibrationTables:
+        """What calibration measured after the fit (batchfix.training.tables)."""
+        return self.module.tables
 
     @property
     def genes(self) -> list[str]:

@@ -73,7 +73,7 @@ class Terms:
 def statistics(model: batchfix.BatchfixModel, **options) -> calibration.Statistics:
     """The shipped statistics of the model's training batches (average reference); `options`: Statistics' spread_by
     and residual_weight."""
-    return calibration.Statistics(model.net, None, [], **options)
+    return calibration.Statistics(model.tables, None, [], **options)
 
 
 def cell_scale(model: batchfix.BatchfixModel, codes: np.ndarray, **options) -> np.ndarray:

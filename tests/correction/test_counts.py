@@ -267,6 +267,26 @@ def test_streamed_in_memory_repeated_and_reordered_runs_give_the_same_counts(tra
     assert (shuffled != in_memory[order]).nnz == 0
 
 
+def test_a_checkpoint_keeping_its_calibration_tables_on_the_network_loads_them(trained, subset, tmp_path):
+    """Checkpoints written before the tables left the network hold them as `net.count_theta`, ...: they load into the
+    model's tables, and correct bit for bit as the same model saved now."""
+    import batchfix
+    from batchfix.training.tables import TABLES
+
+    model, _ = trained
+    path = model.save(tmp_path / "model.ckpt")
+    state = torch.load(path, weights_only=True)
+    state["state_dict"] = {(f"net.{k[len('tables.'):]}" if k.startswith("tables.") else k): v
+                           for k, v in state["state_dict"].items()}
+    assert sum(k.startswith("net.") and k[4:] in TABLES for k in state["state_dict"]) == 8  # extra genes' two too
+    torch.save(state, tmp_path / "earlier.ckpt")
+    earlier = batchfix.BatchfixModel.load(tmp_path / "earlier.ckpt")
+    for name in TABLES:
+        assert torch.equal(getattr(earlier.tables, name), getattr(model.tables, name)), name
+    ours, theirs = (batchfix.correct(subset, m, copy=True).layers["batchfix_counts"] for m in (model, earlier))
+    assert (ours != theirs).nnz == 0
+
+
 def test_a_checkpoint_of_the_earlier_format_is_refused_in_one_line(trained, tmp_path):
     from batchfix.errors import CheckpointFormatError
     from batchfix.training.trained import load_trained

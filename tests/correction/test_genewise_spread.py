@@ -87,11 +87,11 @@ def outputs(subset, model) -> dict[str, ad.AnnData]:
 def test_gene_spread_equalizes_each_genes_scaled_spread_across_training_batches(model):
     """k_{b,g} * sd_b(g) is each batch's residual sd after scaling: per gene nearly the same in every training
     batch with spread=gene (up to shrinkage), while one k per batch leaves the genes' own differences."""
-    raw_sd = model.net.residual_gene_spread.numpy().astype(np.float64)  # (batches, G)
+    raw_sd = model.tables.residual_gene_spread.numpy().astype(np.float64)  # (batches, G)
     kept = (raw_sd > 0).all(axis=0)
     dispersion = {}
     for spread in ("batch", "gene"):
-        scale = calibration.Statistics(model.net, None, [], spread_by=spread).scale.numpy()  # (batches, 1 or G)
+        scale = calibration.Statistics(model.tables, None, [], spread_by=spread).scale.numpy()  # (batches, 1 or G)
         scaled = np.log(scale * raw_sd)[:, kept]
         dispersion[spread] = float(np.mean(scaled.std(axis=0)))
     assert dispersion["gene"] < 0.5 * dispersion["batch"], dispersion
@@ -104,7 +104,7 @@ def test_gene_spread_rescales_each_cells_own_residual_per_gene_and_batch(subset,
     denoised = batchfix.correct(subset, model, output_mode="denoised", copy=True)
     denoised = dense(denoised.layers["batchfix"][:, denoised.var["batchfix_modelled"].to_numpy()])
     in_model_order = [model.genes.index(g) for g in outputs["batch"].var_names]  # output columns -> model genes
-    reference_location = model.net.residual_location.numpy().mean(axis=0)[in_model_order]
+    reference_location = model.tables.residual_location.numpy().mean(axis=0)[in_model_order]
     by_batch, by_gene = (dense(outputs[s].layers["batchfix"]) - denoised - reference_location for s in ("batch", "gene"))
     batch = subset.obs["batch"].astype(str).to_numpy()
     kept = (np.abs(by_batch) > 0.05) & (dense(outputs["batch"].layers["batchfix"]) > 0) & (

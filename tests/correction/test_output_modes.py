@@ -215,21 +215,21 @@ def training_cells(shifted: ad.AnnData, model: batchfix.BatchfixModel) -> Prepar
 def test_calibration_with_the_fused_kernel_matches_the_written_out_attention(shifted, model, monkeypatch):
     """Calibration runs the fused attention (as correction does): the statistics of the guarded softmax."""
     prepared = training_cells(shifted, model)
-    net = copy.deepcopy(model.net)
+    net, tables = copy.deepcopy(model.net), copy.deepcopy(model.tables)
     fused_calls = []
     kernel = attention.sdpa_attention
     monkeypatch.setattr(attention, "sdpa_attention", lambda *args: fused_calls.append(1) or kernel(*args))
-    calibration.calibrate(net, prepared)
+    calibration.calibrate(net, tables, prepared)
     assert fused_calls, "calibration did not run the fused kernel"
     assert all(m.backend == "guarded" for m in net.modules() if hasattr(m, "backend")), "backend not restored"
-    fused = net.residual_location.clone(), net.residual_spread.clone()
+    fused = tables.residual_location.clone(), tables.residual_spread.clone()
     monkeypatch.setattr(calibration, "fused_attention", lambda net: contextlib.nullcontext())
     fused_calls.clear()
-    calibration.calibrate(net, prepared)
+    calibration.calibrate(net, tables, prepared)
     assert not fused_calls
-    torch.testing.assert_close(fused[0], net.residual_location, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(fused[1], net.residual_spread, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(fused[1], model.net.residual_spread, atol=1e-6, rtol=1e-5)  # as the fit stored them
+    torch.testing.assert_close(fused[0], tables.residual_location, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused[1], tables.residual_spread, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fused[1], model.tables.residual_spread, atol=1e-6, rtol=1e-5)  # as the fit stored them
 
 
 def test_calibration_cells_keep_small_batches_whole_and_draw_the_rest():
@@ -243,29 +243,29 @@ def test_calibration_cells_keep_small_batches_whole_and_draw_the_rest():
 
 def test_calibration_on_a_sample_of_each_large_batch_estimates_the_full_statistics(shifted, model, monkeypatch):
     prepared = training_cells(shifted, model)
-    net = copy.deepcopy(model.net)
-    calibration.calibrate(net, prepared)  # every batch below the cap: every cell, as the fit stored them
-    torch.testing.assert_close(net.residual_spread, model.net.residual_spread)
+    net, tables = copy.deepcopy(model.net), copy.deepcopy(model.tables)
+    calibration.calibrate(net, tables, prepared)  # every batch below the cap: every cell, as the fit stored them
+    torch.testing.assert_close(tables.residual_spread, model.tables.residual_spread)
     per_batch = np.bincount(prepared.batch_index).min() // 2
     monkeypatch.setattr(calibration, "CALIBRATION_CELLS_PER_BATCH", int(per_batch))
     served = []
     real = calibration.in_order
     monkeypatch.setattr(calibration, "in_order", lambda *args: served.append(args[2]) or real(*args))
-    calibration.calibrate(net, prepared)
+    calibration.calibrate(net, tables, prepared)
     assert len(served[0]) == per_batch * len(model.batch_categories)
     # A sample's estimates, within their sampling error: a per-gene location drawn from n of N cells is off by
     # about spread * sqrt(1/n - 1/N) (root-mean-square over genes; the spread is that of the per-gene sd).
-    torch.testing.assert_close(net.residual_spread, model.net.residual_spread, rtol=0.1, atol=0.0)
-    full = model.net.residual_spread.numpy()
+    torch.testing.assert_close(tables.residual_spread, model.tables.residual_spread, rtol=0.1, atol=0.0)
+    full = model.tables.residual_spread.numpy()
     sampling_error = full * np.sqrt(1.0 / per_batch - 1.0 / np.bincount(prepared.batch_index))
-    off = (net.residual_location - model.net.residual_location).square().mean(dim=1).sqrt().numpy()
+    off = (tables.residual_location - model.tables.residual_location).square().mean(dim=1).sqrt().numpy()
     assert (off < 2.0 * sampling_error).all(), (off, sampling_error)
 
 
 def test_an_uncalibrated_checkpoint_is_refused_for_the_counterfactual_output(shifted, model, tmp_path):
     path = model.save(tmp_path / "model.ckpt")
     state = torch.load(path, weights_only=True)
-    state["state_dict"]["net.residual_spread"].zero_()
+    state["state_dict"]["tables.residual_spread"].zero_()
     torch.save(state, tmp_path / "uncalibrated.ckpt")
     from batchfix.errors import CheckpointError
 

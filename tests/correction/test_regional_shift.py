@@ -205,7 +205,7 @@ def default_terms(adata, model):
     codes = torch.as_tensor([list(model.batch_categories).index(b) for b in batch])
     net = model.net.eval()
     with torch.no_grad():
-        stats = calibration.Statistics(net, None, [])
+        stats = calibration.Statistics(model.tables, None, [])
         return (codes, stats, *counterfactual.output_terms(net, x, net.encode(x)[0], codes, None, stats))
 
 

@@ -157,7 +157,7 @@ def test_streamed_training_run(disk_h5ad, tmp_path):
     assert np.isfinite(metrics["losses"]["train_loss"])
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["streamed"] is True
     model = load_trained(tmp_path / "run" / "model.ckpt")
-    assert (model.net.residual_spread > 0).all()  # calibrated on the streamed cells
+    assert (model.tables.residual_spread > 0).all()  # calibrated on the streamed cells
     corrected = ad.read_h5ad(tmp_path / "run" / "corrected.h5ad")
     layer = corrected.layers["batchfix"]
     assert corrected.n_obs == 200 and np.isfinite(layer.data if sp.issparse(layer) else layer).all()

@@ -29,6 +29,7 @@ from batchfix.correction.state_groups import LatentSample, fit_groups, group_cod
 from batchfix.errors import InputError
 from batchfix.training import fitting
 from batchfix.training.module import BatchfixModule
+from batchfix.training.tables import TABLES
 from batchfix.training.trained import load_trained
 
 N_TOP_GENES = 200
@@ -197,14 +198,14 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, co
                                        groups)  # the default 0.5, toward the batch's mean in the cell's group
     decoder_shift = shift.double().numpy()
     shift = counterfactual.applied_shift(shift, codes, mu, state, regional).double().numpy()
-    ratio = net.count_ratio.double().numpy()  # each batch's observed / decoded mean
+    ratio = trained.tables.count_ratio.double().numpy()  # each batch's observed / decoded mean
     own_mean = (own * x.sum(-1, keepdim=True)).double().numpy() * ratio[codes.numpy()]
-    own_theta = net.count_theta.double().numpy()[codes.numpy()]
+    own_theta = trained.tables.count_theta.double().numpy()[codes.numpy()]
     # The reference's ratio: the geometric mean over the same batches
     reference_ratio = np.exp((np.log(ratio) * kept).sum(axis=0) / kept.sum(axis=0))
     ratio_shift = np.log(reference_ratio / ratio)  # (batches, G)
     # correction.shrink=evidence: each batch's shift of a gene times its posterior weight (correction.evidence)
-    total, theta = decoder_shift + ratio_shift[codes.numpy()], net.count_theta.double().numpy()
+    total, theta = decoder_shift + ratio_shift[codes.numpy()], trained.tables.count_theta.double().numpy()
     weight = evidence_weights(total, own_mean, x.double().numpy(), theta, kept, batches)
     by_group = [evidence_weights(total, own_mean, x.double().numpy(), theta, kept,
                                  [group == b * n_groups + k for b in range(n_batches)]) for k in range(n_groups)]
@@ -285,15 +286,16 @@ def test_checkpoint_reload_reproduces_in_memory_model(subset_h5ad, tmp_path, cap
     # model.ckpt is the best checkpoint plus the training batches' residual statistics and NB dispersions, and the
     # decoder of the genes the encoder does not read (fitted afterwards, the rest of the network unchanged).
     best, final = (load_trained(run_dir / name).module.state_dict() for name in ("checkpoints/best.ckpt", "model.ckpt"))
-    calibration = {"net.residual_location", "net.residual_spread", "net.residual_gene_spread", "net.residual_cells",
-                   "net.count_theta", "net.count_ratio"}
-    extra = {k for k in final if k.startswith("net.extra_")}
-    assert "net.extra_count_theta" in extra and any(k.startswith("net.extra_decoder.") for k in extra)
+    calibration = {"tables.residual_location", "tables.residual_spread", "tables.residual_gene_spread",
+                   "tables.residual_cells", "tables.count_theta", "tables.count_ratio"}
+    extra = {k for k in final if k.startswith(("net.extra_", "tables.extra_"))}
+    assert "tables.extra_count_theta" in extra and any(k.startswith("net.extra_decoder.") for k in extra)
+    assert not any(k.startswith("net.") and k.split(".", 1)[1] in TABLES for k in final)  # none on the network
     assert best.keys() == final.keys() - extra and calibration <= set(final)
     assert all(torch.equal(best[k], final[k]) for k in best if k not in calibration)
-    assert not best["net.residual_spread"].any() and (final["net.residual_spread"] > 0).all()
-    assert final["net.residual_location"].abs().sum() > 0
-    assert not best["net.count_theta"].any() and (final["net.count_theta"] > 0).all()
+    assert not best["tables.residual_spread"].any() and (final["tables.residual_spread"] > 0).all()
+    assert final["tables.residual_location"].abs().sum() > 0
+    assert not best["tables.count_theta"].any() and (final["tables.count_theta"] > 0).all()
 
 
 def test_resume_continues_step_count(subset_h5ad, tmp_path):
