@@ -3,8 +3,8 @@
 Only the highly variable genes are tokens of the encoder; every other gene detected in at least MIN_CELLS cells
 of the training file is corrected too, through a decoder of its own: (latent, batch) -> NB mean fractions of those
 genes' library (their counts' sum in the cell) and a dispersion per gene. The latent and the modelled genes'
-outputs stay as they are: the encoder's latents are computed once (no gradient) and only the new decoder learns.
-Its per-batch dispersions are then calibrated as the main decoder's are (batchfix.correction.counts). Genes
+outputs stay as they are: the encoder's latents are computed once (no gradient) and only the new decoder learns (its
+fit: batchfix.training.extra_decoder). Its per-batch dispersions are then calibrated as the main decoder's are (batchfix.correction.counts). Genes
 detected in fewer cells keep their uncorrected counts; the output flags them (var[f'{key}_corrected']).
 """
 from __future__ import annotations
@@ -12,9 +12,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import scipy.sparse as sp
 import torch
-import torch.nn.functional as F
 
 from batchfix.correction import counts
 from batchfix.correction.calibration import CALIBRATION_CELLS_PER_BATCH, calibration_cells, store_count_tables
@@ -22,22 +20,12 @@ from batchfix.data import ondisk
 from batchfix.data.io import input_path, select_matrix
 from batchfix.data.prepare import PreparedData, in_order
 from batchfix.nn.attention import fused_attention
-from batchfix.nn.network import negative_binomial_log_likelihood
+from batchfix.training.extra_decoder import SparseCounts, fit_decoder
 from batchfix.training.trained import BatchfixModel
 
 log = logging.getLogger(__name__)
 
 MIN_CELLS = 3  # a gene detected in fewer cells of the training file is not corrected
-MAX_STEPS = 600  # optimizer steps of the extra decoder's fit at most (the latents are fixed: a small problem)
-BATCH_SIZE = 256
-LEARNING_RATE = 1e-2
-# Early stopping: the fit holds out a share of its cells and keeps the decoder of the lowest held-out NB loss,
-# checked every CHECK_EVERY steps, stopping after PATIENCE checks without a lower one. Measured on the bundled
-# data (1,021 cells): a fixed 600 steps overfits (held-out loss 13,135 per cell against 12,754 at 150 steps).
-HELD_OUT_SHARE, MAX_HELD_OUT_CELLS = 0.1, 2000
-CHECK_EVERY, PATIENCE = 25, 4
-
-
 def detected_cells(rows, n_obs: int, chunk_size: int = 4096) -> np.ndarray:
     """(genes,) the number of cells with a nonzero count in each gene, over a row reader."""
     detected = np.zeros(rows.shape[1], dtype=np.int64)
@@ -58,73 +46,6 @@ def latents_and_codes(model: BatchfixModel, prepared: PreparedData, cells: np.nd
             latents.append(net.encode(x)[0])
             codes.append(torch.from_numpy(batch))
     return torch.cat(latents), torch.cat(codes)
-
-
-def held_out_split(n_cells: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fitting rows, held-out rows) of n_cells: HELD_OUT_SHARE of them held out (none below 20 cells)."""
-    order = torch.randperm(n_cells, generator=generator)
-    n_held = min(int(n_cells * HELD_OUT_SHARE), MAX_HELD_OUT_CELLS) if n_cells >= 20 else 0
-    return order[n_held:], order[:n_held]
-
-
-class SparseCounts:
-    """The fitting cells' extra-gene counts, kept sparse (tens of thousands of cells x genes would not fit dense):
-    `matrix` (cells, extra genes) CSR float32 and `library` (cells, 1) each cell's sum."""
-
-    def __init__(self, matrix):
-        self.matrix = sp.csr_matrix(matrix, dtype=np.float32)
-        self.library = torch.from_numpy(np.asarray(self.matrix.sum(axis=1), dtype=np.float32))
-
-    def rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """(len(rows), extra genes) dense counts of the cells at `rows`."""
-        return torch.from_numpy(self.matrix[rows.numpy()].toarray())
-
-
-def nb_loss(decoder, latents: torch.Tensor, codes: torch.Tensor, counts_dense: torch.Tensor,
-            library: torch.Tensor) -> torch.Tensor:
-    """Mean NB negative log-likelihood per cell of the decoder's means at each cell's extra-gene library."""
-    mean = F.softmax(decoder(latents, codes).float(), dim=-1) * library  # (cells, extra genes)
-    return -negative_binomial_log_likelihood(counts_dense, mean, decoder.log_theta).mean()
-
-
-def fit_decoder(net, latents: torch.Tensor, codes: torch.Tensor, extra_counts: SparseCounts,
-                seed: int) -> tuple[float, int]:
-    """Fit net.extra_decoder on (latent, batch) -> counts (cells, extra genes), stopped early on held-out cells;
-    returns the kept decoder's held-out loss per cell (its last training loss where no cell is held out) and the
-    steps taken."""
-    generator = torch.Generator().manual_seed(seed)
-    decoder = net.extra_decoder
-    optimizer = torch.optim.Adam(decoder.parameters(), lr=LEARNING_RATE)
-    library = extra_counts.library
-    fitting, held = held_out_split(len(latents), generator)
-    held_counts = extra_counts.rows(held)
-    best, best_state, checks_since_best = float("inf"), None, 0
-    loss, step = torch.zeros(()), 0
-    with torch.enable_grad():
-        for step in range(1, MAX_STEPS + 1):
-            decoder.train()
-            rows = fitting[torch.randint(len(fitting), (min(BATCH_SIZE, len(fitting)),), generator=generator)]
-            loss = nb_loss(decoder, latents[rows], codes[rows], extra_counts.rows(rows), library[rows])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            if len(held) == 0 or step % CHECK_EVERY:
-                continue
-            decoder.eval()
-            with torch.no_grad():
-                held_loss = float(nb_loss(decoder, latents[held], codes[held], held_counts, library[held]))
-            if held_loss < best:
-                best, checks_since_best = held_loss, 0
-                best_state = {name: value.clone() for name, value in decoder.state_dict().items()}
-            else:
-                checks_since_best += 1
-                if checks_since_best >= PATIENCE:
-                    break
-    decoder.eval()
-    if best_state is None:
-        return float(loss.detach()), step
-    decoder.load_state_dict(best_state)
-    return best, step
 
 
 @torch.no_grad()

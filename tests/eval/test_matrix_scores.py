@@ -9,10 +9,10 @@ import scipy.sparse as sp
 import torch
 
 import batchfix
-from batchfix.correction import extra_genes
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import matrix_scores
 from batchfix.eval.matrix_scores import MatrixInput, corrected_matrix_scores, score_matrix
+from batchfix.training import extra_decoder
 
 TINY = dict(genes_per_token=16, d_model=16, n_heads=2, n_layers=1, latent_dim=8, decoder_hidden=32, batch_size=64,
             threads=1, enable_progress_bar=False, max_epochs=1, seed=0)
@@ -79,7 +79,7 @@ def tiny_checkpoint(subset, tmp_path_factory):
     """A tiny model (1 epoch, 200 genes) trained on the real subset and saved."""
     torch.set_num_threads(1)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(extra_genes, "MAX_STEPS", 50)
+        patch.setattr(extra_decoder, "MAX_STEPS", 50)
         model = batchfix.train(subset.copy(), n_top_genes=200, **TINY)
     return model.save(tmp_path_factory.mktemp("model") / "model.ckpt")
 
@@ -118,7 +118,7 @@ def test_model_checks_that_cannot_run_say_why(subset, tiny_checkpoint, tmp_path,
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warned == [scores["model_checks_skipped"]]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(extra_genes, "MAX_STEPS", 50)
+        patch.setattr(extra_decoder, "MAX_STEPS", 50)
         other = batchfix.train(subset.copy(), n_top_genes=120, **TINY)
     scores = checked(adata, trained=other)
     assert scores[matrix_scores.PIT_FAILS] is None

@@ -14,8 +14,8 @@ import pytest
 
 import batchfix
 from batchfix.api import train_config
-from batchfix.correction import extra_genes
 from batchfix.errors import ConfigError, InputError, OutputError
+from batchfix.training import extra_decoder
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "tiny_run_seed0.npz"
@@ -35,7 +35,7 @@ def test_the_readme_example_runs_as_written(tmp_path, monkeypatch):
     """As written, but for the training budget: the example trains the default 500 steps (minutes on a 2-core
     CPU); here 2 epochs, and the extra genes' decoder 50 steps."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(extra_genes, "MAX_STEPS", 50)
+    monkeypatch.setattr(extra_decoder, "MAX_STEPS", 50)
     train = batchfix.train
     monkeypatch.setattr(batchfix, "train", lambda *args, **options: train(*args, **{"max_epochs": 2, **options}))
     namespace: dict = {}
@@ -119,8 +119,8 @@ def test_tab_completion_offers_the_public_api():
 def test_the_recommendation_reaches_a_notebook(small_h5ad):
     """A notebook shows warnings, not info lines: a recommendation other than the trained correction is a warning,
     seen on stderr by a Python session that configured no logging."""
-    script = (f"import anndata as ad, batchfix; from batchfix.correction import extra_genes; "
-              f"extra_genes.MAX_STEPS = 50; adata = ad.read_h5ad({str(small_h5ad)!r}); "
+    script = (f"import anndata as ad, batchfix; from batchfix.training import extra_decoder; "
+              f"extra_decoder.MAX_STEPS = 50; adata = ad.read_h5ad({str(small_h5ad)!r}); "
               f"batchfix.train(adata, correction='conditions', **{TINY!r})")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
