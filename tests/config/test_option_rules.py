@@ -79,3 +79,18 @@ def test_an_earlier_releases_options_are_read_in_this_releases_terms(caplog):
                                    "regional_order": "shuffled"})
     assert with_normal["regional_shift"] == "reference_cells" and with_normal["regional_order"] == "shuffled"
     assert CorrectionSettings(**with_normal).regional_order == "shuffled"
+
+
+def test_the_ablation_group_reaches_the_network_and_the_correction():
+    from hydra import compose, initialize_config_module
+
+    from batchfix.config import CorrectConfig, TrainConfig, correction_ablations
+    from batchfix.training.fitting import network_config
+
+    with initialize_config_module(config_module="batchfix.conf", version_base=None):
+        train = validated(compose("train", ["ablation.position_encoding=none", "ablation.regional_order=shuffled"]),
+                          TrainConfig)
+        correct = validated(compose("correct", ["checkpoint=x", "ablation.regional_seed=7"]), CorrectConfig)
+    assert network_config(train).position_encoding == "none" and network_config(train).n_heads == train.model.n_heads
+    assert correction_ablations(train.ablation) == {"regional_order": "shuffled", "regional_seed": 0}
+    assert correction_ablations(correct.ablation) == {"regional_order": "genome", "regional_seed": 7}

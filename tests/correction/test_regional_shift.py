@@ -62,9 +62,21 @@ def tiny_model(subset):
     return batchfix.train(subset, batch_key="batch", seed=0, **TINY)
 
 
+def test_the_regional_order_ablation_smooths_over_another_order_and_is_recorded(subset, tiny_model):
+    """ablation.regional_order=shuffled (batchfix.correct's keyword regional_order): the same split over a random
+    gene order, so another regional part is kept; uns records the ablation with the options."""
+    genome = batchfix.correct(subset, tiny_model, copy=True)
+    shuffled = batchfix.correct(subset, tiny_model, copy=True, regional_order="shuffled", regional_seed=3)
+    assert genome.uns["batchfix"]["params"]["regional_order"] == "genome"
+    assert shuffled.uns["batchfix"]["params"]["regional_order"] == "shuffled"
+    assert shuffled.uns["batchfix"]["params"]["regional_seed"] == 3
+    assert (genome.layers["batchfix"] != shuffled.layers["batchfix"]).nnz > 0
+
+
 def in_model_order(adata, model, mode: str, **options) -> np.ndarray:
     """The corrected layer's modelled genes (cells, genes) in the model's (genomic) order, one forward pass; every
-    change applied in full (shrink=none: the formula's terms, the evidence weights apart, tests/correction/test_evidence.py)."""
+    change applied in full (shrink=none: the formula's terms, the evidence weights apart,
+    tests/correction/test_evidence.py)."""
     options = {"shrink": "none", **options}
     out = batchfix.correct(adata, model, regional_shift=mode, batch_size=adata.n_obs, copy=True, **options)
     genes = out.var["batchfix_modelled"].to_numpy()
