@@ -15,6 +15,10 @@ within 0.05 of the gene's, tells a loss the emptying caused from what the correc
 
     python -m scripts.donor_biology build data/cellbench5.h5ad donor.h5ad --batch sc_celseq2_5cl_p1 --seed 0
     python -m scripts.donor_biology score donor.h5ad run/corrected.h5ad --layer batchfix_counts
+    python -m scripts.donor_biology combat-seq donor.h5ad donor.combat_seq.h5ad   # then score --layer combat_seq
+
+`combat-seq` writes the set with ComBat-seq's adjusted counts of it (inmoose, no covariate; scripts/baselines.py)
+in layers['combat_seq'], the baseline scored beside the corrector.
 """
 from __future__ import annotations
 
@@ -134,6 +138,19 @@ def score(donor: ad.AnnData, corrected: ad.AnnData, layer: str) -> pd.DataFrame:
     return table
 
 
+def write_combat_seq(donor_path: Path, output: Path) -> None:
+    """The set with ComBat-seq's adjusted counts of it in layers['combat_seq'] (never over an existing file)."""
+    from scripts.baselines import combat_seq
+
+    refuse_existing(output, overwrite=False)
+    donor = ad.read_h5ad(donor_path)
+    batches = donor.obs[donor.uns["donor_biology"]["batch_key"]].astype(str).to_numpy()
+    donor.layers["combat_seq"] = combat_seq(sp.csr_matrix(donor.X, dtype=np.float32), batches)
+    with atomic_output(output, overwrite=False) as tmp:
+        donor.write_h5ad(tmp)
+    print(f"Wrote {output}: layers['combat_seq']")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     verbs = parser.add_subparsers(dest="verb", required=True)
@@ -143,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     make.add_argument("--batch", required=True, help="the batch the genes are emptied in")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--batch-key", default="batch")
+    seq = verbs.add_parser("combat-seq", help="write the set with ComBat-seq's counts in layers['combat_seq']")
+    seq.add_argument("donor", help="the set (.h5ad)")
+    seq.add_argument("output", help=".h5ad written (never over an existing file)")
     rate = verbs.add_parser("score", help="score a corrected file of the set")
     rate.add_argument("donor", help="the set (.h5ad) the corrector was given")
     rate.add_argument("corrected", help="the corrected file (.h5ad)")
@@ -159,6 +179,9 @@ def main(argv: list[str] | None = None) -> None:
             out.write_h5ad(tmp)
         genes = [str(gene) for gene in out.uns["donor_biology"]["genes"]]
         print(f"Wrote {args.output}: genes {genes} emptied in {args.batch}")
+        return
+    if args.verb == "combat-seq":
+        write_combat_seq(Path(args.donor), Path(args.output))
         return
     table = score(ad.read_h5ad(args.donor), ad.read_h5ad(args.corrected), args.layer)
     print(table.to_string(float_format="%.3f"))

@@ -7,8 +7,10 @@ evaluate=false), `python -m batchfix correct` corrects it, and `scripts/null_sco
 corrected counts and ComBat. A run whose scores are in the work folder is not run again, so an interrupted grid
 resumes. The table: per (batch, fractions), the mean over seeds of the nonzero counts changed, zeros raised and
 kNN kept (batchfix and ComBat), and the most DE genes any seed called between the pseudo-batches.
+`--baselines-only` trains nothing: on the same splits it scores ComBat and ComBat-seq (inmoose) alone.
 
     python -m scripts.null_grid data/cellbench5.h5ad --workdir null_grid --seeds 0 1 2 --out null-grid.csv
+    python -m scripts.null_grid data/cellbench5.h5ad --workdir null_grid --baselines-only --out baselines.csv
 """
 from __future__ import annotations
 
@@ -29,16 +31,25 @@ def run_tag(batch: str, fractions: tuple[float, ...], seed: int) -> str:
     return f"{batch}_{''.join(f'{f:g}'.replace('.', '') for f in fractions)}_s{seed}"
 
 
-def run_one(data: Path, workdir: Path, batch: str, fractions: tuple[float, ...], seed: int) -> Path:
-    """Split, train, correct and score one null split; returns its scores' JSON (kept if there already)."""
+def run_one(data: Path, workdir: Path, batch: str, fractions: tuple[float, ...], seed: int,
+            baselines_only: bool = False) -> Path:
+    """Split, train, correct and score one null split (with `baselines_only`: split and score the baselines);
+    returns its scores' JSON (kept if there already)."""
     stem = workdir / run_tag(batch, fractions, seed)
-    scores = stem.with_suffix(".null_scores.json")
+    scores = stem.with_suffix(".baselines.json" if baselines_only else ".null_scores.json")
     if scores.is_file():
         return scores
     python = [sys.executable, "-m"]
+    split = ["scripts.null_split", str(data), f"{stem}.h5ad", "--batch", batch, "--fractions", *map(str, fractions),
+             "--seed", str(seed)]
+    if baselines_only:
+        steps = [split, ["scripts.null_scores", f"{stem}.h5ad", "--combat", "--combat-seq", "--out", str(scores)]]
+        with open(f"{stem}.baselines.log", "w") as log:
+            for step in steps:
+                subprocess.run([*python, *step], check=True, stdout=log, stderr=subprocess.STDOUT)
+        return scores
     steps = [
-        ["scripts.null_split", str(data), f"{stem}.h5ad", "--batch", batch, "--fractions",
-         *map(str, fractions), "--seed", str(seed)],
+        split,
         ["batchfix", "train", f"data.path={stem}.h5ad", "data.label_key=cell_type", "threads=1", f"seed={seed}",
          "evaluate=false", "trainer.enable_progress_bar=false", f"hydra.run.dir={stem}.run"],
         ["batchfix", "correct", f"input={stem}.h5ad", f"checkpoint={stem}.run/model.ckpt",
@@ -69,6 +80,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--batches", nargs="+", help="default: every batch of the file")
     parser.add_argument("--fractions", nargs="+", choices=list(FRACTIONS), default=list(FRACTIONS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--baselines-only", action="store_true", help="train nothing: ComBat and ComBat-seq alone")
     parser.add_argument("--out", type=Path, help="CSV of the table")
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -77,8 +89,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     for batch in batches:
         for name in args.fractions:
             for seed in args.seeds:
-                scores = json.loads(run_one(args.data, args.workdir, batch, FRACTIONS[name], seed).read_text())
-                for method, key in (("batchfix", "batchfix_counts"), ("ComBat", "ComBat")):
+                scores = json.loads(run_one(args.data, args.workdir, batch, FRACTIONS[name], seed,
+                                            args.baselines_only).read_text())
+                methods = (("ComBat", "ComBat"), ("ComBat-seq", "ComBat-seq")) if args.baselines_only else (
+                    ("batchfix", "batchfix_counts"), ("ComBat", "ComBat"))
+                for method, key in methods:
                     rows.append({"batch": batch, "fractions": name, "seed": seed, "method": method,
                                  **{column: scores["methods"][key][column] for column in COLUMNS}})
     result = table(rows)

@@ -2,8 +2,9 @@
 is an artefact: the ideal corrector leaves the split cells as they are.
 
 Scored on the split cells only (obs[batch_key] differs from obs['source_batch']; every cell when that column is
-absent), for the corrected counts (`--layer`) and, with `--combat`, for scanpy's ComBat on the log-normalised raw
-counts of the whole file (genes without variance in some batch left as they are):
+absent), for the corrected counts (`--layer`), with `--combat` for scanpy's ComBat on the log-normalised raw
+counts of the whole file (genes without variance in some batch left as they are), and with `--combat-seq` for
+ComBat-seq's adjusted counts of the whole file (inmoose, no covariate; scripts/baselines.py):
 
 - counts changed: share of the nonzero raw entries that the correction changes (log scale for ComBat, |change| >
   1e-6); zeros raised: share of the raw zeros made positive; mean |log change|: mean over all entries of the
@@ -196,6 +197,14 @@ def combat_scores(raw: ad.AnnData, split: SplitCells, batch_key: str) -> dict:
                          corrected)
 
 
+def combat_seq_scores(raw: ad.AnnData, split: SplitCells, batch_key: str) -> dict:
+    """The scores of ComBat-seq's adjusted counts of the whole file, as corrected counts."""
+    from scripts.baselines import combat_seq
+
+    adjusted = combat_seq(sp.csr_matrix(raw.X, dtype=np.float32), raw.obs[batch_key].astype(str).to_numpy())
+    return corrected_counts_scores(split, adjusted[split_rows(raw.obs, batch_key)])
+
+
 def pseudobulk_calls(split: SplitCells, counts: sp.csr_matrix, genes: np.ndarray) -> int:
     """Genes called at padj < DE_PADJ between the two pseudo-batches by pydeseq2 on counts summed per (pseudo-batch,
     label), the label a covariate (without labels: three random replicates per pseudo-batch, no covariate)."""
@@ -235,43 +244,51 @@ def aligned(corrected: ad.AnnData, raw: ad.AnnData, batch_key: str, layer: str) 
     return corrected[cells, raw.var_names]
 
 
-def null_scores(raw: ad.AnnData, corrected: ad.AnnData, layer: str, log_layer: str | None = None,
-                batch_key: str = "batch", label_key: str | None = "cell_type", combat: bool = False) -> dict:
-    """Every score of the module for one corrected file of a null split (see the module's docstring)."""
+def null_scores(raw: ad.AnnData, corrected: ad.AnnData | None, layer: str, log_layer: str | None = None,
+                batch_key: str = "batch", label_key: str | None = "cell_type", combat: bool = False,
+                combat_seq: bool = False) -> dict:
+    """Every score of the module for one corrected file of a null split (see the module's docstring); without a
+    corrected file, the raw cells and the baselines asked for."""
     split = read_split(raw, batch_key, label_key)
     if len(set(split.pseudo_batches)) < 2:
         raise SystemExit(f"fewer than two pseudo-batches among the split cells of obs['{batch_key}']")
-    corrected = aligned(corrected, raw, batch_key, layer)
-    counts = corrected.layers[layer]
-    methods = {"raw": raw_scores(split),
-               layer: corrected_counts_scores(split, counts, corrected.layers[log_layer] if log_layer else None)}
+    methods = {"raw": raw_scores(split)}
+    counts = None
+    if corrected is not None:
+        corrected = aligned(corrected, raw, batch_key, layer)
+        counts = corrected.layers[layer]
+        methods[layer] = corrected_counts_scores(split, counts, corrected.layers[log_layer] if log_layer else None)
     if combat:
         methods["ComBat"] = combat_scores(raw, split, batch_key)
+    if combat_seq:
+        methods["ComBat-seq"] = combat_seq_scores(raw, split, batch_key)
     return {"split_cells": len(split.pseudo_batches),
             "cells_per_pseudo_batch": pd.Series(split.pseudo_batches).value_counts().sort_index().to_dict(),
             "hvgs": len(split.hvgs), "neighbours": N_NEIGHBOURS,
             "de_rule": f"wilcoxon, BH padj < {DE_PADJ} and |log2FC| > {DE_LOGFC}", "methods": methods,
-            "pseudobulk": pseudobulk_scores(split, counts)}
+            "pseudobulk": pseudobulk_scores(split, counts) if counts is not None else {"skipped": "no corrected file"}}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("raw", help="the null split (.h5ad, raw counts in X) the corrector was given")
-    parser.add_argument("corrected", help="the corrected file (.h5ad) of those cells")
+    parser.add_argument("corrected", nargs="?", help="the corrected file (.h5ad) of those cells (none: the raw "
+                        "cells and the baselines asked for)")
     parser.add_argument("--layer", default="batchfix_counts", help="its corrected counts layer")
     parser.add_argument("--log-layer", help="its log layer for DE (default: log1p(counts per 10k) of --layer)")
     parser.add_argument("--batch-key", default="batch")
     parser.add_argument("--label-key", default="cell_type", help="labels: the pseudobulk covariate")
     parser.add_argument("--combat", action="store_true", help="score scanpy's ComBat in the same run")
+    parser.add_argument("--combat-seq", action="store_true", help="score ComBat-seq (inmoose) in the same run")
     parser.add_argument("--out", type=Path, help="JSON written (default: <corrected name>.null_scores.json here)")
     args = parser.parse_args(argv)
-    scores = null_scores(ad.read_h5ad(args.raw), ad.read_h5ad(args.corrected), args.layer, args.log_layer,
-                         args.batch_key, args.label_key, args.combat)
+    scores = null_scores(ad.read_h5ad(args.raw), ad.read_h5ad(args.corrected) if args.corrected else None,
+                         args.layer, args.log_layer, args.batch_key, args.label_key, args.combat, args.combat_seq)
     table = pd.DataFrame({name: {k: v for k, v in row.items() if k != "de_genes_listed"}
                           for name, row in scores["methods"].items()}).T
     print(table.to_string(float_format="%.4f"))
     print(f"pseudobulk: {scores['pseudobulk']}")
-    out = args.out or Path.cwd() / (Path(args.corrected).stem + ".null_scores.json")
+    out = args.out or Path.cwd() / (Path(args.corrected or args.raw).stem + ".null_scores.json")
     with atomic_output(out, overwrite=True) as tmp:
         tmp.write_text(json.dumps(scores, indent=2) + "\n")
     print(f"Wrote {out}")

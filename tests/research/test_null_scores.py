@@ -92,6 +92,18 @@ def test_a_file_scored_against_itself_shows_no_change(split, tmp_path):
     assert scores["methods"]["ComBat"]["counts_changed"] > 0.5
 
 
+@pytest.mark.slow  # ComBat-seq on a real batch's split (about 10 s): in the slow run
+def test_combat_seq_is_scored_on_the_split_without_a_corrected_file(split, tmp_path):
+    """Without a corrected file only the raw cells and the baselines asked for are scored: ComBat-seq's adjusted
+    counts of the whole file move counts of the split cells (its null artefact), and keep their zeros."""
+    pytest.importorskip("inmoose")  # the `baselines` extra
+    null_scores.main([str(split), "--combat-seq", "--out", str(tmp_path / "baselines.json")])
+    scores = json.loads((tmp_path / "baselines.json").read_text())
+    assert set(scores["methods"]) == {"raw", "ComBat-seq"} and scores["pseudobulk"] == {"skipped": "no corrected file"}
+    moved = scores["methods"]["ComBat-seq"]
+    assert moved["counts_changed"] > 0.05 and moved["zeros_raised"] < 0.01 and moved["knn_kept"] < 1.0
+
+
 def quadruple_and_raise(counts: sp.csr_matrix, obs) -> sp.csr_matrix:
     """Counts of the first N_ALTERED genes times 4 in the cells of pseudo-batch a, their zeros there set to 1."""
     dense = counts.toarray()
@@ -149,6 +161,21 @@ def test_the_donor_set_empties_its_genes_and_its_score_sees_counts_given_back(sm
     assert table.loc[given_back, "emptied_share"] == pytest.approx(table.loc[given_back, "emptied_share_before"])
     assert table.loc[taken, "kept_ratio"] == 0
     assert not table.loc[[given_back, taken], "passes"].any() and table["passes"].sum() == len(genes) - 2
+
+
+@pytest.mark.slow  # ComBat-seq on 3 batches x 800 genes (about 10 s): in the slow run
+def test_combat_seq_of_the_donor_set_is_written_beside_and_scored(small_h5ad, tmp_path):
+    """ComBat-seq's counts of the set in layers['combat_seq']: a gene with no count in a whole batch is left as it
+    is (every entry), so it passes the donor score without being corrected in the other batches."""
+    pytest.importorskip("inmoose")  # the `baselines` extra
+    path, out = tmp_path / "donor.h5ad", tmp_path / "donor.combat_seq.h5ad"
+    donor_biology.main(["build", str(small_h5ad), str(path), "--batch", "sc_celseq2_5cl_p1", "--seed", "0"])
+    donor_biology.main(["combat-seq", str(path), str(out)])
+    adjusted = ad.read_h5ad(out)
+    genes = np.asarray(adjusted.uns["donor_biology"]["genes"]).astype(str)
+    assert (adjusted[:, genes].layers["combat_seq"] != adjusted[:, genes].X).nnz == 0
+    assert (adjusted.layers["combat_seq"] != adjusted.X).nnz > 0  # the other genes are adjusted
+    assert donor_biology.score(ad.read_h5ad(path), adjusted, "combat_seq")["passes"].all()
 
 
 def test_the_null_grid_names_its_runs_and_averages_seeds_per_batch_and_fractions():
