@@ -20,6 +20,7 @@ from pathlib import Path
 import anndata as ad
 
 from batchfix.config import (
+    RETIRED_OPTIONS,
     CorrectConfig,
     CorrectionAblations,
     CorrectionChoice,
@@ -232,6 +233,9 @@ def correct_keywords(options: dict) -> tuple[dict, InferenceOptions, CorrectionA
     for name in options:
         if name in NOT_API_OPTIONS:
             raise ConfigError(f"'{name}' is not an option of batchfix.correct: {NOT_API_OPTIONS[name]}.")
+        retired = [why for dotted, why in RETIRED_OPTIONS.items() if dotted.rpartition(".")[2] == name]
+        if retired:
+            raise ConfigError(f"'{name}': {retired[0]}.")
         if name not in (*CORRECTION_OPTIONS, *INFERENCE_OPTIONS, *CORRECTION_ABLATIONS):
             close = difflib.get_close_matches(name, known, n=3)
             raise ConfigError(f"Unknown option '{name}' of batchfix.correct" +

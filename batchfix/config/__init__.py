@@ -24,6 +24,7 @@ from batchfix.config.choices import (
     PRECISIONS,
     REGIONAL_ORDERS,
     REGIONAL_SHIFTS,
+    RETIRED_OPTIONS,
     RETIRED_REGIONAL_SHIFTS,
     SCALES,
     SHRINKS,
@@ -86,7 +87,7 @@ from batchfix.config.verbs import (
 __all__ = [
     "ATTENTION_BACKENDS", "GENOMES", "HYDRA_FLAGS", "LIKELIHOODS", "NEIGHBOR_METHODS", "OUTPUT_MODES", "POSITION_ENCODINGS",
     "PRECISIONS", "REGIONAL_ORDERS", "REGIONAL_SHIFTS",
-    "RETIRED_REGIONAL_SHIFTS", "SCALES", "SHRINKS", "SPREADS", "STREAM_CHOICES", "TOKEN_IDENTITIES",
+    "RETIRED_OPTIONS", "RETIRED_REGIONAL_SHIFTS", "SCALES", "SHRINKS", "SPREADS", "STREAM_CHOICES", "TOKEN_IDENTITIES",
     "UNPLACED_CHOICES", "at_least", "non_empty", "one_of", "within",
     "DataConfig", "DataKeys", "FitConfig", "ModelAblations", "ModelConfig", "ModelOptions", "TrainerConfig",
     "dashed_option_error", "dotted_options", "field_comments", "flat_option_names", "option_descriptions", "unknown_option_error",

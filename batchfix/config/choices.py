@@ -18,6 +18,9 @@ PRECISIONS = ("32-true", "32", "16-mixed", "16", "bf16-mixed", "bf16", "64-true"
 STREAM_CHOICES = ("auto", "true", "false")
 OUTPUT_MODES = ("counterfactual", "denoised")
 REGIONAL_SHIFTS = ("keep", "keep_input", "reference_cells", "apply")  # batchfix.correction.regional.RegionalShift
+# Options a release accepted and this one refuses, with why (by dotted name; the API's keyword is the last part)
+RETIRED_OPTIONS = {"inference.int8": "INT8 inference was removed: on CPU it was not faster than float32, and it "
+                                     "moved corrected values (docs/lab/benchmarks.md, INT8 inference)"}
 # Values a release accepted and this one refuses, with what replaces them (a checkpoint's are translated on load)
 RETIRED_REGIONAL_SHIFTS = {"keep_all": "keep_input replaces it (it keeps a batch-wide regional shift whole, where "
                                        "keep_all still scaled it by the batch's spread: docs/cnv.md)"}

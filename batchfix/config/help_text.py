@@ -32,7 +32,12 @@ def closest_options(key: str, known: list[str]) -> list[str]:
 
 
 def unknown_option_error(key: str, schema: type) -> ConfigError:
-    """'Unknown option X; did you mean Y?', the suggestions drawn from the schema's own option names."""
+    """'Unknown option X; did you mean Y?', the suggestions drawn from the schema's own option names; a retired
+    option says why it went."""
+    from batchfix.config.choices import RETIRED_OPTIONS
+
+    if key in RETIRED_OPTIONS:
+        return ConfigError(f"`{key}`: {RETIRED_OPTIONS[key]}.")
     close = closest_options(key, dotted_options(schema))
     hint = f"; did you mean {' or '.join(f'`{name}`' for name in close)}?" if close else "."
     verb = next((v for v, s in SCHEMAS.items() if s is schema), None)

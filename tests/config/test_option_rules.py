@@ -94,3 +94,15 @@ def test_the_ablation_group_reaches_the_network_and_the_correction():
     assert network_config(train).position_encoding == "none" and network_config(train).n_heads == train.model.n_heads
     assert correction_ablations(train.ablation) == {"regional_order": "shuffled", "regional_seed": 0}
     assert correction_ablations(correct.ablation) == {"regional_order": "genome", "regional_seed": 7}
+
+
+def test_a_retired_option_says_why_it_went():
+    import anndata as ad
+    import numpy as np
+
+    import batchfix
+    from batchfix.config import CorrectConfig, unknown_option_error
+
+    assert "INT8 inference was removed" in str(unknown_option_error("inference.int8", CorrectConfig))
+    with pytest.raises(Exception, match="'int8': INT8 inference was removed"):
+        batchfix.correct(ad.AnnData(np.ones((3, 3), dtype=np.float32)), "model.ckpt", int8=True)
