@@ -90,18 +90,22 @@ def test_folder_instead_of_file(tmp_path):
     assert "folder" in str(err.value)
 
 
+def refused_unchanged(path, *phrases: str) -> None:
+    """Training refuses the file at `path` naming it and every one of `phrases`, and leaves its bytes as they were."""
+    before = file_digest(path)
+    with pytest.raises(InputError) as err:
+        read_for_training(path)
+    message = str(err.value)
+    assert str(path) in message and all(phrase in message for phrase in phrases), message
+    assert file_digest(path) == before
+
+
 def test_csv_renamed_to_h5ad(small_adata, tmp_path):
     path = tmp_path / "counts.h5ad"
     frame = pd.DataFrame(small_adata.X[:20, :50], index=small_adata.obs_names[:20],
                          columns=small_adata.var_names[:50])
     frame.to_csv(path)
-    before = file_digest(path)
-    with pytest.raises(InputError) as err:
-        read_for_training(path)
-    message = str(err.value)
-    assert str(path) in message
-    assert "not an .h5ad file" in message and "HDF5 signature" in message
-    assert file_digest(path) == before
+    refused_unchanged(path, "not an .h5ad file", "HDF5 signature")
 
 
 def test_empty_file(tmp_path):
@@ -116,13 +120,7 @@ def test_truncated_hdf5(small_h5ad, tmp_path):
     data = small_h5ad.read_bytes()
     path = tmp_path / "truncated.h5ad"
     path.write_bytes(data[: len(data) // 2])
-    before = file_digest(path)
-    with pytest.raises(InputError) as err:
-        read_for_training(path)
-    message = str(err.value)
-    assert str(path) in message
-    assert "Cannot read" in message and "truncated" in message
-    assert file_digest(path) == before
+    refused_unchanged(path, "Cannot read", "truncated")
 
 
 def test_corrupt_hdf5_superblock(small_h5ad, tmp_path):
