@@ -166,7 +166,7 @@ def run_batchfix(
     correction.state_dependence=W for each W of STATE_DEPENDENCES, named counterfactual_state_W:
     `companion_settings`, the run's own options but the one each names).
 
-    `overrides` are Hydra-style "key=value" strings (e.g. "model.position_encoding=none").
+    `overrides` are Hydra-style "key=value" strings (e.g. "ablation.position_encoding=none").
     Returns (latent (cells, k), corrected log expression (cells, genes) by output mode, seconds by
     output mode: the whole train run with that mode's correction in place of train's own).
     """
