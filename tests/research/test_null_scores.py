@@ -96,7 +96,6 @@ def test_a_file_scored_against_itself_shows_no_change(split, tmp_path):
 def test_combat_seq_is_scored_on_the_split_without_a_corrected_file(split, tmp_path):
     """Without a corrected file only the raw cells and the baselines asked for are scored: ComBat-seq's adjusted
     counts of the whole file move counts of the split cells (its null artefact), and keep their zeros."""
-    pytest.importorskip("inmoose")  # the `baselines` extra
     null_scores.main([str(split), "--combat-seq", "--out", str(tmp_path / "baselines.json")])
     scores = json.loads((tmp_path / "baselines.json").read_text())
     assert set(scores["methods"]) == {"raw", "ComBat-seq"} and scores["pseudobulk"] == {"skipped": "no corrected file"}
@@ -167,7 +166,6 @@ def test_the_donor_set_empties_its_genes_and_its_score_sees_counts_given_back(sm
 def test_combat_seq_of_the_donor_set_is_written_beside_and_scored(small_h5ad, tmp_path):
     """ComBat-seq's counts of the set in layers['combat_seq']: a gene with no count in a whole batch is left as it
     is (every entry), so it passes the donor score without being corrected in the other batches."""
-    pytest.importorskip("inmoose")  # the `baselines` extra
     path, out = tmp_path / "donor.h5ad", tmp_path / "donor.combat_seq.h5ad"
     donor_biology.main(["build", str(small_h5ad), str(path), "--batch", "sc_celseq2_5cl_p1", "--seed", "0"])
     donor_biology.main(["combat-seq", str(path), str(out)])
