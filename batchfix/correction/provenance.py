@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -13,7 +12,7 @@ import batchfix
 from batchfix.config import CorrectionAblations, CorrectionOptions, InferenceOptions
 from batchfix.correction.layers import LOG_TRANSFORM
 from batchfix.data import ondisk
-from batchfix.data.io import OutputKeys
+from batchfix.data.io import OutputKeys, file_sha256
 from batchfix.errors import InputError
 
 LAYER_MEANING = {
@@ -56,14 +55,6 @@ def warn_not_applied(told: Mapping, kind: str) -> None:
             readers = [KIND_NAMES[other] for other in NOT_APPLIED if name not in NOT_APPLIED[other]]
             log.warning("correction.%s=%s does nothing on %s: %s. It is read by %s.", name, value, KIND_NAMES[kind],
                         NOT_APPLIED[kind][name], " and ".join(readers))
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def layer_entries(bound) -> dict:

@@ -36,7 +36,7 @@ from batchfix import signals
 from batchfix.config import CorrectionSettings
 from batchfix.correction.estimates import Part, estimate
 from batchfix.correction.outputs import ChunkOutput, OutputKind, Tallies, output_kind
-from batchfix.correction.provenance import batch_names, file_sha256
+from batchfix.correction.provenance import batch_names
 from batchfix.correction.writers import (
     CsrAppender,
     bind_file,
@@ -48,6 +48,7 @@ from batchfix.correction.writers import (
 )
 from batchfix.data import ondisk
 from batchfix.data.atomic import atomic_output
+from batchfix.data.io import file_sha256
 from batchfix.errors import InputError
 from batchfix.training.trained import BatchfixModel
 

@@ -5,6 +5,7 @@ never touched.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import warnings
@@ -339,3 +340,12 @@ def batch_level_columns(columns, batch: np.ndarray, batch_key: str) -> list[str]
                         "batch and test ~%s with the batches as replicates (docs/corrected-matrix.md).", name,
                         "; ".join(f"{value}: {', '.join(b)}" for value, b in groups.items()), batch_key, name)
     return found
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes (hex), read a MiB at a time: what identifies a checkpoint in a correction's uns."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

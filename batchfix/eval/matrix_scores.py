@@ -22,7 +22,7 @@ import scipy.sparse as sp
 
 from batchfix.config import CorrectionSettings, current_options
 from batchfix.correction import writers
-from batchfix.correction.provenance import file_sha256
+from batchfix.data.io import file_sha256
 from batchfix.eval import detection, metrics
 from batchfix.training.trained import load_trained
 
