@@ -82,6 +82,7 @@ from batchfix.config.verbs import (
     TrainConfig,
     correction_ablations,
     register_schemas,
+    schema_values,
 )
 
 __all__ = [
@@ -97,4 +98,5 @@ __all__ = [
     "CorrectionKey",
     "CorrectionOptions", "CorrectionSettings", "CountsKey", "EvaluateConfig", "EvaluationOptions", "ForwardOptions",
     "InferenceOptions", "TrainAblations", "TrainConfig", "correction_ablations", "register_schemas",
+    "schema_values",
 ]

@@ -184,9 +184,14 @@ class CorrectionAblations:
         within(f"{self.PREFIX}regional_seed", self.regional_seed, 0, 2**32 - 1)
 
 
+def schema_values(options, schema: type) -> dict:
+    """{name: value} of `schema`'s fields, read off `options` (a config holding them, and maybe more)."""
+    return {f.name: getattr(options, f.name) for f in fields(schema)}
+
+
 def correction_ablations(ablation: CorrectionAblations) -> dict:
     """{name: value} of the correction's ablations among a verb's `ablation.*` (train's hold the model's too)."""
-    return {f.name: getattr(ablation, f.name) for f in fields(CorrectionAblations)}
+    return schema_values(ablation, CorrectionAblations)
 
 
 @dataclass

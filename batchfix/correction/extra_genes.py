@@ -4,8 +4,9 @@ Only the highly variable genes are tokens of the encoder; every other gene detec
 of the training file is corrected too, through a decoder of its own: (latent, batch) -> NB mean fractions of those
 genes' library (their counts' sum in the cell) and a dispersion per gene. The latent and the modelled genes'
 outputs stay as they are: the encoder's latents are computed once (no gradient) and only the new decoder learns (its
-fit: batchfix.training.extra_decoder). Its per-batch dispersions are then calibrated as the main decoder's are (batchfix.correction.counts). Genes
-detected in fewer cells keep their uncorrected counts; the output flags them (var[f'{key}_corrected']).
+fit: batchfix.training.extra_decoder). Its per-batch dispersions are then calibrated as the main decoder's are
+(batchfix.correction.counts). Genes detected in fewer cells keep their uncorrected counts; the output flags them
+(var[f'{key}_corrected']).
 """
 from __future__ import annotations
 

@@ -23,7 +23,15 @@ from pytorch_lightning.utilities.exceptions import MisconfigurationException, SI
 from torch.utils.data import DataLoader
 
 from batchfix import runfolder, signals
-from batchfix.config import DataConfig, FitConfig, ModelAblations, ModelConfig, TrainConfig, TrainerConfig
+from batchfix.config import (
+    DataConfig,
+    FitConfig,
+    ModelAblations,
+    ModelConfig,
+    TrainConfig,
+    TrainerConfig,
+    schema_values,
+)
 from batchfix.console import quiet_lightning_logs, quiet_warnings
 from batchfix.data.genome import chromosome_runs
 from batchfix.data.io import expression_input, input_path, read_h5ad
@@ -177,7 +185,7 @@ def build_module(cfg: TrainConfig, prepared: PreparedData, planned_steps: int) -
 def network_config(cfg: TrainConfig) -> ModelConfig:
     """The network to train: the model.* options, the network's ablation.* switches, a Gaussian likelihood for
     log-scale data."""
-    model = ModelConfig(**asdict(cfg.model), **{f.name: getattr(cfg.ablation, f.name) for f in fields(ModelAblations)})
+    model = ModelConfig(**asdict(cfg.model), **schema_values(cfg.ablation, ModelAblations))
     return replace(model, likelihood="gaussian") if cfg.data.scale == "log" else model
 
 

@@ -385,9 +385,11 @@ def test_the_run_summary_names_a_high_model_misfit_and_what_to_do(tmp_path):
 
 
 @pytest.mark.parametrize("normal, message", [
-    (["correction.regional_shift=reference_cells", "correction.normal_key=cell_type", "correction.normal_values=[no_such_type]"],
+    (["correction.regional_shift=reference_cells", "correction.normal_key=cell_type",
+      "correction.normal_values=[no_such_type]"],
      "correction.normal_values=['no_such_type']: no cell of obs column 'cell_type' has one of them"),
-    (["correction.regional_shift=reference_cells", "correction.normal_key=no_such_column", "correction.normal_values=[x]"],
+    (["correction.regional_shift=reference_cells", "correction.normal_key=no_such_column",
+      "correction.normal_values=[x]"],
      "correction.normal_key='no_such_column': obs has no such column")])
 def test_train_refuses_normal_cells_the_input_lacks_before_training(subset_h5ad, tmp_path, normal, message):
     run = tmp_path / "run"
