@@ -14,6 +14,7 @@ import difflib
 import inspect
 import logging
 import tempfile
+import warnings
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -260,9 +261,9 @@ def evaluate(adata: ad.AnnData, *, batch_key: str = DataConfig.batch_key, label_
              out_dir: str | Path | None = None, model: BatchfixModel | str | Path | None = None) -> dict:
     """Score a corrected AnnData (after `batchfix.correct`) as `python -m batchfix evaluate` does, with its
     defaults: batch mixing and biology conservation (scib-metrics; label_key=None scores mixing only) of
-    the latent, of the corrected layer and of the uncorrected data, and gene-level fidelity. `model`: the model
-    that corrected it (or its checkpoint), for the matrix scores' detection and PIT when it was never saved (a
-    saved one is found through uns[key_added]).
+    the latent, of the corrected layer and of the uncorrected data, and gene-level fidelity; the model's checks (PIT,
+    detection against its reference) come from uns[key_added], where `correct` stored them. `model` is no longer
+    read (a warning says so): the checks no longer need the model.
 
     Returns the result (what metrics.json holds: `scores[embedding]["Total"]`, `gene_fidelity`, ...);
     with `out_dir`, metrics.json, metrics.md and umap.png are written there too. `adata` is not changed.
@@ -271,6 +272,9 @@ def evaluate(adata: ad.AnnData, *, batch_key: str = DataConfig.batch_key, label_
     from batchfix.eval.evaluate import evaluate_file
 
     require_in_memory(adata, "evaluate")
+    if model is not None:
+        warnings.warn("batchfix.evaluate(model=...) is no longer needed and is ignored: batchfix.correct stores the "
+                      f"model's checks in uns['{key_added}'].", FutureWarning, stacklevel=2)
     if out_dir is not None and Path(out_dir).exists() and not Path(out_dir).is_dir():
         from batchfix.errors import OutputError
 
@@ -284,5 +288,4 @@ def evaluate(adata: ad.AnnData, *, batch_key: str = DataConfig.batch_key, label_
         adata.write_h5ad(path)
         return evaluate_file(path, batch_key, label_key, out_dir or Path(scratch) / "evaluation",
                              counts_layer=counts_layer, key_added=key_added, max_cells=max_cells, neighbors=neighbors,
-                             in_memory=out_dir is None,
-                             trained=load_trained(model) if isinstance(model, (str, Path)) else model)
+                             in_memory=out_dir is None)

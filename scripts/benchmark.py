@@ -99,12 +99,12 @@ ALL_METHODS = ["batchfix", *BASELINES]
 ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
 STATE_DEPENDENCES = (0.5, 1.0)  # correction.state_dependence values corrected beside a run's own, on the same model
 CNV_R, CNV_AMPLITUDE = "CNV profile r", "CNV amplitude ratio"  # batchfix.eval.cnv.profile_retention
-# The PIT needs a method's own model (evaluate takes batchfix's from the corrected file): not scored here.
+# The model checks need a method's own model (batchfix stores its own with the corrected file): not scored here.
 # batchfix.eval.removal: the share of each label's between-batch spread of gene means left, by scale
 REMOVAL_COLUMNS = {"left_log": "Batch effect left (log)", "left_mean": "Batch effect left (mean)",
                    "left_balanced": "Batch effect left (balanced)"}
 MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE, *REMOVAL_COLUMNS.values(),
-                 *(c for c in matrix_scores.COLUMNS if c != matrix_scores.PIT_FAILS)]
+                 *(c for c in matrix_scores.COLUMNS if c not in matrix_scores.MODEL_COLUMNS)]
 TRUTH_ERROR = "Truth error"  # with --truth-layer: stress_set.truth_error of the matrix
 TRUTH_GROUP_ERROR = "Truth error (group means)"  # stress_set.group_truth_error over (batch, label) groups
 TRUTH_RELATIVE_ERROR = "Truth error (group means, relative)"  # stress_set.relative_group_truth_error

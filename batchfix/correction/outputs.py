@@ -11,7 +11,6 @@ clipped, empty cells) add up over chunks. `corrected_chunks` runs one kind over 
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -25,7 +24,9 @@ from tqdm.auto import tqdm
 from batchfix import signals
 from batchfix.correction import count_output, counterfactual, counts, layers
 from batchfix.correction.corrector import BoundModel
+from batchfix.correction.count_output import ModelChecks
 from batchfix.correction.estimates import Estimates
+from batchfix.correction.state_groups import sampled
 from batchfix.errors import InputError
 from batchfix.nn.attention import fused_attention
 
@@ -36,16 +37,25 @@ log = logging.getLogger(__name__)
 class Tallies:
     """What a correction counts as it goes, summed over chunks: cells without counts in any gene (`n_empty`) and
     in the modelled genes (`n_empty_modelled`); the counts' observed zeros and those made positive; the log
-    output's values raised to its floor."""
+    output's values raised to its floor; the counts' model checks."""
 
     n_empty: int = 0
     n_empty_modelled: int = 0
     n_zeros: int = 0
     n_zeros_raised: int = 0
     n_clipped: int = 0
+    checks: ModelChecks | None = None  # the counts' checks against the model (count_output.ModelChecks)
+
+    COUNTS = ("n_empty", "n_empty_modelled", "n_zeros", "n_zeros_raised", "n_clipped")
 
     def __add__(self, other: Tallies) -> Tallies:
-        return Tallies(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        checks = other.checks if self.checks is None else self.checks if other.checks is None else \
+            self.checks + other.checks
+        return Tallies(**{name: getattr(self, name) + getattr(other, name) for name in self.COUNTS}, checks=checks)
+
+    def counts(self) -> dict[str, int]:
+        """The tallies' counts by name (the checks apart)."""
+        return {name: getattr(self, name) for name in self.COUNTS}
 
 
 @dataclass(frozen=True)
@@ -151,6 +161,7 @@ class CountsOutput(OutputKind):
         places = [np.searchsorted(columns, genes.columns) for genes in bound.gene_sets]
         corrected = np.empty((x.shape[0], len(columns)), dtype=np.float32)  # (cells, corrected genes), in place
         n_zeros = n_raised = 0
+        checks = self.no_checks()
         for part, cells, codes, mu in self.forward_batches(x, first_cell):
             latent[part] = mu.numpy()
             for genes, tables, values, place in zip(bound.gene_sets, estimates.count_tables, inputs, places):
@@ -160,29 +171,35 @@ class CountsOutput(OutputKind):
                 corrected[part, place] = mapped
                 n_zeros += int((observed == 0).sum())
                 n_raised += int(((observed == 0) & (mapped > 0)).sum())
+            self.add_checks(checks, x[part], cells, codes, mu, corrected[part][:, places[0]])
         chunk_layers = layers.count_layers(chunk, corrected, columns, bound.corrected_mask)
         return ChunkOutput(latent, chunk_layers, empty_cells(chunk, x) + Tallies(n_zeros=n_zeros,
-                                                                                 n_zeros_raised=n_raised))
+                                                                                 n_zeros_raised=n_raised,
+                                                                                 checks=checks))
 
-    @torch.inference_mode()
-    def model_checks(self, chunk, first_cell: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For the modelled genes' corrected counts: (their input columns (ascending), (cells, genes) float32
-        P(count > 0) under each cell's reference NB, the detection the corrected counts should show, and (cells,
-        genes) float32 the randomised PIT of each observed count under its own batch's NB, uniform where the model
-        fits), for batchfix.eval.detection. The PIT's draws are keyed by (quantile_seed + 1, cell, gene)."""
+    def no_checks(self) -> ModelChecks:
+        """Empty model checks of the modelled genes, by batch code and state group."""
+        groups = self.estimates.state_groups
+        return ModelChecks.empty(self.estimates.count_tables[0].theta.shape[0],
+                                 1 if groups is None else len(groups.centroids), len(self.bound.gene_sets[0].columns))
+
+    def add_checks(self, checks: ModelChecks, x: torch.Tensor, cells: np.ndarray, codes: torch.Tensor,
+                   mu: torch.Tensor, corrected: np.ndarray) -> None:
+        """Add the checked cells (state_groups.sampled; with a batch) of a forward batch to `checks`: `x` (B,
+        decoder genes) their input, `mu` (B, latent) their latents, `corrected` (B, modelled genes) their counts.
+        The PIT's draws are keyed by (quantile_seed + 1, cell, gene), the calibrated detection's by + 2."""
         bound, estimates = self.bound, self.estimates
-        genes, tables = bound.gene_sets[0], estimates.count_tables[0]
-        x = bound.model_input(chunk, first_cell)
-        expected = np.empty((x.shape[0], len(genes.columns)), dtype=np.float32)
-        pit = np.empty_like(expected)
-        with fused_attention(bound.net):
-            for part, cells, codes, mu in self.forward_batches(x, first_cell):
-                nb = count_output.count_distributions(bound.net, genes, tables, x[part], mu, codes, bound.reference,
-                                                      estimates.state, estimates.regional)
-                expected[part] = nb.reference_nonzero()
-                draws = counts.counter_uniform(bound.settings.quantile_seed + 1, bound.cell_keys[cells], genes.keys)
-                pit[part] = nb.own_pit(draws)
-        return genes.columns, expected, pit
+        keys = bound.cell_keys[cells]
+        picked = np.flatnonzero(sampled(keys, len(bound.cell_keys)) & (codes.numpy() >= 0))
+        if not len(picked):
+            return
+        genes, rows, seed = bound.gene_sets[0], torch.from_numpy(picked), bound.settings.quantile_seed
+        nb = count_output.count_distributions(bound.net, genes, estimates.count_tables[0], x[rows], mu[rows],
+                                              codes[rows], bound.reference, estimates.state, estimates.regional)
+        groups = estimates.state_groups
+        state = np.zeros(len(picked), dtype=np.int64) if groups is None else groups.assign(mu[rows])
+        checks.add(codes.numpy()[picked], state, nb.own_pit(counts.counter_uniform(seed + 1, keys[picked], genes.keys)),
+                   nb.reference_nonzero(), corrected[picked], counts.counter_uniform(seed + 2, keys[picked], genes.keys))
 
 
 def output_kind(bound: BoundModel, estimates: Estimates, latents: np.ndarray | None = None) -> OutputKind:

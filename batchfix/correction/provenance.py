@@ -102,6 +102,10 @@ def provenance(bound, estimates, tallies) -> dict:
         info["log_transform"] = LOG_TRANSFORM
         info["n_observed_zeros"] = tallies.n_zeros
         info["n_zeros_made_positive"] = tallies.n_zeros_raised
+        if tallies.checks is not None:  # scored by evaluate (batchfix.eval.matrix_scores) without the model
+            modelled = bound.gene_sets[0]
+            info["model_checks"] = tallies.checks.record(batch_names(bound),
+                                                         list(np.asarray(trained.genes)[modelled.model_index]))
         if settings.regional_shift == "keep_input":
             info["regional_shift_note"] = ("keep_input splits the counts' log-mean shift against its mean over "
                                            "every input cell")

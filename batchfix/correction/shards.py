@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 
 from batchfix import signals
 from batchfix.config import CorrectionSettings
+from batchfix.correction.count_output import ModelChecks
 from batchfix.correction.estimates import Part, estimate
 from batchfix.correction.outputs import ChunkOutput, OutputKind, Tallies, output_kind
 from batchfix.correction.provenance import batch_names
@@ -155,7 +156,11 @@ def write_shard(dst: h5py.File, output: OutputKind, rows, start: int, stop: int,
         tallies += chunk.tallies
         for kind, matrix_rows in chunk.layers.items():
             layers[kind].append(matrix_rows)
-    dst.attrs.update(dataclasses.asdict(tallies))
+    dst.attrs.update(tallies.counts())
+    if tallies.checks is not None:
+        checks = dst.create_group("model_checks")
+        for field in dataclasses.fields(tallies.checks):
+            checks.create_dataset(field.name, data=getattr(tallies.checks, field.name))
 
 
 def merge_shards(job: FileJob, trained: BatchfixModel, settings: CorrectionSettings, count: int,
@@ -214,13 +219,20 @@ def shard_chunks(paths: list[Path], bound) -> Iterator[tuple[int, int, ChunkOutp
     for path in paths:
         with h5py.File(path, "r") as shard:
             start, stop = int(shard.attrs["start"]), int(shard.attrs["stop"])
-            tallies = Tallies(**{field.name: int(shard.attrs[field.name]) for field in dataclasses.fields(Tallies)})
+            tallies = shard_tallies(shard)
             for first in range(start, stop, block):
                 signals.raise_pending()
                 last = min(first + block, stop)
                 rows = slice(first - start, last - start)
                 layers = {kind: csr_rows(shard[kind], rows, bound.n_vars) for kind in output_layers(bound)}
                 yield first, last, ChunkOutput(shard["latent"][rows], layers, tallies if first == start else Tallies())
+
+
+def shard_tallies(shard: h5py.File) -> Tallies:
+    """The tallies a shard file recorded (its counts' model checks too)."""
+    checks = None if "model_checks" not in shard else ModelChecks(
+        **{field.name: shard["model_checks"][field.name][()] for field in dataclasses.fields(ModelChecks)})
+    return Tallies(**{name: int(shard.attrs[name]) for name in Tallies.COUNTS}, checks=checks)
 
 
 def csr_rows(csr: h5py.Group, rows: slice, n_vars: int) -> sp.csr_matrix:

@@ -31,12 +31,12 @@ class LatentSample:
     SUMMED = ("keys", "latents")  # merged (concatenated), not added
 
     def __init__(self, n_obs: int, latent_dim: int):
-        self.threshold = np.uint64(min(2**64 - 1, int(2**64 * SAMPLE_CELLS / max(n_obs, 1))))
+        self.n_obs = n_obs
         self.keys, self.latents = np.empty(0, dtype=np.uint64), np.empty((0, latent_dim))
 
     def picked(self, keys: np.ndarray) -> np.ndarray:
         """(B,) bool: which cells of these name keys are sampled."""
-        return keys < self.threshold
+        return sampled(keys, self.n_obs)
 
     def add(self, keys: np.ndarray, latents: np.ndarray) -> None:
         """The sampled cells' keys (n,) and latents (n, latent)."""
@@ -57,6 +57,12 @@ class LatentSample:
         """(n, latent) the sampled latents by key (repeated names: by latent)."""
         order = np.lexsort((*self.latents.T[::-1], self.keys))
         return self.latents[order]
+
+
+def sampled(keys: np.ndarray, n_obs: int) -> np.ndarray:
+    """(B,) bool: which cells of these name keys (of an input of `n_obs` cells) are among the about SAMPLE_CELLS
+    whose keys fall below the threshold that takes that many (every cell of an input of no more)."""
+    return keys < np.uint64(min(2**64 - 1, int(2**64 * SAMPLE_CELLS / max(n_obs, 1))))
 
 
 @dataclass(frozen=True)

@@ -134,20 +134,6 @@ def prepared_output(adata: ad.AnnData, trained: BatchfixModel, settings: Correct
     return output_kind(bound, *estimate(bound, rows, adata.n_obs)), rows
 
 
-def model_checks(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
-                 counts_layer: str | None = None, batch_key: str | None = None,
-                 all_batches_new: bool = False) -> tuple[np.ndarray, ...]:
-    """`CountsOutput.model_checks` of every cell of an in-memory AnnData: (the modelled genes' input columns, (cells,
-    genes) expected detection of the corrected counts, (cells, genes) the observed counts' randomised PIT)."""
-    output, rows = prepared_output(adata, trained, settings, counts_layer, batch_key, all_batches_new)
-    if not output.bound.counts_output:
-        raise InputError("The model checks need corrected counts: the counterfactual output of a negative "
-                         f"binomial model (this one: {settings.output_mode}, {trained.config.likelihood}).")
-    parts = [output.model_checks(rows.rows(start, min(start + settings.chunk_size, adata.n_obs)), start)
-             for start in range(0, adata.n_obs, settings.chunk_size)]
-    return parts[0][0], np.vstack([part[1] for part in parts]), np.vstack([part[2] for part in parts])
-
-
 def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
                   counts_layer: str | None = None, batch_key: str | None = None, copy: bool = False,
                   progress: bool = False, all_batches_new: bool = False) -> ad.AnnData | None:

@@ -14,7 +14,8 @@ numbers or DataFrames:
   rank_genes_groups), genes called at |logFC| > 1 and adjusted p < 0.05; a gene with zero raw counts in every cell
   of both groups is never a sound call, and on a stress set's null genes every call is a false one;
 - PIT: a randomised PIT of counts under NB(mean, theta), u ~ U(F(y - 1), F(y)), histogrammed per batch and
-  gene; a gene fails where a chi-square test of the histogram's uniformity gives p < `PIT_ALPHA`.
+  gene; a gene fails where a chi-square test of the histogram's uniformity gives p < `PIT_ALPHA`
+  (`histogram_uniformity` of histograms a correction stored; `summed_calibration` scores detection from its sums).
 """
 from __future__ import annotations
 
@@ -211,13 +212,40 @@ def pit_histograms(counts, mean, theta, batches, seed: int = 0, bins: int = PIT_
 def pit_uniformity(pit: np.ndarray, batches, bins: int = PIT_BINS, alpha: float = PIT_ALPHA) -> pd.DataFrame:
     """`pit_histograms` of PIT values already drawn (cells x genes)."""
     batches = np.asarray(batches).astype(str)
+    names = np.unique(batches)
+    hist = np.empty((len(names), pit.shape[1], bins), dtype=np.int64)  # (batches, genes, bins)
+    for row, batch in enumerate(names):
+        index = np.minimum((pit[batches == batch] * bins).astype(int), bins - 1)  # (cells, genes) bin of each value
+        hist[row] = np.stack([(index == b).sum(axis=0) for b in range(bins)], axis=1)
+    return histogram_uniformity(hist, names, alpha)
+
+
+def histogram_uniformity(hist: np.ndarray, batches, alpha: float = PIT_ALPHA) -> pd.DataFrame:
+    """Per (batch, gene) of PIT histograms `hist` (batches, genes, bins) and the batches' names: the histogram, the
+    chi-square p of its uniformity and `fails` where that p < alpha; a batch whose histograms are empty is left out."""
     rows = []
-    for batch in np.unique(batches):
-        values = pit[batches == batch]
-        index = np.minimum((values * bins).astype(int), bins - 1)  # (cells, genes) bin of each PIT value
-        hist = np.stack([(index == b).sum(axis=0) for b in range(bins)], axis=1)  # (genes, bins)
-        pvalue = stats.chisquare(hist, axis=1).pvalue
-        for gene in range(hist.shape[0]):
-            rows.append({"batch": batch, "gene": gene, "hist": hist[gene].tolist(), "pvalue": float(pvalue[gene]),
+    for batch, counts in zip(np.asarray(batches).astype(str), hist):
+        if not counts.any():  # a batch without checked cells
+            continue
+        with np.errstate(invalid="ignore", divide="ignore"):
+            pvalue = stats.chisquare(counts, axis=1).pvalue
+        for gene in range(counts.shape[0]):
+            rows.append({"batch": batch, "gene": gene, "hist": counts[gene].tolist(), "pvalue": float(pvalue[gene]),
                          "fails": bool(pvalue[gene] < alpha)})
     return pd.DataFrame(rows)
+
+
+def summed_calibration(cells: np.ndarray, detected: np.ndarray, expected: np.ndarray, variance: np.ndarray,
+                       drawn: np.ndarray, min_cells: int = MIN_GROUP_CELLS,
+                       tolerance: float = DETECTION_TOLERANCE) -> dict:
+    """`detection_calibration`'s summary from sums over groups of cells: `cells` (groups,) and per gene (groups,
+    genes) the cells detected, the sum of their expected P(count > 0), of its variance P (1 - P), and the cells a
+    draw with that P detects. Groups of fewer than min_cells cells are left out."""
+    keep = cells >= min_cells
+    if not keep.any():
+        return dict.fromkeys(("within_tolerance", "within_sampling", "calibrated_within"), float("nan"))
+    n = cells[keep][:, None]
+    gap = np.abs(detected[keep] - expected[keep]) / n
+    allowed = np.maximum(tolerance, SAMPLING_Z * np.sqrt(variance[keep]) / n)
+    return {"within_tolerance": float((gap <= tolerance).mean()), "within_sampling": float((gap <= allowed).mean()),
+            "calibrated_within": float((np.abs(drawn[keep] - expected[keep]) / n <= tolerance).mean())}

@@ -51,19 +51,19 @@ def evaluate_file(
     key_added: str = CorrectionOptions.key_added,
     max_cells: int = EvaluationOptions.max_cells,
     neighbors: str = EvaluationOptions.neighbors,
-    in_memory: bool = False, trained=None,
+    in_memory: bool = False,
 ) -> dict:
     """Score a corrected file (never modified) and write metrics.json, metrics.md, umap.png (`in_memory`: the
-    file is batchfix.evaluate's copy of an AnnData, whose scratch paths the progress lines do not name; `trained`:
-    the BatchfixModel that corrected it, where uns[key_added] names no saved checkpoint).
+    file is batchfix.evaluate's copy of an AnnData, whose scratch paths the progress lines do not name).
 
     Scored with scib-metrics: the latent `obsm['X_<key_added>']`, the PCA of `layers[key_added]` and
     the uncorrected PCA, all on the modelled genes (see `batchfix.eval.metrics.evaluation_embeddings`).
     Scored gene by gene (`gene_fidelity` in the result): `layers[key_added]` against the raw counts
     on the same genes, within each batch (`batchfix.eval.metrics.gene_level_scores`), and by the matrix
     scores of `batchfix.eval.matrix_scores` on the modelled genes (`matrix_scores` in the result: detection
-    calibration against the reference of the model that corrected the file, found through uns[key_added], else a
-    batch-free NB; raw zeros raised; between-batch DE on zero-raw genes; with that model, the genes it misfits).
+    calibration against a batch-free NB; raw zeros raised; between-batch DE on zero-raw genes; from the model
+    checks the correction stored in uns[key_added], the genes the model misfits and detection against its
+    reference).
     Returns the metrics dict written to metrics.json.
 
     `neighbors`: "exact", "approximate" (pynndescent, scib-metrics' default) or "auto" (exact up to
@@ -96,8 +96,7 @@ def evaluate_file(
     result["cnv_fidelity"] = metrics.cnv_level_scores(adata, OutputKeys(key_added), batch_key, label_key,
                                                       counts_layer)
     result["matrix_scores"] = matrix_scores.corrected_matrix_scores(
-        adata, key_added, metrics.modelled_genes(adata, OutputKeys(key_added)), batch_key, label_key, counts_layer,
-        trained)
+        adata, key_added, metrics.modelled_genes(adata, OutputKeys(key_added)), batch_key, label_key, counts_layer)
     if subsample is not None:
         result["subsample"] = subsample
 
@@ -177,7 +176,7 @@ def read_rows(f: h5py.File, rows: np.ndarray, keys: OutputKeys, counts_layer: st
     else:
         adata.layers[counts_layer] = x
     adata.obsm[keys.latent] = np.asarray(ondisk.open_rows(f["obsm"][keys.latent]).take(rows))
-    if "uns" in f and keys.uns in f["uns"]:  # what corrected the file (matrix_scores.model_expected_nonzero)
+    if "uns" in f and keys.uns in f["uns"]:  # what corrected the file, its model checks
         adata.uns[keys.uns] = read_elem(f["uns"][keys.uns])
     return adata
 
@@ -219,8 +218,9 @@ def _markdown_report(table, result: dict) -> str:
         f"## Matrix scores of layers['{result['corrected_layer']}']",
         "",
         "Detection calibration, raw zeros made positive, DE calls between batches within a label on genes with "
-        "zero raw counts in both groups, and the share of (batch, gene) whose raw counts' PIT under the model is "
-        "not uniform (batchfix.eval.matrix_scores, on the modelled genes).",
+        "zero raw counts in both groups; from the checks the correction stored, the share of (batch, gene) whose "
+        "raw counts' PIT under the model is not uniform and detection against the model's reference per (gene, "
+        "batch, state group) (batchfix.eval.matrix_scores, on the modelled genes).",
         "",
         reports.matrix_markdown(result["matrix_scores"]),
     ])

@@ -3,33 +3,30 @@
 `SCORES` lists (name, function, applies to); `evaluate` and scripts/benchmark.py both score every matrix with
 `score_matrix`, so a new score is a row added there. Each function takes a `MatrixInput` and returns its columns.
 A matrix is on the log scale (log1p of counts per 10k, or a method's own log output), so an entry is "detected"
-where it is positive; it is scored against the raw counts of the same cells and genes. The expected nonzero
-shares of detection calibration come from `MatrixInput.expected_nonzero`, and `MatrixInput.reference` names the
-model that gave them (by default detection.reference_nonzero, a batch-free NB at each cell's library); where the
-method's own model is at hand (`model_checks`), the raw counts' PIT under it says which genes it misfits.
+where it is positive; it is scored against the raw counts of the same cells and genes. Detection calibration
+compares each (gene, label, batch) group's detected share with a reference model's, the same for every method
+(by default detection.reference_nonzero, a batch-free NB at each cell's library). batchfix's corrected counts
+also carry the checks of the model that corrected them, summed at correct time over a name-keyed sample of cells
+(uns[key_added]['model_checks'], batchfix.correction.count_output.ModelChecks): the raw counts' PIT under the model
+says which genes it misfits, and each (batch, state group)'s detected share is compared with the model's own
+reference. Nothing here reruns a correction.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import scipy.sparse as sp
 
-from batchfix.config import CorrectionSettings, current_options
-from batchfix.correction import writers
-from batchfix.data.io import file_sha256
 from batchfix.eval import detection, metrics
-from batchfix.training.trained import load_trained
 
 log = logging.getLogger(__name__)
 
 # what a score applies to
-ANY, LABELLED, MODELLED = "any matrix", "a matrix with labels", "a matrix with the PIT of its model"
+ANY, LABELLED, MODELLED = "any matrix", "a matrix with labels", "a matrix with its model's checks"
 DETECTION_WITHIN = "Detection within 0.05"
 DETECTION_CEILING = "Detection within 0.05 (calibrated)"
 DETECTION_SAMPLING = "Detection within 0.05 or sampling error"
@@ -39,6 +36,10 @@ ZEROS_RAISED = "Zeros raised"
 BATCH_DE_CALLS = "Between-batch DE calls"
 FALSE_DE_ZERO_RAW = "False DE (zero raw)"
 PIT_FAILS = "PIT fails"
+MODEL_DETECTION_WITHIN = "Model detection within 0.05"
+MODEL_DETECTION_CEILING = "Model detection within 0.05 (calibrated)"
+MODEL_DETECTION_SAMPLING = "Model detection within 0.05 or sampling error"
+MODEL_COLUMNS = [PIT_FAILS, MODEL_DETECTION_WITHIN, MODEL_DETECTION_CEILING, MODEL_DETECTION_SAMPLING]
 PIT_LISTED = 10  # genes named per batch among those whose PIT fails
 BATCH_FREE_REFERENCE = "batch-free NB (per label rate at each cell's library, theta by moments)"
 
@@ -47,8 +48,8 @@ BATCH_FREE_REFERENCE = "batch-free NB (per label rate at each cell's library, th
 class MatrixInput:
     """One corrected log matrix (cells x genes) with the raw counts of the same cells and genes, the cells'
     labels (or None) and batches, and the expected nonzero probabilities (cells x genes, or None) with the name
-    of the reference model that gave them; `pit` (cells x genes, or None): the raw counts' randomised PIT under
-    the model of the method, where it has one."""
+    of the reference model that gave them; `checks`: the model checks the method stored with its matrix (the
+    ModelChecks record of uns[key_added]['model_checks']), or None."""
 
     log_values: np.ndarray | sp.spmatrix
     raw: np.ndarray | sp.spmatrix
@@ -56,12 +57,14 @@ class MatrixInput:
     batches: np.ndarray
     expected_nonzero: np.ndarray | None = None
     reference: str = BATCH_FREE_REFERENCE
-    pit: np.ndarray | None = None
+    checks: Mapping | None = None
 
     @cached_property
     def pit_table(self):
-        """detection.pit_uniformity of `pit` per (batch, gene), computed once for the score and the genes named."""
-        return detection.pit_uniformity(self.pit, self.batches)
+        """detection.histogram_uniformity of the stored PIT histograms per (batch, gene), computed once for the
+        score and the genes named."""
+        return detection.histogram_uniformity(np.asarray(self.checks["pit_histograms"]),
+                                              np.asarray(self.checks["batches"]).astype(str))
 
 
 def detection_columns(matrix: MatrixInput) -> dict[str, float]:
@@ -92,14 +95,25 @@ def pit_columns(matrix: MatrixInput) -> dict[str, float]:
     return {PIT_FAILS: float(matrix.pit_table["fails"].mean())}
 
 
+def model_detection_columns(matrix: MatrixInput) -> dict[str, float]:
+    """Detection calibration against the model's own reference, per (gene, batch, state group) of the checked
+    cells (detection.summed_calibration of the stored sums)."""
+    checks = matrix.checks
+    summary = detection.summed_calibration(*(np.asarray(checks[name], dtype=np.float64) for name in (
+        "pair_cells", "detected", "expected", "variance", "drawn")))
+    return {MODEL_DETECTION_WITHIN: summary["within_tolerance"], MODEL_DETECTION_CEILING: summary["calibrated_within"],
+            MODEL_DETECTION_SAMPLING: summary["within_sampling"]}
+
+
 SCORES: list[tuple[str, Callable[[MatrixInput], dict[str, float]], str]] = [
     ("detection calibration", detection_columns, LABELLED),
     ("zeros raised", zeros_raised_columns, ANY),
     ("false DE", false_de_columns, LABELLED),
     ("PIT uniformity", pit_columns, MODELLED),
+    ("detection against the model", model_detection_columns, MODELLED),
 ]
 COLUMNS = [DETECTION_WITHIN, DETECTION_CEILING, DETECTION_SAMPLING, DETECTION_SPREAD, DETECTION_SPREAD_RAW,
-           ZEROS_RAISED, BATCH_DE_CALLS, FALSE_DE_ZERO_RAW, PIT_FAILS]
+           ZEROS_RAISED, BATCH_DE_CALLS, FALSE_DE_ZERO_RAW, *MODEL_COLUMNS]
 
 
 def score_matrix(matrix: MatrixInput) -> dict[str, float]:
@@ -107,108 +121,55 @@ def score_matrix(matrix: MatrixInput) -> dict[str, float]:
     if matrix.labels is not None and matrix.expected_nonzero is None:
         matrix.expected_nonzero = detection.reference_nonzero(sp.csr_matrix(matrix.raw), np.asarray(matrix.labels))
     result = dict.fromkeys(COLUMNS, np.nan)
-    given = {ANY: True, LABELLED: matrix.labels is not None, MODELLED: matrix.pit is not None}
+    given = {ANY: True, LABELLED: matrix.labels is not None, MODELLED: matrix.checks is not None}
     for _, function, applies in SCORES:
         if given[applies]:
             result.update(function(matrix))
     return result
 
 
-class NoModelChecks(Exception):
-    """Why the checks of the model that corrected a file cannot run; `expected`: a file without batchfix's counts,
-    where none are to be had."""
-
-    def __init__(self, why: str, expected: bool = False):
-        super().__init__(why)
-        self.expected = expected
-
-
-def model_checks(adata, key_added: str, genes: np.ndarray, trained=None, batch_key: str | None = None) -> dict:
-    """The checks of the model that corrected the file, read from the checkpoint uns[key_added] names when that file
-    is there unchanged (its sha256) and the output is corrected counts, on the genes of the mask `genes`: 'expected'
-    (cells x genes P(count > 0) under each cell's reference NB), 'pit' (cells x genes, the observed counts'
-    randomised PIT under their own batch's NB) and 'reference' (its name); else NoModelChecks says why not. The
-    correction is rerun on these cells with the options uns records (on a subsample the state dependence's batch
-    means come from it). `trained`: the model itself (a BatchfixModel), for a correction whose checkpoint was never
-    saved; `batch_key`: evaluate's batch column, read where the one the correction read was renamed."""
-    info = adata.uns.get(key_added, {})
-    if "log_transform" not in info:
-        raise NoModelChecks(f"uns['{key_added}'] records no corrected counts of batchfix", expected=True)
-    trained = trained if trained is not None else saved_model(info)
-    params = dict(info["params"])
-    names = {f.name for f in fields(CorrectionSettings)}
-    options = {k: (list(v) if isinstance(v, np.ndarray) else v) for k, v in params.items() if k in names}
-    settings = CorrectionSettings(**current_options(options), preset=str(info.get("correction_preset")))
-    source = params["counts"]
-    # a file corrected before "counts_layer" was recorded names the layer only in the display string "counts"
-    counts_layer = str(params["counts_layer"]) if "counts_layer" in params else (
-        "X" if source == "X" else source[len("layers['"):-len("']")])
-    if (adata.X is None) if counts_layer == "X" else (counts_layer not in adata.layers):
-        # a subsample holds the counts evaluate compares with, not those the correction read
-        raise NoModelChecks(f"the scored cells lack {source}, the counts the correction read")
-    recorded = params.get("batch_key")
-    # a file corrected already: batches the model was not trained on are accepted (all_batches_new)
-    columns, expected, pit = writers.model_checks(adata, trained, settings, counts_layer,
-                                                  recorded if recorded in adata.obs or batch_key is None else batch_key,
-                                                  all_batches_new=True)
-    position = pd.Series(np.arange(len(columns)), index=columns).reindex(np.flatnonzero(genes))
-    where = trained.path.name if trained.path else "in memory"
-    if position.isna().any():
-        raise NoModelChecks(f"the model given ({where}) lacks {int(position.isna().sum())} of the {len(position)} "
-                            "genes the file's model corrected: it is not the model that corrected the file")
-    keep = position.to_numpy(dtype=np.int64)
-    return {"expected": expected[:, keep], "pit": pit[:, keep],
-            "reference": f"reference NB of the model that corrected the file ({where}, its options)"}
-
-
-def saved_model(info: dict):
-    """The checkpoint uns names, when it is there unchanged since it corrected the file."""
-    path, digest = Path(str(info.get("checkpoint", ""))), str(info.get("checkpoint_sha256", ""))
-    if not digest:
-        raise NoModelChecks("the model that corrected the file was never saved: batchfix.evaluate(..., model=model) "
-                            "takes it")
-    if not path.is_file():
-        raise NoModelChecks(f"the checkpoint that corrected the file is no longer at {path} (moved or deleted): "
-                            "put it back, or pass it as batchfix.evaluate(..., model=PATH)")
-    if file_sha256(path) != digest:
-        raise NoModelChecks(f"the checkpoint {path} changed since it corrected the file")
-    return load_trained(path)
-
-
 def corrected_matrix_scores(adata, layer: str, genes: np.ndarray, batch_key: str, label_key: str | None,
-                            counts_layer: str | None = None, trained=None) -> dict:
+                            counts_layer: str | None = None) -> dict:
     """`score_matrix` of layers[layer] on the columns `genes` (a boolean mask) against the raw counts (X or
-    counts_layer) of the same genes, detection against the correcting model's reference where
-    `model_checks` finds it (else the batch-free NB); the result names the genes scored and the
-    reference, and counts the layer's NaN or infinite and negative values (`bad_values`, all genes)."""
+    counts_layer) of the same genes, with the model checks uns[layer] holds (`stored_checks`); the result names
+    the genes scored, the reference and the genes the model misfits, and counts the layer's NaN or infinite and
+    negative values (`bad_values`, all genes)."""
     values = bad_values(adata.layers[layer], layer)
     raw = (adata.layers[counts_layer] if counts_layer else adata.X)[:, genes]
     if not metrics.is_integer_valued(raw):
         return {**dict.fromkeys(COLUMNS), "layer": layer, **values,
                 "note": f"{counts_layer or 'X'} does not hold raw counts: the matrix scores were not computed."}
     labels = adata.obs[label_key].astype(str).to_numpy() if label_key else None
-    matrix = MatrixInput(adata.layers[layer][:, genes], raw, labels, adata.obs[batch_key].astype(str).to_numpy())
-    try:
-        model, skipped = model_checks(adata, layer, genes, trained, batch_key), None
-        matrix.pit = model["pit"]
-        if labels is not None:
-            matrix.expected_nonzero, matrix.reference = model["expected"], model["reference"]
-    except NoModelChecks as why:
-        skipped = f"No model checks (PIT, detection against the correcting model): {why}."
-        log.log(logging.INFO if why.expected else logging.WARNING, skipped)
+    checks, missing = stored_checks(adata.uns.get(layer, {}), layer)
+    matrix = MatrixInput(adata.layers[layer][:, genes], raw, labels, adata.obs[batch_key].astype(str).to_numpy(),
+                         checks=checks)
     scores = score_matrix(matrix)
     result = {**{k: None if np.isnan(v) else v for k, v in scores.items()},
               "layer": layer, "n_genes": int(np.count_nonzero(genes)), "reference": matrix.reference, **values}
-    if skipped:
-        result["model_checks_skipped"] = skipped
-    if matrix.pit is not None:
-        result["pit_failing_genes"] = failing_genes(matrix, np.asarray(adata.var_names[genes]).astype(str))
+    if missing:
+        result["model_checks_missing"] = missing
+    if checks is not None:
+        result["pit_failing_genes"] = failing_genes(matrix)
+        result["model_checks_cells"] = int(np.sum(checks["pair_cells"]))
     return result
 
 
-def failing_genes(matrix: MatrixInput, names: np.ndarray) -> dict[str, list[str]]:
+def stored_checks(info: Mapping, layer: str) -> tuple[Mapping | None, str | None]:
+    """(the model checks uns[layer] holds, None) or (None, why there are none: a file of no batchfix counts, or one
+    corrected before the checks were stored)."""
+    if "log_transform" not in info:
+        return None, None  # no corrected counts of batchfix: nothing to say
+    if "model_checks" not in info:
+        why = (f"uns['{layer}'] holds no model checks (corrected by batchfix {info.get('version', '?')}, before they "
+               "were stored at correct time): correct the file again for the PIT and the model's detection")
+        log.warning("%s.", why)
+        return None, why
+    return info["model_checks"], None
+
+
+def failing_genes(matrix: MatrixInput) -> dict[str, list[str]]:
     """Per batch, the genes whose PIT fails uniformity, worst first (at most PIT_LISTED)."""
-    table = matrix.pit_table
+    table, names = matrix.pit_table, np.asarray(matrix.checks["genes"]).astype(str)
     failing = table[table["fails"]].sort_values("pvalue", kind="stable")
     return {str(batch): [str(names[g]) for g in group["gene"].head(PIT_LISTED)]
             for batch, group in failing.groupby("batch", sort=True)}

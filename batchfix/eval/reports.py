@@ -51,11 +51,13 @@ def matrix_markdown(scores: Mapping) -> str:
     if scores.get("note"):
         return f"{scores['note']}\n"
     columns = [k for k in scores if k not in ("layer", "n_genes", "reference", "pit_failing_genes",
-                                              "model_checks_skipped")]
+                                              "model_checks_missing", "model_checks_cells")]
     cells = ["n/a" if scores[c] is None else _format_cell(scores[c], 3) for c in columns]
     failing = "".join(f"- {batch}: {', '.join(genes)}\n"
                       for batch, genes in scores.get("pit_failing_genes", {}).items())
     return ("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns) + "\n| " + " | ".join(cells) + " |\n\n"
-            f"On {scores['n_genes']} genes; expected nonzero shares from the {scores['reference']}.\n"
+            f"On {scores['n_genes']} genes; expected nonzero shares from the {scores['reference']}"
+            + (f"; the model's checks over {scores['model_checks_cells']} cells sampled by name at correct time"
+               if scores.get("model_checks_cells") else "") + ".\n"
             + (f"\nGenes the model misfits (PIT not uniform, worst first), by batch:\n{failing}" if failing else "")
-            + (f"\n{scores['model_checks_skipped']}\n" if scores.get("model_checks_skipped") else ""))
+            + (f"\n{scores['model_checks_missing']}.\n" if scores.get("model_checks_missing") else ""))

@@ -82,7 +82,7 @@ def test_the_sampled_latents_are_the_same_however_the_cells_are_split_or_ordered
     keys = name_keys([f"cell{i}" for i in range(len(latents))])
     whole = sampled(latents, keys, [0, 188])
     assert 4700 < len(whole.keys) < 5300
-    np.testing.assert_array_equal(np.sort(whole.keys), np.sort(keys[keys < whole.threshold]))
+    np.testing.assert_array_equal(np.sort(whole.keys), np.sort(keys[whole.picked(keys)]))
     np.testing.assert_array_equal(sampled(latents, keys, [0, 77, 188]).sorted(), whole.sorted())
     order = rng.permutation(len(latents))
     np.testing.assert_array_equal(sampled(latents[order], keys[order], [0, 188]).sorted(), whole.sorted())

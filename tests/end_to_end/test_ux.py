@@ -332,7 +332,8 @@ def test_the_api_train_signature_is_every_train_option_that_has_an_effect():
 
 @pytest.mark.slow  # scores a corrected file twice (9-10 s): with the slow checks, which CI runs
 def test_api_evaluate_scores_a_corrected_anndata_as_the_command_line(sample_adata, checkpoint, tmp_path):
-    """... and takes the model that corrected it for the detection and PIT scores when its checkpoint is gone."""
+    """... with the model's checks (PIT, detection against its reference) that `correct` stored: its checkpoint
+    gone, and the model= of earlier releases ignored with a warning."""
     import shutil
 
     adata = sample_adata.copy()
@@ -340,11 +341,12 @@ def test_api_evaluate_scores_a_corrected_anndata_as_the_command_line(sample_adat
     model = batchfix.BatchfixModel.load(moved)
     batchfix.correct(adata, model)
     moved.unlink()
-    result = batchfix.evaluate(adata, batch_key="sample", counts_layer="counts", out_dir=tmp_path / "scores",
-                               neighbors="exact", model=model)
+    with pytest.warns(FutureWarning, match=r"model=\.\.\.\) is no longer needed"):
+        result = batchfix.evaluate(adata, batch_key="sample", counts_layer="counts", out_dir=tmp_path / "scores",
+                                   neighbors="exact", model=model)
     total = result["scores"]["batchfix corrected expression (PCA)"]["Total"]
     assert 0 < total < 1 and result["label_key"] == "cell_type"  # the command line's default label column
-    assert "moved.ckpt" in result["matrix_scores"]["reference"] and result["matrix_scores"]["PIT fails"] is not None
+    assert result["matrix_scores"]["PIT fails"] is not None and result["matrix_scores"]["model_checks_cells"] > 0
     assert sorted(p.name for p in (tmp_path / "scores").iterdir()) == ["metrics.json", "metrics.md", "umap.png"]
     with pytest.raises(ConfigError, match="evaluation.neighbors must be one of"):
         batchfix.evaluate(adata, neighbors="fast")

@@ -10,7 +10,7 @@ import torch
 
 import batchfix
 from batchfix.data.normalize import log_cp10k
-from batchfix.eval import matrix_scores
+from batchfix.eval import detection, matrix_scores
 from batchfix.eval.matrix_scores import MatrixInput, corrected_matrix_scores, score_matrix
 from batchfix.training import extra_decoder
 
@@ -84,9 +84,36 @@ def tiny_checkpoint(subset, tmp_path_factory):
     return model.save(tmp_path_factory.mktemp("model") / "model.ckpt")
 
 
-def checked(adata, batch_key: str = "batch", trained=None) -> dict:
-    return corrected_matrix_scores(adata, "batchfix", adata.var["batchfix_modelled"].to_numpy(), batch_key, None,
-                                   trained=trained)
+def checked(adata, batch_key: str = "batch") -> dict:
+    return corrected_matrix_scores(adata, "batchfix", adata.var["batchfix_modelled"].to_numpy(), batch_key, None)
+
+
+def test_the_model_checks_are_stored_at_correct_time_and_scored_without_the_model(subset, tiny_checkpoint,
+                                                                                    tmp_path):
+    """Issue 54: the PIT and the model's detection are summed while correcting (uns['batchfix']['model_checks'])
+    and scored from there: the checkpoint deleted, evaluate never touches the model."""
+    moved = shutil.copy(tiny_checkpoint, tmp_path / "moved.ckpt")
+    adata = subset.copy()
+    batchfix.correct(adata, moved)
+    (tmp_path / "moved.ckpt").unlink()
+    checks = adata.uns["batchfix"]["model_checks"]
+    genes = adata.var_names[adata.var["batchfix_modelled"].to_numpy()]
+    assert list(checks["genes"]) == list(genes) and list(checks["batches"]) == sorted(set(adata.obs["batch"]))
+    assert checks["pit_histograms"].shape == (5, len(genes), 10)
+    assert checks["pit_histograms"].sum(axis=2).tolist() == [[40] * len(genes)] * 5  # every cell of 200 checked
+    assert checks["pair_cells"].sum() == adata.n_obs and checks["detected"].shape == (len(checks["pair_cells"]),
+                                                                                      len(genes))
+    counts = adata.layers["batchfix_counts"][:, adata.var["batchfix_modelled"].to_numpy()]
+    assert checks["detected"].sum() == counts.nnz  # the corrected counts' detection, cell by cell
+    scores = checked(adata)
+    assert 0 <= scores[matrix_scores.PIT_FAILS] < 0.5 and "model_checks_missing" not in scores
+    assert scores["model_checks_cells"] == adata.n_obs
+    assert scores[matrix_scores.MODEL_DETECTION_WITHIN] is None  # no (batch, state group) of 20 checked cells
+    summary = detection.summed_calibration(*(np.asarray(checks[name], dtype=np.float64) for name in (
+        "pair_cells", "detected", "expected", "variance", "drawn")), min_cells=4)
+    assert summary["within_tolerance"] >= summary["calibrated_within"] - 0.05  # as calibrated as the model's draws
+    assert set(scores["pit_failing_genes"]) <= set(checks["batches"])
+    assert {g for names in scores["pit_failing_genes"].values() for g in names} <= set(genes)
 
 
 def test_a_file_corrected_with_all_batches_new_gets_its_model_checks(subset, tiny_checkpoint):
@@ -94,32 +121,39 @@ def test_a_file_corrected_with_all_batches_new_gets_its_model_checks(subset, tin
     adata.obs["batch"] = "new_" + adata.obs["batch"].astype(str)
     batchfix.correct(adata, tiny_checkpoint, all_batches_new=True)
     scores = checked(adata)
-    assert scores[matrix_scores.PIT_FAILS] is not None and "model_checks_skipped" not in scores
+    assert scores[matrix_scores.PIT_FAILS] is not None and "model_checks_missing" not in scores
+    assert set(adata.uns["batchfix"]["model_checks"]["batches"]) >= set(adata.obs["batch"])
 
 
-def test_a_renamed_batch_column_is_read_under_evaluates_batch_key(subset, tiny_checkpoint):
+def test_a_renamed_batch_column_keeps_its_model_checks(subset, tiny_checkpoint):
     adata = subset.copy()
     batchfix.correct(adata, tiny_checkpoint)
     adata.obs = adata.obs.rename(columns={"batch": "donor"})
     assert checked(adata, batch_key="donor")[matrix_scores.PIT_FAILS] is not None
 
 
-def test_model_checks_that_cannot_run_say_why(subset, tiny_checkpoint, tmp_path, caplog):
-    """A moved checkpoint and a model of other genes: no PIT, one warning and the reason in the result
-    (metrics.json's matrix_scores)."""
-    moved = shutil.copy(tiny_checkpoint, tmp_path / "moved.ckpt")
+def test_a_file_corrected_before_the_checks_were_stored_says_so(subset, tiny_checkpoint, caplog):
+    """No PIT, one warning and the reason in the result (metrics.json's matrix_scores); the other scores stay."""
     adata = subset.copy()
-    batchfix.correct(adata, moved)
-    (tmp_path / "moved.ckpt").unlink()
+    batchfix.correct(adata, tiny_checkpoint)
+    del adata.uns["batchfix"]["model_checks"]
     caplog.set_level("INFO", logger="batchfix")
     scores = checked(adata)
-    assert scores[matrix_scores.PIT_FAILS] is None
-    assert f"no longer at {tmp_path / 'moved.ckpt'} (moved or deleted)" in scores["model_checks_skipped"]
+    assert scores[matrix_scores.PIT_FAILS] is None and scores[matrix_scores.ZEROS_RAISED] is not None
+    assert "holds no model checks" in scores["model_checks_missing"]
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warned == [scores["model_checks_skipped"]]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(extra_decoder, "MAX_STEPS", 50)
-        other = batchfix.train(subset.copy(), n_top_genes=120, **TINY)
-    scores = checked(adata, trained=other)
-    assert scores[matrix_scores.PIT_FAILS] is None
-    assert "it is not the model that corrected the file" in scores["model_checks_skipped"]
+    assert warned == [scores["model_checks_missing"] + "."]
+
+
+def test_summed_detection_calibration_is_the_per_cell_one():
+    """detection.summed_calibration of group sums gives detection_calibration's shares on the same groups."""
+    rng = np.random.default_rng(0)
+    probability = rng.uniform(0.05, 0.9, (300, 40))
+    counts = (rng.random(probability.shape) < probability).astype(np.float64)
+    groups = np.repeat(["a", "b", "c"], 100)
+    summary, _ = detection.detection_calibration(counts, counts, probability, groups, np.zeros(300))
+    onehot = np.stack([groups == g for g in ("a", "b", "c")]).astype(np.float64)  # (groups, cells)
+    summed = detection.summed_calibration(onehot.sum(axis=1), onehot @ counts, onehot @ probability,
+                                          onehot @ (probability * (1 - probability)), onehot @ counts)
+    assert summed["within_tolerance"] == pytest.approx(summary["within_tolerance"])
+    assert summed["within_sampling"] == pytest.approx(summary["within_sampling"])

@@ -114,6 +114,17 @@ def test_imports_point_down_the_layers():
     assert not upward, upward
 
 
+def test_the_scores_import_nothing_of_the_method():
+    """eval/ scores arrays and what a correction stored (issue 54): it never imports the network, the training or the
+    correction, so `evaluate` cannot rerun a correction, and a score sees batchfix's matrix as any other method's."""
+    method = {"nn", "training", "correction"}
+    found = [f"{path.relative_to(PACKAGE)}:{line} imports {target}"
+             for path in sorted((PACKAGE / "eval").rglob("*.py"))
+             for line, target in imported_modules(ast.parse(path.read_text()))
+             if target.split(".")[1:2] and target.split(".")[1] in method]
+    assert not found, found
+
+
 def test_the_api_functions_survive_importing_every_subpackage():
     """batchfix.train / batchfix.correct are functions; a subpackage of that name would replace them."""
     import importlib
