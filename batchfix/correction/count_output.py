@@ -184,14 +184,15 @@ class ModelChecks:
     sample, state_groups.SAMPLE_CELLS of the input's cells or all of a smaller one) and the modelled genes, for
     batchfix.eval.matrix_scores to score without the model: `pit` (codes, genes, PIT_BINS) histograms of the
     observed counts' randomised PIT under their own batch's NB (uniform where the model fits); per (batch code,
-    state group): `cells` (codes, groups) and, per gene (codes, groups, genes), the corrected counts detected
-    (> 0), the sum of each cell's P(count > 0) under its reference NB (the detection they should show), the sum of
+    state group): `cells` (codes, groups) and, per gene (codes, groups, genes), the corrected and the observed
+    counts detected (> 0), the sum of each cell's P(count > 0) under its reference NB (the detection they should show), the sum of
     its variance P (1 - P) (both in units of 1 / FIXED_POINT), and the cells detected by a draw with that P (what
     perfectly calibrated counts show)."""
 
     pit: np.ndarray
     cells: np.ndarray
     detected: np.ndarray
+    observed: np.ndarray
     expected: np.ndarray
     variance: np.ndarray
     drawn: np.ndarray
@@ -200,7 +201,7 @@ class ModelChecks:
     def empty(cls, n_codes: int, n_groups: int, n_genes: int) -> ModelChecks:
         per_gene = (n_codes, n_groups, n_genes)
         return cls(np.zeros((n_codes, n_genes, PIT_BINS), dtype=np.int64), np.zeros((n_codes, n_groups), np.int64),
-                   *(np.zeros(per_gene, np.int64) for _ in range(4)))
+                   *(np.zeros(per_gene, np.int64) for _ in range(5)))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ModelChecks) and all(np.array_equal(getattr(self, f.name), getattr(other, f.name))
@@ -209,16 +210,16 @@ class ModelChecks:
     def __add__(self, other: ModelChecks) -> ModelChecks:
         return ModelChecks(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
-    def add(self, codes: np.ndarray, groups: np.ndarray, pit: np.ndarray, nonzero: np.ndarray, corrected: np.ndarray,
-            draws: np.ndarray) -> None:
+    def add(self, codes: np.ndarray, groups: np.ndarray, pit: np.ndarray, nonzero: np.ndarray, observed: np.ndarray,
+            corrected: np.ndarray, draws: np.ndarray) -> None:
         """Add cells of batch `codes` (B,) and state `groups` (B,): their PIT values, reference P(count > 0),
-        corrected counts and uniform draws (B, genes each)."""
+        observed and corrected counts and uniform draws (B, genes each)."""
         n_codes, n_groups, n_genes = self.detected.shape
         pair = codes * n_groups + groups  # (B,) each cell's (batch, group)
         by_pair = sp.csr_matrix((np.ones(len(pair)), (pair, np.arange(len(pair)))), shape=(n_codes * n_groups,
                                                                                              len(pair)))
         self.cells += np.bincount(pair, minlength=n_codes * n_groups).reshape(n_codes, n_groups)
-        for total, values in ((self.detected, corrected > 0), (self.expected, np.rint(nonzero * FIXED_POINT)),
+        for total, values in ((self.detected, corrected > 0), (self.observed, observed > 0), (self.expected, np.rint(nonzero * FIXED_POINT)),
                               (self.variance, np.rint(nonzero * (1.0 - nonzero) * FIXED_POINT)),
                               (self.drawn, draws < nonzero)):
             total += np.rint(by_pair @ values.astype(np.float64)).astype(np.int64).reshape(total.shape)  # exact
@@ -233,6 +234,7 @@ class ModelChecks:
         return {"genes": list(gene_names), "batches": list(batch_names), "pit_histograms": self.pit,
                 "pair_batch": code, "pair_state_group": group, "pair_cells": self.cells[code, group],
                 "detected": self.detected[code, group].astype(np.int32),
+                "observed": self.observed[code, group].astype(np.int32),
                 "expected": (self.expected[code, group] / FIXED_POINT).astype(np.float32),
                 "variance": (self.variance[code, group] / FIXED_POINT).astype(np.float32),
                 "drawn": self.drawn[code, group].astype(np.int32)}

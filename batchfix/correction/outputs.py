@@ -198,8 +198,9 @@ class CountsOutput(OutputKind):
                                               codes[rows], bound.reference, estimates.state, estimates.regional)
         groups = estimates.state_groups
         state = np.zeros(len(picked), dtype=np.int64) if groups is None else groups.assign(mu[rows])
-        checks.add(codes.numpy()[picked], state, nb.own_pit(counts.counter_uniform(seed + 1, keys[picked], genes.keys)),
-                   nb.reference_nonzero(), corrected[picked], counts.counter_uniform(seed + 2, keys[picked], genes.keys))
+        pit_draws, detection_draws = (counts.counter_uniform(seed + k, keys[picked], genes.keys) for k in (1, 2))
+        checks.add(codes.numpy()[picked], state, nb.own_pit(pit_draws), nb.reference_nonzero(), nb.observed,
+                   corrected[picked], detection_draws)
 
 
 def output_kind(bound: BoundModel, estimates: Estimates, latents: np.ndarray | None = None) -> OutputKind:

@@ -317,4 +317,4 @@ def write_provenance(dst: h5py.File, bound: BoundModel, estimates, tallies: Tall
     cells leaves no output."""
     check_empty_cells(bound, tallies, n_obs)
     info = {**provenance(bound, estimates, tallies), **extra}
-    ondisk.write_uns_entry(dst, OutputKeys(bound.settings.key_added).uns, for_hdf5(info))
+    ondisk.write_uns_entry(dst, OutputKeys(bound.settings.key_added).uns, for_hdf5(info), compressed=("model_checks",))

@@ -109,9 +109,12 @@ def test_the_model_checks_are_stored_at_correct_time_and_scored_without_the_mode
     assert 0 <= scores[matrix_scores.PIT_FAILS] < 0.5 and "model_checks_missing" not in scores
     assert scores["model_checks_cells"] == adata.n_obs
     assert scores[matrix_scores.MODEL_DETECTION_WITHIN] is None  # no (batch, state group) of 20 checked cells
-    summary = detection.summed_calibration(*(np.asarray(checks[name], dtype=np.float64) for name in (
-        "pair_cells", "detected", "expected", "variance", "drawn")), min_cells=4)
-    assert summary["within_tolerance"] >= summary["calibrated_within"] - 0.05  # as calibrated as the model's draws
+    sums = {name: np.asarray(values, dtype=np.float64) for name, values in checks.items() if name not in (
+        "genes", "batches")}
+    corrected, raw = (detection.summed_calibration(sums["pair_cells"], sums[name], sums["expected"], sums["variance"],
+                                                   sums["drawn"], min_cells=4) for name in ("detected", "observed"))
+    assert corrected["within_tolerance"] >= corrected["calibrated_within"] - 0.05  # as calibrated as the model's draws
+    assert corrected["within_sampling"] > raw["within_sampling"]  # the raw counts keep their batches' detection
     assert set(scores["pit_failing_genes"]) <= set(checks["batches"])
     assert {g for names in scores["pit_failing_genes"].values() for g in names} <= set(genes)
 
