@@ -23,16 +23,16 @@ import anndata as ad
 from batchfix.config import (
     RETIRED_OPTIONS,
     CorrectConfig,
+    CorrectInferenceOptions,
     CorrectionAblations,
     CorrectionChoice,
     CorrectionOptions,
-    CorrectionSettings,
     DataConfig,
     EvaluationOptions,
     FitConfig,
-    InferenceOptions,
     ModelAblations,
     ModelConfig,
+    ResolvedCorrection,
     TrainConfig,
     TrainerConfig,
     flat_option_names,
@@ -60,7 +60,8 @@ NOT_API_OPTIONS = {"path": "pass the AnnData itself", "resume": "resume needs a 
 CORRECTION_OPTIONS = tuple(option.name for option in fields(CorrectionOptions))
 CORRECTION_ABLATIONS = tuple(option.name for option in fields(CorrectionAblations))  # keywords of batchfix.correct
 MODEL_ABLATIONS = tuple(option.name for option in fields(ModelAblations))  # keywords of batchfix.train
-INFERENCE_OPTIONS = tuple(option.name for option in fields(InferenceOptions) if option.name not in NOT_API_OPTIONS)
+INFERENCE_OPTIONS = tuple(option.name for option in fields(CorrectInferenceOptions)
+                          if option.name not in NOT_API_OPTIONS)
 log = logging.getLogger(__name__)
 
 def train_config(**options) -> TrainConfig:
@@ -221,14 +222,14 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, correction:
                           f"got {type(model).__name__}.")
     trained = model if isinstance(model, BatchfixModel) else load_trained(model)
     preset, chosen = CorrectionChoice(correction, told).resolve(trained.correction)
-    settings = CorrectionSettings(**asdict(chosen), **asdict(inference), **asdict(ablations), preset=preset)
+    settings = ResolvedCorrection(**asdict(chosen), **asdict(inference), **asdict(ablations), preset=preset)
     warn_not_applied(told, output_kind_name(settings.output_mode, trained.config.likelihood))
     refuse_key_collisions(settings.key_added, adata.layers, adata.obsm, adata.var.columns, adata.uns)
     return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,
                          progress=progress, all_batches_new=all_batches_new)
 
 
-def correct_keywords(options: dict) -> tuple[dict, InferenceOptions, CorrectionAblations]:
+def correct_keywords(options: dict) -> tuple[dict, CorrectInferenceOptions, CorrectionAblations]:
     """batchfix.correct's option keywords: (the correction options given, the inference options checked, the
     ablations checked); an unknown keyword is refused naming the option meant."""
     known = [*CORRECTION_OPTIONS, *INFERENCE_OPTIONS, *CORRECTION_ABLATIONS, *inspect.signature(correct).parameters]
@@ -245,7 +246,7 @@ def correct_keywords(options: dict) -> tuple[dict, InferenceOptions, CorrectionA
     told = {name: value for name, value in options.items() if name in CORRECTION_OPTIONS}
     validated(told, CorrectionOptions)  # a bad value is refused before the model is read
     inference = validated({name: value for name, value in options.items() if name in INFERENCE_OPTIONS},
-                          InferenceOptions)
+                          CorrectInferenceOptions)
     ablations = validated({name: value for name, value in options.items() if name in CORRECTION_ABLATIONS},
                           CorrectionAblations)
     return told, inference, ablations
@@ -256,7 +257,7 @@ correct.__doc__ += options_doc([*(name for name in inspect.signature(correct).pa
 
 
 def evaluate(adata: ad.AnnData, *, batch_key: str = DataConfig.batch_key, label_key: str | None = "cell_type",
-             counts_layer: str | None = None, key_added: str = CorrectionSettings.key_added,
+             counts_layer: str | None = None, key_added: str = ResolvedCorrection.key_added,
              max_cells: int = EvaluationOptions.max_cells, neighbors: str = EvaluationOptions.neighbors,
              out_dir: str | Path | None = None, model: BatchfixModel | str | Path | None = None) -> dict:
     """Score a corrected AnnData (after `batchfix.correct`) as `python -m batchfix evaluate` does, with its

@@ -88,7 +88,7 @@ import pandas as pd
 import psutil
 import scipy.sparse as sp
 
-from batchfix.config import OUTPUT_MODES, REGIONAL_SHIFTS, SHRINKS, SPREADS, CorrectionOptions, CorrectionSettings
+from batchfix.config import OUTPUT_MODES, REGIONAL_SHIFTS, SHRINKS, SPREADS, CorrectionOptions, ResolvedCorrection
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import cnv, detection, fidelity, matrix_scores, metrics, removal, reports
 from scripts import baselines
@@ -139,12 +139,12 @@ class MethodResult:
     embedding_seconds: dict[str, float] = field(default_factory=dict)
 
 
-def companion_settings(run: CorrectionOptions) -> dict[str, CorrectionSettings]:
+def companion_settings(run: CorrectionOptions) -> dict[str, ResolvedCorrection]:
     """The settings of the outputs corrected beside a run's own, by output name: the other output mode, the other
     spread (counterfactual_SPREAD), the other regional shifts (counterfactual_regional_MODE), each state
     dependence of STATE_DEPENDENCES (counterfactual_state_W) and the other shrink (counterfactual_shrink_MODE).
     Each is the run's own options (a variant's overrides included) with the one it names changed."""
-    own = CorrectionSettings(**dataclasses.asdict(run))
+    own = ResolvedCorrection(**dataclasses.asdict(run))
     others = {mode: dataclasses.replace(own, output_mode=mode) for mode in OUTPUT_MODES if mode != run.output_mode}
     others.update({f"counterfactual_{spread}": dataclasses.replace(own, spread=spread)
                    for spread in SPREADS if spread != run.spread})

@@ -122,7 +122,7 @@ class CorrectionOptions:
 
 
 @dataclass
-class ForwardOptions:
+class AttentionInferenceOptions:
     """How many cells go through the network at a time (`inference.*` of attention)."""
 
     PREFIX: ClassVar[str] = "inference."  # how the options are named in messages
@@ -137,7 +137,7 @@ class ForwardOptions:
 
 
 @dataclass
-class InferenceOptions(ForwardOptions):
+class CorrectInferenceOptions(AttentionInferenceOptions):
     """How many cells correction handles at a time (`inference.*` of correct)."""
 
     chunk_size: int = 4096  # cells read, corrected and written at a time (memory grows with it)
@@ -206,7 +206,7 @@ class TrainAblations(ModelAblations, CorrectionAblations):
 
 
 @dataclass
-class CorrectionSettings(CorrectionOptions, InferenceOptions, CorrectionAblations):
+class ResolvedCorrection(CorrectionOptions, CorrectInferenceOptions, CorrectionAblations):
     """Everything the correction core needs besides the data and the model: the options, the ablations and the name
     of the correction preset they came from (recorded in uns[key_added])."""
 
@@ -215,7 +215,7 @@ class CorrectionSettings(CorrectionOptions, InferenceOptions, CorrectionAblation
 
     def __post_init__(self):
         CorrectionOptions.__post_init__(self)
-        InferenceOptions.__post_init__(self)
+        CorrectInferenceOptions.__post_init__(self)
         CorrectionAblations.__post_init__(self)
 
 
@@ -246,7 +246,7 @@ class TrainConfig:
 
 
 @dataclass
-class CorrectDataKeys:
+class CorrectDataOptions:
     """Where the file to correct keeps its counts and batches (`data.*` of correct)."""
 
     counts_layer: Optional[str] = None  # the layer holding raw counts; X = the X matrix; null = as in training
@@ -264,11 +264,11 @@ class CorrectConfig:
     input: Optional[str] = None  # .h5ad to correct; null = the bundled dataset
     output: Optional[str] = None  # null = <input name>.corrected.h5ad in the working folder
     checkpoint: Optional[str] = None  # a run folder's model.ckpt
-    data: CorrectDataKeys = field(default_factory=CorrectDataKeys)
+    data: CorrectDataOptions = field(default_factory=CorrectDataOptions)
     # Unless correction=NAME or correction.KEY=VALUE is given, the checkpoint's: the preset and options it was
     # trained with (batchfix.config.presets)
     correction: CorrectionOptions = field(default_factory=CorrectionOptions)
-    inference: InferenceOptions = field(default_factory=InferenceOptions)
+    inference: CorrectInferenceOptions = field(default_factory=CorrectInferenceOptions)
     all_batches_new: bool = False  # accept an input none of whose batches the model was trained on
     overwrite: bool = False  # replace an existing output
     progress: bool = True  # progress bar (cells/s) on stderr
@@ -284,7 +284,7 @@ class CorrectConfig:
 
 
 @dataclass
-class CorrectionKey:
+class EvaluateCorrectionOptions:
     """The key a file's correction was written under (`correction.key_added` of evaluate)."""
 
     key_added: str = CorrectionOptions.key_added  # the key the correction was written under
@@ -300,7 +300,7 @@ class EvaluateConfig:
 
     input: Optional[str] = None  # a corrected .h5ad; null = the bundled dataset
     data: DataKeys = field(default_factory=DataKeys)  # counts_layer: the uncorrected counts to compare with
-    correction: CorrectionKey = field(default_factory=CorrectionKey)
+    correction: EvaluateCorrectionOptions = field(default_factory=EvaluateCorrectionOptions)
     evaluation: EvaluationOptions = field(default_factory=EvaluationOptions)
     overwrite: bool = False  # replace the metrics of a run folder (or an earlier evaluation's) evaluated into
 
@@ -309,7 +309,7 @@ class EvaluateConfig:
 
 
 @dataclass
-class CountsKey:
+class AttentionDataOptions:
     """Where the file keeps its counts (`data.*` of attention)."""
 
     counts_layer: Optional[str] = None  # null = X; else the layer holding raw counts
@@ -326,10 +326,10 @@ class AttentionConfig:
     checkpoint: Optional[str] = None  # a run folder's model.ckpt
     output: Optional[str] = None  # folder for attention.png and attention.npz; null = <input name>.attention
     group_by: Optional[str] = DataKeys.batch_key  # obs column: one map per value; null = all cells together
-    data: CountsKey = field(default_factory=CountsKey)
+    data: AttentionDataOptions = field(default_factory=AttentionDataOptions)
     max_cells: Optional[int] = 2000  # cells drawn at random (seed 0) to average over; null = every cell
     resolution: int = 256  # loci per axis at most: beyond it neighbouring tokens are averaged into bins
-    inference: ForwardOptions = field(default_factory=ForwardOptions)
+    inference: AttentionInferenceOptions = field(default_factory=AttentionInferenceOptions)
     overwrite: bool = False  # replace existing attention.png / attention.npz
     threads: Optional[int] = None  # torch CPU threads; null = torch's default (all cores)
 

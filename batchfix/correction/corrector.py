@@ -24,7 +24,7 @@ import pandas as pd
 import scipy.sparse as sp
 import torch
 
-from batchfix.config import CorrectionSettings
+from batchfix.config import ResolvedCorrection
 from batchfix.correction import calibration, count_output, counterfactual, counts, provenance
 from batchfix.data import ondisk
 from batchfix.data.io import check_values, duplicate_genes_error, repeated
@@ -80,7 +80,7 @@ class BoundModel:
     any row range into its layers.
     """
 
-    def __init__(self, trained: BatchfixModel, var_names: pd.Index, settings: CorrectionSettings,
+    def __init__(self, trained: BatchfixModel, var_names: pd.Index, settings: ResolvedCorrection,
                  counts_layer: str | None = None, batch: np.ndarray | None = None, batch_key: str | None = None,
                  obs_names: pd.Index | None = None, normal: np.ndarray | None = None):
         self.trained = trained

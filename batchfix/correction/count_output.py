@@ -185,9 +185,9 @@ class ModelChecks:
     batchfix.eval.matrix_scores to score without the model: `pit` (codes, genes, PIT_BINS) histograms of the
     observed counts' randomised PIT under their own batch's NB (uniform where the model fits); per (batch code,
     state group): `cells` (codes, groups) and, per gene (codes, groups, genes), the corrected and the observed
-    counts detected (> 0), the sum of each cell's P(count > 0) under its reference NB (the detection they should show), the sum of
-    its variance P (1 - P) (both in units of 1 / FIXED_POINT), and the cells detected by a draw with that P (what
-    perfectly calibrated counts show)."""
+    counts detected (> 0), the sum of each cell's P(count > 0) under its reference NB (the detection they should
+    show), the sum of its variance P (1 - P) (both in units of 1 / FIXED_POINT), and the cells detected by a draw
+    with that P (what perfectly calibrated counts show)."""
 
     pit: np.ndarray
     cells: np.ndarray
@@ -219,7 +219,8 @@ class ModelChecks:
         by_pair = sp.csr_matrix((np.ones(len(pair)), (pair, np.arange(len(pair)))), shape=(n_codes * n_groups,
                                                                                              len(pair)))
         self.cells += np.bincount(pair, minlength=n_codes * n_groups).reshape(n_codes, n_groups)
-        for total, values in ((self.detected, corrected > 0), (self.observed, observed > 0), (self.expected, np.rint(nonzero * FIXED_POINT)),
+        for total, values in ((self.detected, corrected > 0), (self.observed, observed > 0),
+                              (self.expected, np.rint(nonzero * FIXED_POINT)),
                               (self.variance, np.rint(nonzero * (1.0 - nonzero) * FIXED_POINT)),
                               (self.drawn, draws < nonzero)):
             total += np.rint(by_pair @ values.astype(np.float64)).astype(np.int64).reshape(total.shape)  # exact

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 import batchfix
-from batchfix.config import CorrectionAblations, CorrectionOptions, InferenceOptions
+from batchfix.config import CorrectInferenceOptions, CorrectionAblations, CorrectionOptions
 from batchfix.correction.layers import LOG_TRANSFORM
 from batchfix.data import ondisk
 from batchfix.data.io import OutputKeys, file_sha256
@@ -71,7 +71,7 @@ def provenance(bound, estimates, tallies) -> dict:
     chunk (batchfix.correction.outputs)."""
     trained, settings = bound.trained, bound.settings
     kind = bound.kind
-    names = [f.name for schema in (CorrectionOptions, InferenceOptions, CorrectionAblations)
+    names = [f.name for schema in (CorrectionOptions, CorrectInferenceOptions, CorrectionAblations)
              for f in dataclasses.fields(schema)]
     skipped = {name: why for name, why in NOT_APPLIED[kind].items() if name in names}
     params = {name: (float(v) if isinstance(v, float) else v) for name in names

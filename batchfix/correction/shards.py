@@ -33,7 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from batchfix import signals
-from batchfix.config import CorrectionSettings
+from batchfix.config import ResolvedCorrection
 from batchfix.correction.count_output import ModelChecks
 from batchfix.correction.estimates import Part, estimate
 from batchfix.correction.outputs import ChunkOutput, OutputKind, Tallies, output_kind
@@ -87,7 +87,7 @@ def shard_path(target: Path, index: int, count: int) -> Path:
     return target.with_name(f"{target.name}.shard-{index}-of-{count}")
 
 
-def part_rows(n_obs: int, settings: CorrectionSettings, index: int, count: int) -> tuple[int, int]:
+def part_rows(n_obs: int, settings: ResolvedCorrection, index: int, count: int) -> tuple[int, int]:
     """Rows [start, stop) of part `index` of `count`: nearly equal numbers of cells, cut where a one-process run
     starts a forward batch."""
     in_chunk = np.arange(0, min(settings.chunk_size, max(n_obs, 1)), settings.batch_size)
@@ -112,7 +112,7 @@ def part_chunks(output: OutputKind, rows, start: int, stop: int,
              (stop - start) / max(seconds, 1e-9))
 
 
-def fingerprint(job: FileJob, trained: BatchfixModel, settings: CorrectionSettings, n_obs: int) -> str:
+def fingerprint(job: FileJob, trained: BatchfixModel, settings: ResolvedCorrection, n_obs: int) -> str:
     """What a shard was corrected from (the input, the checkpoint, the options): the merge takes only its own."""
     source = Path(job.source)
     stat = source.stat()
@@ -122,7 +122,7 @@ def fingerprint(job: FileJob, trained: BatchfixModel, settings: CorrectionSettin
                        "batch_key": job.batch_key, "all_batches_new": job.all_batches_new}, sort_keys=True)
 
 
-def correct_shard(job: FileJob, trained: BatchfixModel, settings: CorrectionSettings, index: int, count: int,
+def correct_shard(job: FileJob, trained: BatchfixModel, settings: ResolvedCorrection, index: int, count: int,
                   estimated: Callable = estimate) -> Path:
     """Correct part `index` of `count` of the input into its shard file beside the output (rewritten if there), with
     the (estimates, latents) of `estimated(bound, rows, n_obs)`: the estimate pass over all cells."""
@@ -163,7 +163,7 @@ def write_shard(dst: h5py.File, output: OutputKind, rows, start: int, stop: int,
             checks.create_dataset(field.name, data=getattr(tallies.checks, field.name))
 
 
-def merge_shards(job: FileJob, trained: BatchfixModel, settings: CorrectionSettings, count: int,
+def merge_shards(job: FileJob, trained: BatchfixModel, settings: ResolvedCorrection, count: int,
                  workers: int | None = None) -> Path:
     """Write the output from the `count` shard files beside it (refusing a missing or foreign one, naming it), as
     `correct_file` would have written it (its layers compressed on `workers` threads; default torch's thread
@@ -188,7 +188,7 @@ def merge_shards(job: FileJob, trained: BatchfixModel, settings: CorrectionSetti
     return target
 
 
-def checked_shards(paths: list[Path], expected: str, n_obs: int, settings: CorrectionSettings) -> dict:
+def checked_shards(paths: list[Path], expected: str, n_obs: int, settings: ResolvedCorrection) -> dict:
     """The estimates' summary the shards recorded; a shard of another input, checkpoint, options or split, or
     whose estimates differ from the first shard's, is refused by name."""
     foreign, summaries = [], []
@@ -243,7 +243,7 @@ def csr_rows(csr: h5py.Group, rows: slice, n_vars: int) -> sp.csr_matrix:
                          shape=(rows.stop - rows.start, n_vars))
 
 
-def correct_distributed(job: FileJob, trained: BatchfixModel, settings: CorrectionSettings) -> Path:
+def correct_distributed(job: FileJob, trained: BatchfixModel, settings: ResolvedCorrection) -> Path:
     """Under torchrun: every rank runs the estimate pass over its part's rows (the sums gathered from all ranks), and
     corrects its part into a shard file; after a barrier rank 0 merges them. Returns the output (rank 0) or the
     rank's shard file."""

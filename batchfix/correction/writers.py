@@ -32,7 +32,7 @@ import pandas as pd
 import scipy.sparse as sp
 import torch
 
-from batchfix.config import CorrectionSettings
+from batchfix.config import ResolvedCorrection
 from batchfix.correction.corrector import BoundModel
 from batchfix.correction.estimates import estimate
 from batchfix.correction.outputs import (
@@ -90,7 +90,7 @@ def cell_batches(values: pd.Series | None, batch_key: str, columns: list[str], t
     return batch
 
 
-def normal_cells(values: pd.Series | None, settings: CorrectionSettings, columns: list[str]) -> np.ndarray | None:
+def normal_cells(values: pd.Series | None, settings: ResolvedCorrection, columns: list[str]) -> np.ndarray | None:
     """(cells,) bool: the reference cells named by correction.normal_key / normal_values, None when unset; an
     error naming the obs columns, or the column's values, when none is found."""
     key, wanted = settings.normal_key, [str(v) for v in settings.normal_values]
@@ -114,7 +114,7 @@ def normal_cells(values: pd.Series | None, settings: CorrectionSettings, columns
     return normal
 
 
-def prepared_output(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
+def prepared_output(adata: ad.AnnData, trained: BatchfixModel, settings: ResolvedCorrection,
                     counts_layer: str | None, batch_key: str | None,
                     all_batches_new: bool = False) -> tuple[OutputKind, ondisk.InMemoryRows]:
     """The output kind of a model bound to an in-memory AnnData's genes and cells, with the estimates of all its
@@ -134,7 +134,7 @@ def prepared_output(adata: ad.AnnData, trained: BatchfixModel, settings: Correct
     return output_kind(bound, *estimate(bound, rows, adata.n_obs)), rows
 
 
-def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: CorrectionSettings,
+def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: ResolvedCorrection,
                   counts_layer: str | None = None, batch_key: str | None = None, copy: bool = False,
                   progress: bool = False, all_batches_new: bool = False) -> ad.AnnData | None:
     """Add corrected expression to an in-memory AnnData, scanpy style (what is added: this module's docstring).
@@ -222,7 +222,7 @@ class CsrAppender:
 
 
 def correct_file(input_path: str | Path, output_path: str | Path, trained: BatchfixModel,
-                 settings: CorrectionSettings, counts_layer: str | None = None, batch_key: str | None = None,
+                 settings: ResolvedCorrection, counts_layer: str | None = None, batch_key: str | None = None,
                  overwrite: bool = False, progress: bool = True, all_batches_new: bool = False) -> Path:
     """Correct an .h5ad into a new .h5ad, streaming chunks of cells (memory bounded by chunk_size).
 
@@ -241,7 +241,7 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
     return target
 
 
-def bind_file(src: h5py.File, source: Path, trained: BatchfixModel, settings: CorrectionSettings,
+def bind_file(src: h5py.File, source: Path, trained: BatchfixModel, settings: ResolvedCorrection,
               counts_layer: str | None, batch_key: str | None, all_batches_new: bool) -> tuple[BoundModel, object, int]:
     """(the model bound to an open input's genes and cells, a reader of its rows (X or counts_layer), its number
     of cells)."""

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from batchfix.config import CorrectionSettings
+from batchfix.config import ResolvedCorrection
 from batchfix.correction.corrector import BoundModel
 from batchfix.data import ondisk
 from batchfix.data.atomic import atomic_output, output_exists
@@ -110,7 +110,7 @@ def sampled_chunks(reader, rows: np.ndarray, chunk_size: int) -> Iterator[tuple[
             yield wanted, reader.rows(start, min(start + chunk_size, n_obs))[wanted - start]
 
 
-def attention_maps(trained: BatchfixModel, path, group_by: str | None, settings: CorrectionSettings,
+def attention_maps(trained: BatchfixModel, path, group_by: str | None, settings: ResolvedCorrection,
                    counts_layer: str | None = None, max_cells: int | None = None,
                    resolution: int = 256) -> AttentionMaps:
     """Encode (a random subset of at most max_cells of) a file's cells, streamed, and average the attention per

@@ -14,7 +14,7 @@ from batchfix.config import (
     AttentionConfig,
     CorrectConfig,
     CorrectionChoice,
-    CorrectionSettings,
+    ResolvedCorrection,
     correction_ablations,
 )
 from batchfix.correction.provenance import output_kind_name, refuse_key_collisions_in_file, warn_not_applied
@@ -39,7 +39,7 @@ def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
     trained = load_trained(cfg.checkpoint)
     told = told or CorrectionChoice()
     preset, options = told.resolve(trained.correction)
-    settings = CorrectionSettings(**asdict(options), **asdict(cfg.inference), **correction_ablations(cfg.ablation),
+    settings = ResolvedCorrection(**asdict(options), **asdict(cfg.inference), **correction_ablations(cfg.ablation),
                                   preset=preset)
     warn_not_applied(told.options, output_kind_name(settings.output_mode, trained.config.likelihood))
     refuse_key_collisions_in_file(source, settings.key_added)
@@ -57,7 +57,7 @@ def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
     return written
 
 
-def correct_parts(cfg: CorrectConfig, source: Path, output: Path, trained, settings: CorrectionSettings) -> Path:
+def correct_parts(cfg: CorrectConfig, source: Path, output: Path, trained, settings: ResolvedCorrection) -> Path:
     """One process corrects every cell (`correct_file`); inference.shard=i/N part i into its shard file, merge/N
     the shards into the output; under torchrun each rank its part, merged by rank 0 (batchfix.correction.shards)."""
     part = settings.shard_part()
@@ -89,7 +89,7 @@ def attention(cfg: AttentionConfig) -> list[Path]:
         torch.set_num_threads(cfg.threads)
     source = input_path(cfg.input)
     output = Path(cfg.output).expanduser() if cfg.output else Path.cwd() / (Path(source).stem + ".attention")
-    settings = CorrectionSettings(**asdict(cfg.inference))
+    settings = ResolvedCorrection(**asdict(cfg.inference))
     trained = load_trained(cfg.checkpoint)
     maps = attention_maps(trained, source, cfg.group_by, settings, cfg.data.counts_layer, cfg.max_cells,
                           cfg.resolution)

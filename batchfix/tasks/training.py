@@ -15,7 +15,7 @@ from batchfix import runfolder, signals
 from batchfix.config import (
     DEFAULT_PRESET,
     AttentionConfig,
-    CorrectionSettings,
+    ResolvedCorrection,
     TrainConfig,
     correction_ablations,
     remembered_correction,
@@ -154,7 +154,7 @@ def training_labels(cfg: TrainConfig, adata: ad.AnnData | None):
 def write_corrected(cfg: TrainConfig, model: BatchfixModel, adata: ad.AnnData | None, target: Path) -> Path:
     """The training input with corrected expression added (the correction the model remembers): from the AnnData
     in memory, or streamed from the file."""
-    settings = CorrectionSettings(**model.correction["options"], **correction_ablations(cfg.ablation),
+    settings = ResolvedCorrection(**model.correction["options"], **correction_ablations(cfg.ablation),
                                   preset=model.correction["preset"])
     keys = dict(counts_layer=cfg.data.counts_layer, batch_key=cfg.data.batch_key)
     if adata is None:
@@ -215,5 +215,5 @@ def attention_picture(cfg: TrainConfig, model: BatchfixModel, run_dir: Path) -> 
 
     options = AttentionConfig(checkpoint=str(model.path), group_by=cfg.data.label_key or cfg.data.batch_key)
     maps = attention_maps(model, input_path(cfg.data.path), options.group_by,
-                          CorrectionSettings(), cfg.data.counts_layer, options.max_cells, options.resolution)
+                          ResolvedCorrection(), cfg.data.counts_layer, options.max_cells, options.resolution)
     return write_attention(maps, run_dir, npz=False, overwrite=True)[0]

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import h5py
 
-from batchfix.config import REGIONAL_SHIFTS, CorrectionSettings
+from batchfix.config import REGIONAL_SHIFTS, ResolvedCorrection
 from scripts.resampled import bundled_cells, generate
 
 
@@ -86,7 +86,7 @@ def child(args) -> None:
 
     writers.corrected_chunks = reporting_chunks
     try:
-        settings = CorrectionSettings(chunk_size=args.chunk_size, batch_size=args.batch_size,
+        settings = ResolvedCorrection(chunk_size=args.chunk_size, batch_size=args.batch_size,
                                       regional_shift=args.regional_shift[0])
         writers.correct_file(args.child[0], args.child[1], load_trained(args.child[2]), settings, overwrite=True,
                                 progress=False)
@@ -271,7 +271,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="interrupt a correction after this many seconds of its loop and extrapolate")
-    parser.add_argument("--regional-shift", nargs="+", default=[CorrectionSettings.regional_shift],
+    parser.add_argument("--regional-shift", nargs="+", default=[ResolvedCorrection.regional_shift],
                         choices=REGIONAL_SHIFTS, help="correction.regional_shift: each one given is timed on each file")
     parser.add_argument("--all-genes", action="store_true",
                         help="every gene of the bundled data in the input, not only the model's")

@@ -14,8 +14,8 @@ from batchfix.cli.help import verb_help
 from batchfix.config import (
     CorrectionAblations,
     CorrectionOptions,
-    CorrectionSettings,
     ModelAblations,
+    ResolvedCorrection,
     current_options,
     validated,
 )
@@ -78,7 +78,7 @@ def test_an_earlier_releases_options_are_read_in_this_releases_terms(caplog):
     with_normal = current_options({"regional_shift": "keep", "normal_key": "cell_type", "normal_values": ["T"],
                                    "regional_order": "shuffled"})
     assert with_normal["regional_shift"] == "reference_cells" and with_normal["regional_order"] == "shuffled"
-    assert CorrectionSettings(**with_normal).regional_order == "shuffled"
+    assert ResolvedCorrection(**with_normal).regional_order == "shuffled"
 
 
 def test_the_ablation_group_reaches_the_network_and_the_correction():

@@ -26,7 +26,7 @@ import scipy.sparse as sp
 import torch
 
 import batchfix
-from batchfix.config import CorrectConfig, CorrectionSettings, validated
+from batchfix.config import CorrectConfig, ResolvedCorrection, validated
 from batchfix.correction import outputs
 from batchfix.correction.writers import correct_file
 from batchfix.data import ondisk
@@ -96,8 +96,8 @@ def rich_input(subset, tmp_path) -> tuple[ad.AnnData, Path]:
 
 
 def correct_quiet(source, target, checkpoint, counts_layer=None, overwrite=False, **options) -> Path:
-    """correct_file with the checkpoint loaded and `options` as its CorrectionSettings, no progress bar."""
-    return correct_file(source, target, load_trained(checkpoint), CorrectionSettings(**options),
+    """correct_file with the checkpoint loaded and `options` as its ResolvedCorrection, no progress bar."""
+    return correct_file(source, target, load_trained(checkpoint), ResolvedCorrection(**options),
                         counts_layer=counts_layer, overwrite=overwrite, progress=False)
 
 
@@ -518,7 +518,7 @@ def test_fused_attention_of_the_correction_changes_values_by_float_noise_only(tr
     model = load_trained(trained_run["checkpoint"])
     attention = [m for m in model.net.modules() if isinstance(m, MultiHeadSelfAttention)]
     assert attention and all(m.backend == "guarded" for m in attention)
-    settings = CorrectionSettings(output_mode=output_mode)
+    settings = ResolvedCorrection(output_mode=output_mode)
     batch = subset.obs["batch"].astype(str).to_numpy()
     bound = BoundModel(model, subset.var_names, settings, batch=batch, batch_key="batch", obs_names=subset.obs_names)
     output = outputs.output_kind(bound, *estimate(bound, ondisk.InMemoryRows(subset.X), subset.n_obs))
@@ -595,7 +595,7 @@ def test_any_row_range_is_corrected_from_the_model_the_estimates_and_its_rows_al
 
     model = load_trained(trained_run["checkpoint"])
     batch = subset.obs["batch"].astype(str).to_numpy()
-    bound = BoundModel(model, subset.var_names, CorrectionSettings(batch_size=32), batch=batch, batch_key="batch",
+    bound = BoundModel(model, subset.var_names, ResolvedCorrection(batch_size=32), batch=batch, batch_key="batch",
                        obs_names=subset.obs_names)
     estimates, latents = estimate(bound, ondisk.InMemoryRows(subset.X), subset.n_obs)
     assert bound.batches.unseen  # the unseen batches' tables come from the estimate pass too

@@ -254,12 +254,12 @@ def test_counts_layer_log_layer_and_flags_of_a_real_correction(trained, subset, 
 
 def test_streamed_in_memory_repeated_and_reordered_runs_give_the_same_counts(trained, subset, tmp_path):
     import batchfix
-    from batchfix.config import CorrectionSettings
+    from batchfix.config import ResolvedCorrection
     from batchfix.correction.writers import correct_file
 
     model, path = trained
     in_memory = batchfix.correct(subset, model, copy=True).layers["batchfix_counts"]
-    streamed = ad.read_h5ad(correct_file(path, tmp_path / "out.h5ad", model, CorrectionSettings(chunk_size=37),
+    streamed = ad.read_h5ad(correct_file(path, tmp_path / "out.h5ad", model, ResolvedCorrection(chunk_size=37),
                                          progress=False)).layers["batchfix_counts"]
     assert (streamed != in_memory).nnz == 0
     order = np.random.default_rng(5).permutation(subset.n_obs)
@@ -367,7 +367,7 @@ def test_outlier_counts_of_lowly_expressed_genes_stay_finite_in_a_corrected_file
     """A copy of the real subset with one cell's count of a lowly expressed gene set to 1,000 and another's to
     100,000 (a plasma cell's IGKC, a blood-contaminated cell's HBB), corrected from disk: every value of both
     layers is finite, each outlier maps to a large finite count, and the cells' log rows keep every count."""
-    from batchfix.config import CorrectionSettings
+    from batchfix.config import ResolvedCorrection
     from batchfix.correction.writers import correct_file
     from batchfix.data.io import OutputKeys
     from batchfix.eval.matrix_scores import corrected_matrix_scores
@@ -384,7 +384,7 @@ def test_outlier_counts_of_lowly_expressed_genes_stay_finite_in_a_corrected_file
     adata.X[cells, genes] = outliers
     adata.write_h5ad(tmp_path / "outliers.h5ad")
     out = ad.read_h5ad(correct_file(tmp_path / "outliers.h5ad", tmp_path / "out.h5ad", model,
-                                    CorrectionSettings(), progress=False))
+                                    ResolvedCorrection(), progress=False))
     assert out.var["batchfix_corrected"].to_numpy()[genes].all()
     counts_layer, log_layer = sp.csr_matrix(out.layers["batchfix_counts"]), sp.csr_matrix(out.layers["batchfix"])
     assert np.isfinite(counts_layer.data).all() and np.isfinite(log_layer.data).all()

@@ -182,13 +182,13 @@ def test_a_batch_without_a_gene_is_out_of_its_reference_so_the_others_keep_their
 
 def test_the_weights_reach_the_file_and_the_run_summary(null_set, tmp_path):
     from batchfix.cli.summary import run_summary
-    from batchfix.config import CorrectionSettings
+    from batchfix.config import ResolvedCorrection
     from batchfix.correction.writers import correct_file
     from batchfix.tasks.training import shift_evidence
 
     split, model = null_set
     split.write_h5ad(tmp_path / "split.h5ad")
-    correct_file(tmp_path / "split.h5ad", tmp_path / "out.h5ad", model, CorrectionSettings(), progress=False)
+    correct_file(tmp_path / "split.h5ad", tmp_path / "out.h5ad", model, ResolvedCorrection(), progress=False)
     evidence = shift_evidence(tmp_path / "out.h5ad", "batchfix")
     assert set(evidence) == {"sc_celseq2_a", "sc_celseq2_b"}
     text = run_summary("train", {"shift_evidence": evidence}, tmp_path, [])

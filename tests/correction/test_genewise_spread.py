@@ -13,7 +13,7 @@ import scipy.sparse as sp
 import torch
 
 import batchfix
-from batchfix.config import CorrectionSettings, TrainConfig, validated
+from batchfix.config import ResolvedCorrection, TrainConfig, validated
 from batchfix.correction import calibration
 from batchfix.errors import ConfigError
 
@@ -60,11 +60,11 @@ def test_shrunk_variances_pull_a_small_batch_toward_its_own_level_not_the_others
 
 
 def test_spread_is_validated_where_it_is_defined():
-    for make in (lambda: CorrectionSettings(spread="cell"),
+    for make in (lambda: ResolvedCorrection(spread="cell"),
                  lambda: validated({"correction": {"spread": "cell"}}, TrainConfig)):
         with pytest.raises(ConfigError, match=r"spread must be one of \['batch', 'gene'\]"):
             make()
-    assert CorrectionSettings().spread == TrainConfig().correction.spread == "batch"
+    assert ResolvedCorrection().spread == TrainConfig().correction.spread == "batch"
 
 
 @pytest.fixture(scope="module")

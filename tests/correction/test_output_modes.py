@@ -24,7 +24,7 @@ import torch
 from scipy.stats import spearmanr
 
 import batchfix
-from batchfix.config import CorrectConfig, CorrectionSettings, TrainConfig, validated
+from batchfix.config import CorrectConfig, ResolvedCorrection, TrainConfig, validated
 from batchfix.correction import calibration
 from batchfix.correction.writers import correct_file
 from batchfix.data.normalize import log_cp10k
@@ -189,7 +189,7 @@ def test_the_batch_column_is_needed_only_by_the_counterfactual_output(shifted, m
     path, checkpoint = tmp_path / "renamed.h5ad", model.save(tmp_path / "model.ckpt")
     renamed.write_h5ad(path)
     with pytest.raises(InputError, match=r"no column 'batch'.*'sample'"):
-        correct_file(path, tmp_path / "no.h5ad", model, CorrectionSettings(), progress=False)
+        correct_file(path, tmp_path / "no.h5ad", model, ResolvedCorrection(), progress=False)
     assert not (tmp_path / "no.h5ad").exists()
     run = subprocess.run([sys.executable, "-m", "batchfix", "correct", f"input={path}", f"checkpoint={checkpoint}",
                           f"output={tmp_path / 'cli.h5ad'}", "data.batch_key=sample", "threads=1", "progress=false"],
@@ -275,7 +275,7 @@ def test_an_uncalibrated_checkpoint_is_refused_for_the_counterfactual_output(shi
 
 
 def test_output_mode_is_validated_where_it_is_defined():
-    for make in (lambda: CorrectionSettings(output_mode="smooth"),
+    for make in (lambda: ResolvedCorrection(output_mode="smooth"),
                  lambda: validated({"checkpoint": "m.ckpt", "correction": {"output_mode": "smooth"}}, CorrectConfig),
                  lambda: validated({"correction": {"output_mode": "smooth"}}, TrainConfig)):
         with pytest.raises(ConfigError, match=r"output_mode must be one of \['counterfactual', 'denoised'\]"):

@@ -158,11 +158,11 @@ def test_the_reference_level_is_shrunk_by_its_noise_and_an_artefact_above_it_is_
 def test_normal_values_that_match_no_cell_are_named(subset, caplog):
     """Of the values given, those no cell has are named in a warning (the others still pick the reference cells);
     none matching is refused with the column's values."""
-    from batchfix.config import CorrectionSettings
+    from batchfix.config import ResolvedCorrection
     from batchfix.correction.writers import normal_cells
 
     columns = list(subset.obs.columns)
-    settings = CorrectionSettings(regional_shift="reference_cells", normal_key="cell_type",
+    settings = ResolvedCorrection(regional_shift="reference_cells", normal_key="cell_type",
                                   normal_values=["A549", "T cell", "H1975"])
     with caplog.at_level("WARNING", logger="batchfix"):
         normal = normal_cells(subset.obs["cell_type"], settings, columns)
@@ -170,6 +170,6 @@ def test_normal_values_that_match_no_cell_are_named(subset, caplog):
     assert "correction.normal_values ['T cell'] match no cell of obs column 'cell_type'" in caplog.text
     assert "those of ['A549', 'H1975']. Its values: ['A549', 'H1975'" in caplog.text
     with pytest.raises(InputError, match=r"no cell of obs column 'cell_type' has one of them. Its values: \['A549'"):
-        normal_cells(subset.obs["cell_type"], CorrectionSettings(regional_shift="reference_cells",
+        normal_cells(subset.obs["cell_type"], ResolvedCorrection(regional_shift="reference_cells",
                                                                  normal_key="cell_type", normal_values=["T cell"]),
                      columns)

@@ -20,7 +20,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 
-from batchfix.config import CorrectionChoice, CorrectionSettings
+from batchfix.config import CorrectionChoice, ResolvedCorrection
 from batchfix.correction import shards
 from batchfix.correction.estimates import Part, estimate
 from batchfix.correction.writers import bind_file, correct_file
@@ -67,10 +67,10 @@ def files(subset, tmp_path_factory) -> dict:
             "single": single}
 
 
-def command_line_settings(trained, **changed) -> CorrectionSettings:
+def command_line_settings(trained, **changed) -> ResolvedCorrection:
     """The settings `correct` resolves for FORWARD (the checkpoint's correction), with `changed` options."""
     preset, options = CorrectionChoice().resolve(trained.correction)
-    return CorrectionSettings(**{**asdict(options), **changed}, chunk_size=64, batch_size=24, preset=preset)
+    return ResolvedCorrection(**{**asdict(options), **changed}, chunk_size=64, batch_size=24, preset=preset)
 
 
 def plain(value):
@@ -114,7 +114,7 @@ def test_independent_jobs_and_their_merge_write_the_one_process_file(files, tmp_
 
 
 def test_the_parts_start_where_one_process_starts_a_forward_batch_and_cover_every_cell_once():
-    settings = CorrectionSettings(chunk_size=64, batch_size=24)
+    settings = ResolvedCorrection(chunk_size=64, batch_size=24)
     parts = [shards.part_rows(200, settings, i, 2) for i in range(2)]
     assert parts == [(0, 112), (112, 200)]  # 112 = the chunk at 64 + 2 forward batches: the first start >= 100
     for n_obs, count in ((200, 3), (1000, 7), (5, 4), (0, 2)):

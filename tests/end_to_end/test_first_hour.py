@@ -176,12 +176,12 @@ def test_corrects_streamed_layers_are_compressed(unlabelled_run, subset_h5ad, tm
     """`correct` writes its layers chunk by chunk: values and indices gzip-compressed after a byte shuffle."""
     import h5py
 
-    from batchfix.config import CorrectionSettings
+    from batchfix.config import ResolvedCorrection
     from batchfix.correction.writers import correct_file
     from batchfix.training.trained import load_trained
 
     run, _ = unlabelled_run
-    out = correct_file(subset_h5ad, tmp_path / "out.h5ad", load_trained(run / "model.ckpt"), CorrectionSettings(),
+    out = correct_file(subset_h5ad, tmp_path / "out.h5ad", load_trained(run / "model.ckpt"), ResolvedCorrection(),
                        batch_key="batch", progress=False)
     with h5py.File(out) as f:
         for part in ("batchfix_counts/data", "batchfix/data", "batchfix/indices"):

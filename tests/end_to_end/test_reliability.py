@@ -38,7 +38,7 @@ import batchfix
 from batchfix import runfolder, signals, tasks
 from batchfix.api import train_config
 from batchfix.cli import folder_check
-from batchfix.config import CorrectConfig, CorrectionSettings, DataConfig, TrainConfig, flat_option_names, validated
+from batchfix.config import CorrectConfig, DataConfig, ResolvedCorrection, TrainConfig, flat_option_names, validated
 from batchfix.correction.writers import correct_file
 from batchfix.data import atomic, ondisk
 from batchfix.errors import (
@@ -346,7 +346,7 @@ def test_a_killed_correct_leaves_a_temporary_file_the_next_run_removes(signalled
     work = signalled["work"]
     (stale,) = work.glob(".SIGKILL.h5ad.batchfix-*.tmp")
     with caplog.at_level(logging.WARNING, logger="batchfix"):
-        correct_file(files["small"], work / "SIGKILL.h5ad", load_trained(files["ckpt"]), CorrectionSettings(),
+        correct_file(files["small"], work / "SIGKILL.h5ad", load_trained(files["ckpt"]), ResolvedCorrection(),
                      progress=False)
     assert f"Removed {stale}" in caplog.text
     assert [p.name for p in work.glob("*SIGKILL.h5ad*")] == ["SIGKILL.h5ad"]
@@ -627,7 +627,7 @@ def test_a_file_without_encoding_attributes_trains_but_is_not_streamed(files, tm
             del f.attrs[key]
     assert fitting.load_training_data(DataConfig(path=str(old), n_top_genes=200)).counts.shape == (200, 200)
     with pytest.raises(InputError, match=r"written by an old anndata version .*write_h5ad"):
-        correct_file(old, tmp_path / "out.h5ad", load_trained(files["ckpt"]), CorrectionSettings())
+        correct_file(old, tmp_path / "out.h5ad", load_trained(files["ckpt"]), ResolvedCorrection())
     assert listing(tmp_path) == ["old.h5ad"]
 
 
@@ -637,7 +637,7 @@ def test_duplicate_modelled_genes_in_a_file_to_correct_are_refused(files, subset
     adata.var_names = [genes[0] if name == genes[1] else name for name in adata.var_names]
     adata.write_h5ad(tmp_path / "in.h5ad")
     with pytest.raises(InputError, match=rf"in genes the model corrects, holds 1 gene names .*'{genes[0]}'"):
-        correct_file(tmp_path / "in.h5ad", tmp_path / "out.h5ad", load_trained(files["ckpt"]), CorrectionSettings())
+        correct_file(tmp_path / "in.h5ad", tmp_path / "out.h5ad", load_trained(files["ckpt"]), ResolvedCorrection())
     assert listing(tmp_path) == ["in.h5ad"]
 
 
@@ -652,13 +652,13 @@ def test_disk_full_while_correcting_is_one_error_and_leaves_nothing(files, tmp_p
     monkeypatch.setattr(ondisk, "copy_file_except", full)
     target = tmp_path / "new" / "folder" / "out.h5ad"
     with pytest.raises(OutputError, match=rf"Cannot write the output {re.escape(str(target))}: No space left"):
-        correct_file(files["small"], target, load_trained(files["ckpt"]), CorrectionSettings(), progress=False)
+        correct_file(files["small"], target, load_trained(files["ckpt"]), ResolvedCorrection(), progress=False)
     assert listing(tmp_path) == [], "the folders made for the output are removed again"
 
 
 def test_output_that_is_a_folder_is_refused(files, tmp_path):
     with pytest.raises(InputError, match="is a folder; name an .h5ad file"):
-        correct_file(files["small"], tmp_path, load_trained(files["ckpt"]), CorrectionSettings())
+        correct_file(files["small"], tmp_path, load_trained(files["ckpt"]), ResolvedCorrection())
 
 
 def test_stale_temporary_files_are_removed_and_live_ones_named(tmp_path, caplog):

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_module
 
 import batchfix
 from batchfix import tasks
-from batchfix.config import AttentionConfig, CorrectionSettings, TrainConfig, validated
+from batchfix.config import AttentionConfig, ResolvedCorrection, TrainConfig, validated
 from batchfix.errors import InputError, OutputExistsError
 from batchfix.tasks.attention_maps import attention_maps
 from batchfix.training.module import ENTROPY_PREFIX, BatchfixModule
@@ -116,7 +116,7 @@ def test_attention_maps_are_the_mean_weights_per_group(per_gene_runs, subset_h5a
     trained = load_trained(per_gene_runs["whole"] / "model.ckpt")
     adata = ad.read_h5ad(subset_h5ad)
     # Chunks of 64 cells read from the file, forward passes of 48: the groups' sums cross both.
-    settings = CorrectionSettings(chunk_size=64, batch_size=48)
+    settings = ResolvedCorrection(chunk_size=64, batch_size=48)
     full = attention_maps(trained, subset_h5ad, "cell_type", settings, resolution=256)
     pooled = attention_maps(trained, subset_h5ad, "cell_type", settings, resolution=50, max_cells=150)
     assert full.maps.shape == (5, 1, 2, 200, 200) and pooled.maps.shape == (5, 1, 2, 50, 50)

@@ -21,7 +21,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 from batchfix import tasks
-from batchfix.config import CorrectionSettings, TrainConfig, validated
+from batchfix.config import ResolvedCorrection, TrainConfig, validated
 from batchfix.correction import calibration, counterfactual, counts
 from batchfix.correction.evidence import shrinkage
 from batchfix.correction.regional import GenomeSmoother, RegionalShift
@@ -194,7 +194,7 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, co
     assert all((codes == b).sum() >= calibration.MIN_UNSEEN_CELLS for b in range(n_batches))
     regional = RegionalShift(GenomeSmoother(list(trained.module.hparams.chromosome), 100), mean_shift,
                              torch.ones(n_batches))
-    state = counterfactual.StateShrink(CorrectionSettings().state_dependence, group_mean, torch.ones(n_batches),
+    state = counterfactual.StateShrink(ResolvedCorrection().state_dependence, group_mean, torch.ones(n_batches),
                                        groups)  # the default 0.5, toward the batch's mean in the cell's group
     decoder_shift = shift.double().numpy()
     shift = counterfactual.applied_shift(shift, codes, mu, state, regional).double().numpy()
@@ -212,7 +212,7 @@ def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, co
     weight = np.maximum(weight[:, None, :], np.stack(by_group, axis=1))  # (batches, groups, G)
     shift = (shift + ratio_shift[codes.numpy()]) * weight[codes.numpy(), group % n_groups]
     reference_theta = own_theta  # correction.spread=batch (the default): each count keeps its batch's dispersion
-    uniform = counts.counter_uniform(CorrectionSettings().quantile_seed, counts.name_keys(source.obs_names),
+    uniform = counts.counter_uniform(ResolvedCorrection().quantile_seed, counts.name_keys(source.obs_names),
                                      counts.name_keys(trained.genes))  # every count's quantile drawn
     expected = counts.quantile_map(x.double().numpy().ravel(), own_mean.ravel(),
                                    (own_mean * np.exp(shift)).ravel(), own_theta.ravel(),
