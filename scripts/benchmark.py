@@ -90,7 +90,7 @@ import scipy.sparse as sp
 
 from batchfix.config import OUTPUT_MODES, REGIONAL_SHIFTS, SHRINKS, SPREADS, CorrectionOptions, ResolvedCorrection
 from batchfix.data.normalize import log_cp10k
-from batchfix.eval import cnv, detection, fidelity, matrix_scores, metrics, removal, reports
+from batchfix.eval import cnv, detection, fidelity, matrix_scores, metrics, reports
 from scripts import baselines
 from scripts.stress_set import contrast_truth_error, group_truth_error, relative_group_truth_error, truth_error
 
@@ -100,10 +100,7 @@ ABLATION_ENCODINGS = ["real", "none", "shuffled", "learned"]
 STATE_DEPENDENCES = (0.5, 1.0)  # correction.state_dependence values corrected beside a run's own, on the same model
 CNV_R, CNV_AMPLITUDE = "CNV profile r", "CNV amplitude ratio"  # batchfix.eval.cnv.profile_retention
 # The model checks need a method's own model (batchfix stores its own with the corrected file): not scored here.
-# batchfix.eval.removal: the share of each label's between-batch spread of gene means left, by scale
-REMOVAL_COLUMNS = {"left_log": "Batch effect left (log)", "left_mean": "Batch effect left (mean)",
-                   "left_balanced": "Batch effect left (balanced)"}
-MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE, *REMOVAL_COLUMNS.values(),
+MATRIX_SCORES = [*fidelity.GENE_METRICS, CNV_R, CNV_AMPLITUDE,
                  *(c for c in matrix_scores.COLUMNS if c not in matrix_scores.MODEL_COLUMNS)]
 TRUTH_ERROR = "Truth error"  # with --truth-layer: stress_set.truth_error of the matrix
 TRUTH_GROUP_ERROR = "Truth error (group means)"  # stress_set.group_truth_error over (batch, label) groups
@@ -587,9 +584,9 @@ def gene_scores(
 ) -> dict[str, dict[str, float]]:
     """Gene-level fidelity (batchfix.eval.fidelity) of every corrected matrix, by embedding name,
     against the within-batch log1p(counts per 10k) of the same raw counts, its CNV profile retention
-    (batchfix.eval.cnv; needs labels and var chromosome/start), the batch effect it leaves within each label
-    (batchfix.eval.removal; needs labels) and the scores of batchfix.eval.matrix_scores
-    (every row against the batch-free NB reference of the raw counts); NaN where not computed."""
+    (batchfix.eval.cnv; needs labels and var chromosome/start) and the scores of batchfix.eval.matrix_scores (the
+    batch effect it leaves within each label among them; every row against the batch-free NB reference of the raw
+    counts); NaN where not computed."""
     matrices = {k: m for _, r in results.values() for k, m in r.matrices.items()}
     batch = counts.obs[batch_key].to_numpy()
     labels = counts.obs[label_key].to_numpy() if label_key else None
@@ -598,7 +595,6 @@ def gene_scores(
     scores, notes = {}, set()
     start = time.perf_counter()
     raw, names = sp.csr_matrix(counts.X), None if labels is None else labels.astype(str)
-    raw_log = log_cp10k(raw)
     expected = None if names is None else detection.reference_nonzero(raw, names)  # one reference for every row
     for name, matrix in matrices.items():
         result = fidelity.gene_fidelity(counts.X, matrix, batch, labels)
@@ -609,9 +605,6 @@ def gene_scores(
                      else {"retention_r": None, "amplitude_ratio": None})
         scores[name][CNV_R] = np.nan if retention["retention_r"] is None else retention["retention_r"]
         scores[name][CNV_AMPLITUDE] = np.nan if retention["amplitude_ratio"] is None else retention["amplitude_ratio"]
-        left = removal.removal_scores(raw_log, matrix, batch, labels) if labels is not None else {}
-        scores[name].update({column: np.nan if left.get(key) is None else left[key]
-                             for key, column in REMOVAL_COLUMNS.items()})
         if "note" in result and result["note"] not in notes:
             notes.add(result["note"])
             print(f"gene-level scores: {result['note']}", flush=True)

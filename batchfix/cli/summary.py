@@ -16,13 +16,17 @@ def score_row(name: str, scores: dict) -> str:
 
 def evaluation_summary(evaluation: dict) -> list[str]:
     """The scores table (batch, bio, Total of each embedding) and the gene-level scores, as lines."""
-    from batchfix.eval import fidelity, metrics
+    from batchfix.eval import fidelity, matrix_scores, metrics
 
     lines = [f"  {'':<38} " + " ".join(f"{name.split()[0]:>8}" for name in metrics.AGGREGATE_COLUMNS)]
     lines += [score_row(name, scores) for name, scores in evaluation.get("scores", {}).items()]
     genes = evaluation.get("gene_fidelity") or {}
     lines.append("  gene level: " + ", ".join(
         f"{m} {'n/a' if genes.get(m) is None else f'{genes[m]:.3f}'}" for m in fidelity.GENE_METRICS))
+    left = (evaluation.get("matrix_scores") or {}).get(matrix_scores.BATCH_EFFECT_LEFT["left_log"])
+    if left is not None:
+        lines.append(f"  batch effect left within cell types: {left:.3f} of the raw counts' (median over label x "
+                     "gene; 0 = every gene's batch means equal within a label)")
     if evaluation.get("note"):
         lines.append(f"  note: {evaluation['note']}")
     misfit = misfit_line(evaluation.get("matrix_scores") or {})

@@ -61,7 +61,8 @@ def evaluate_file(
     Scored gene by gene (`gene_fidelity` in the result): `layers[key_added]` against the raw counts
     on the same genes, within each batch (`batchfix.eval.metrics.gene_level_scores`), and by the matrix
     scores of `batchfix.eval.matrix_scores` on the modelled genes (`matrix_scores` in the result: detection
-    calibration against a batch-free NB; raw zeros raised; between-batch DE on zero-raw genes; from the model
+    calibration against a batch-free NB; raw zeros raised; between-batch DE on zero-raw genes; the gene-level batch
+    effect left within each label; from the model
     checks the correction stored in uns[key_added], the genes the model misfits and detection against its
     reference).
     Returns the metrics dict written to metrics.json.
@@ -218,7 +219,8 @@ def _markdown_report(table, result: dict) -> str:
         f"## Matrix scores of layers['{result['corrected_layer']}']",
         "",
         "Detection calibration, raw zeros made positive, DE calls between batches within a label on genes with "
-        "zero raw counts in both groups; from the checks the correction stored, the share of (batch, gene) whose "
+        "zero raw counts in both groups, the share of each label's between-batch spread of gene means left (1 = "
+        "none removed; on the log layer, on counts per 10k, and averaged over labels first); from the checks the correction stored, the share of (batch, gene) whose "
         "raw counts' PIT under the model is not uniform and detection against the model's reference per (gene, "
         "batch, state group) (batchfix.eval.matrix_scores, on the modelled genes).",
         "",

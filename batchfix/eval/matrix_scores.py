@@ -3,7 +3,8 @@
 `SCORES` lists (name, function, applies to); `evaluate` and scripts/benchmark.py both score every matrix with
 `score_matrix`, so a new score is a row added there. Each function takes a `MatrixInput` and returns its columns.
 A matrix is on the log scale (log1p of counts per 10k, or a method's own log output), so an entry is "detected"
-where it is positive; it is scored against the raw counts of the same cells and genes. Detection calibration
+where it is positive; it is scored against the raw counts of the same cells and genes (with labels, the share of
+each label's between-batch spread of gene means it leaves: batchfix.eval.removal). Detection calibration
 compares each (gene, label, batch) group's detected share with a reference model's, the same for every method
 (by default detection.reference_nonzero, a batch-free NB at each cell's library). batchfix's corrected counts
 also carry the checks of the model that corrected them, summed at correct time over a name-keyed sample of cells
@@ -21,7 +22,8 @@ from functools import cached_property
 import numpy as np
 import scipy.sparse as sp
 
-from batchfix.eval import detection, metrics
+from batchfix.data.normalize import log_cp10k
+from batchfix.eval import detection, metrics, removal
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,9 @@ MODEL_DETECTION_SAMPLING = "Model detection within 0.05 or sampling error"
 MODEL_DETECTION_RAW = "Model detection within 0.05 or sampling error (raw)"
 MODEL_COLUMNS = [PIT_FAILS, MODEL_DETECTION_WITHIN, MODEL_DETECTION_CEILING, MODEL_DETECTION_SAMPLING,
                  MODEL_DETECTION_RAW]
+# batchfix.eval.removal: the share of each label's between-batch spread of gene means left, by scale
+BATCH_EFFECT_LEFT = {"left_log": "Batch effect left (log)", "left_mean": "Batch effect left (mean)",
+                     "left_balanced": "Batch effect left (balanced)"}
 PIT_LISTED = 10  # genes named per batch among those whose PIT fails
 BATCH_FREE_REFERENCE = "batch-free NB (per label rate at each cell's library, theta by moments)"
 
@@ -92,6 +97,14 @@ def false_de_columns(matrix: MatrixInput) -> dict[str, float]:
     return {BATCH_DE_CALLS: float(calls["called"].sum()), FALSE_DE_ZERO_RAW: float(calls["called_zero_raw"].sum())}
 
 
+def removal_columns(matrix: MatrixInput) -> dict[str, float]:
+    """The share of each label's between-batch spread of gene means the matrix leaves, against the raw counts'
+    log1p(counts per 10k) (batchfix.eval.removal; NaN where no label has cells in two batches)."""
+    left = removal.removal_scores(log_cp10k(sp.csr_matrix(matrix.raw)), matrix.log_values, matrix.batches,
+                                  matrix.labels)
+    return {column: np.nan if left[key] is None else left[key] for key, column in BATCH_EFFECT_LEFT.items()}
+
+
 def pit_columns(matrix: MatrixInput) -> dict[str, float]:
     """The share of (batch, gene) whose PIT histogram fails uniformity (the model misfits those genes there)."""
     return {PIT_FAILS: float(matrix.pit_table["fails"].mean())}
@@ -113,11 +126,12 @@ SCORES: list[tuple[str, Callable[[MatrixInput], dict[str, float]], str]] = [
     ("detection calibration", detection_columns, LABELLED),
     ("zeros raised", zeros_raised_columns, ANY),
     ("false DE", false_de_columns, LABELLED),
+    ("gene-level batch effect left", removal_columns, LABELLED),
     ("PIT uniformity", pit_columns, MODELLED),
     ("detection against the model", model_detection_columns, MODELLED),
 ]
 COLUMNS = [DETECTION_WITHIN, DETECTION_CEILING, DETECTION_SAMPLING, DETECTION_SPREAD, DETECTION_SPREAD_RAW,
-           ZEROS_RAISED, BATCH_DE_CALLS, FALSE_DE_ZERO_RAW, *MODEL_COLUMNS]
+           ZEROS_RAISED, BATCH_DE_CALLS, FALSE_DE_ZERO_RAW, *BATCH_EFFECT_LEFT.values(), *MODEL_COLUMNS]
 
 
 def score_matrix(matrix: MatrixInput) -> dict[str, float]:

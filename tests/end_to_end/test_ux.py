@@ -386,6 +386,17 @@ def test_the_run_summary_names_a_high_model_misfit_and_what_to_do(tmp_path):
     assert "model misfit" not in run_summary("evaluate", evaluation, tmp_path, [])
 
 
+def test_the_run_summary_says_how_much_batch_effect_is_left_within_cell_types(tmp_path):
+    """With labels, the summary gives the gene-level batch effect left (issue 52's score); without, no such line."""
+    from batchfix.cli.summary import run_summary
+
+    evaluation = {"scores": {}, "gene_fidelity": {}, "matrix_scores": {"Batch effect left (log)": 0.274}}
+    line = next(line for line in run_summary("evaluate", evaluation, tmp_path, []).splitlines() if "left" in line)
+    assert "batch effect left within cell types: 0.274" in line
+    evaluation["matrix_scores"]["Batch effect left (log)"] = None
+    assert "batch effect left" not in run_summary("evaluate", evaluation, tmp_path, [])
+
+
 @pytest.mark.parametrize("normal, message", [
     (["correction.regional_shift=reference_cells", "correction.normal_key=cell_type",
       "correction.normal_values=[no_such_type]"],

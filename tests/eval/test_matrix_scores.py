@@ -45,6 +45,7 @@ def test_the_uncorrected_log_matrix_raises_no_zero_and_invents_no_call(bundled_g
     assert scores[matrix_scores.DETECTION_SPREAD] == pytest.approx(scores[matrix_scores.DETECTION_SPREAD_RAW])
     assert 0.5 < scores[matrix_scores.DETECTION_WITHIN] <= 1.0
     assert scores[matrix_scores.BATCH_DE_CALLS] > 0  # the batches differ: the raw data has calls between them
+    assert [scores[column] for column in matrix_scores.BATCH_EFFECT_LEFT.values()] == [1.0, 1.0, 1.0]  # all left
 
 
 def test_a_shift_that_fills_one_batchs_zeros_is_seen(bundled_genes):
@@ -67,7 +68,8 @@ def test_without_labels_only_the_label_free_scores_are_computed(bundled_genes):
     raw, _, batches = bundled_genes
     scores = score_matrix(MatrixInput(log_cp10k(raw), raw, None, batches))
     assert scores[matrix_scores.ZEROS_RAISED] == 0.0
-    label_scores = [matrix_scores.DETECTION_WITHIN, matrix_scores.FALSE_DE_ZERO_RAW, matrix_scores.BATCH_DE_CALLS]
+    label_scores = [matrix_scores.DETECTION_WITHIN, matrix_scores.FALSE_DE_ZERO_RAW, matrix_scores.BATCH_DE_CALLS,
+                    *matrix_scores.BATCH_EFFECT_LEFT.values()]
     assert all(np.isnan(scores[name]) for name in label_scores)
 
 
