@@ -172,6 +172,7 @@ def test_missing_genes_get_no_value_and_barely_move_the_others(shifted, model, o
     assert np.corrcoef(values.ravel(), full.ravel())[0, 1] > 0.99
 
 
+@pytest.mark.slow  # four corrections (about 10 s): with the slow checks, which CI runs
 def test_the_batch_column_is_needed_only_by_the_counterfactual_output(shifted, model, tmp_path):
     renamed = shifted.copy()
     renamed.obs = renamed.obs.rename(columns={"batch": "sample"})
