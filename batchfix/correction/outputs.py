@@ -171,7 +171,7 @@ class CountsOutput(OutputKind):
                 corrected[part, place] = mapped
                 n_zeros += int((observed == 0).sum())
                 n_raised += int(((observed == 0) & (mapped > 0)).sum())
-            self.add_checks(checks, x[part], cells, codes, mu, corrected[part][:, places[0]])
+            self.add_checks(checks, x[part], cells, codes, mu, corrected[part], places[0])
         chunk_layers = layers.count_layers(chunk, corrected, columns, bound.corrected_mask)
         return ChunkOutput(latent, chunk_layers, empty_cells(chunk, x) + Tallies(n_zeros=n_zeros,
                                                                                  n_zeros_raised=n_raised,
@@ -184,9 +184,10 @@ class CountsOutput(OutputKind):
                                  1 if groups is None else len(groups.centroids), len(self.bound.gene_sets[0].columns))
 
     def add_checks(self, checks: ModelChecks, x: torch.Tensor, cells: np.ndarray, codes: torch.Tensor,
-                   mu: torch.Tensor, corrected: np.ndarray) -> None:
+                   mu: torch.Tensor, corrected: np.ndarray, modelled: np.ndarray) -> None:
         """Add the checked cells (state_groups.sampled; with a batch) of a forward batch to `checks`: `x` (B,
-        decoder genes) their input, `mu` (B, latent) their latents, `corrected` (B, modelled genes) their counts.
+        decoder genes) their input, `mu` (B, latent) their latents, `corrected` (B, corrected genes) their counts,
+        the modelled genes at columns `modelled` (only the checked cells' are taken: most batches have none).
         The PIT's draws are keyed by (quantile_seed + 1, cell, gene), the calibrated detection's by + 2."""
         bound, estimates = self.bound, self.estimates
         keys = bound.cell_keys[cells]
@@ -200,7 +201,7 @@ class CountsOutput(OutputKind):
         state = np.zeros(len(picked), dtype=np.int64) if groups is None else groups.assign(mu[rows])
         pit_draws, detection_draws = (counts.counter_uniform(seed + k, keys[picked], genes.keys) for k in (1, 2))
         checks.add(codes.numpy()[picked], state, nb.own_pit(pit_draws), nb.reference_nonzero(), nb.observed,
-                   corrected[picked], detection_draws)
+                   corrected[picked][:, modelled], detection_draws)
 
 
 def output_kind(bound: BoundModel, estimates: Estimates, latents: np.ndarray | None = None) -> OutputKind:
