@@ -98,9 +98,9 @@ def test_train_with_a_preset_then_correct_applies_it(run, subset_h5ad, tmp_path)
     assert info["params"]["spread"] == "gene"  # on counts: the reference's per-gene dispersion
 
 
-# Each preset's command-line correction is a fresh process (5-6 s): two run by default, the others with the
-# slow checks, which CI runs (the API test below applies every preset in this process).
-@pytest.mark.parametrize("name", [name if name in ("default", "patient_cnv") else
+# Each preset's command-line correction is a fresh process (5-6 s): the default's runs by default, the others with
+# the slow checks, which CI runs (the API test below applies every preset in this process).
+@pytest.mark.parametrize("name", [name if name == "default" else
                                   pytest.param(name, marks=pytest.mark.slow) for name in preset_names()])
 def test_correct_on_the_command_line_applies_every_entry(run, subset_h5ad, tmp_path, name):
     result = cli(["correct", f"input={subset_h5ad}", f"output={tmp_path / 'out.h5ad'}", f"correction={name}",

@@ -314,6 +314,7 @@ def test_resume_continues_step_count(subset_h5ad, tmp_path):
     assert checkpoint_lr(second_dir / "checkpoints" / "last.ckpt") == pytest.approx(0.1 * LEARNING_RATE)
 
 
+@pytest.mark.slow  # a training run of its own (about 6 s): with the slow checks, which CI runs
 def test_resume_refuses_other_genes(subset_h5ad, tmp_path):
     first_dir = tmp_path / "first"
     tasks.train(compose_train(subset_h5ad, "trainer.max_epochs=1"), first_dir)
