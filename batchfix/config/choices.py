@@ -25,6 +25,7 @@ RETIRED_OPTIONS = {"inference.int8": "INT8 inference was removed: on CPU it was 
 RETIRED_REGIONAL_SHIFTS = {"keep_all": "keep_input replaces it (it keeps a batch-wide regional shift whole, where "
                                        "keep_all still scaled it by the batch's spread: docs/cnv.md)"}
 REGIONAL_ORDERS = ("genome", "shuffled")
+DEPTHS = ("keep", "reference")  # the corrected counts' depth: each cell's library kept | brought to the reference's
 SHRINKS = ("evidence", "none")  # the corrected counts' shifts: weighted by their evidence | applied in full
 SPREADS = ("batch", "gene")  # the counterfactual output's residual scale: one per batch | per gene and batch, shrunk
 NEIGHBOR_METHODS = ("auto", "exact", "approximate")  # how batchfix.eval.metrics finds the scores' neighbour graphs

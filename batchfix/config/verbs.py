@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, fields
 from typing import ClassVar, List, Optional
 
 from batchfix.config.choices import (
+    DEPTHS,
     NEIGHBOR_METHODS,
     OUTPUT_MODES,
     REGIONAL_ORDERS,
@@ -80,6 +81,11 @@ class CorrectionOptions:
     # (empirical Bayes across genes, centred on no shift: a shift within its own noise is not applied, a
     # well-measured one passes whole; batchfix.correction.evidence) | none = every estimated shift applied in full
     shrink: str = "evidence"
+    # Corrected counts: keep = each cell keeps its library (sequencing depth), only its genes' shares move | reference
+    # = each batch's typical library is brought to the reference's, measured within state groups, as one more part of
+    # every gene's shift that the evidence weights judge (a plate sequenced at half the depth is raised; a depth
+    # difference within its noise moves nothing; batchfix.correction.library_shift, docs/lab/library-shift.md)
+    depth: str = "keep"
     # Counterfactual output: the share of each cell's residual (its own deviation from what the decoder expects in
     # its batch) that is kept, on top of the spread k_b. 1 = all of it; 0 = none: the denoised output (decoded as
     # the reference) plus the reference's location; between trades within-type neighbours and HVGs for mixing and
@@ -94,6 +100,7 @@ class CorrectionOptions:
         one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
         one_of(f"{self.PREFIX}spread", self.spread, SPREADS)
         one_of(f"{self.PREFIX}shrink", self.shrink, SHRINKS)
+        one_of(f"{self.PREFIX}depth", self.depth, DEPTHS)
         if self.regional_shift in RETIRED_REGIONAL_SHIFTS:
             raise ConfigError(f"{self.PREFIX}regional_shift={self.regional_shift} is retired: "
                               f"{RETIRED_REGIONAL_SHIFTS[self.regional_shift]}.")
@@ -115,6 +122,10 @@ class CorrectionOptions:
         if self.normal_key is not None and self.output_mode != "counterfactual":
             raise ConfigError(f"{self.PREFIX}regional_shift=reference_cells works with output_mode=counterfactual "
                               f"(the denoised output has no regional part); got output_mode={self.output_mode}.")
+        if self.depth == "reference" and self.output_mode != "counterfactual":
+            raise ConfigError(f"{self.PREFIX}depth=reference moves the corrected counts' depth, an output_mode="
+                              f"counterfactual output (the denoised output has no depth); got output_mode="
+                              f"{self.output_mode}.")
         if self.key_added is None or not str(self.key_added).strip():
             raise ConfigError(f"{self.PREFIX}key_added must be a non-empty name, got {self.key_added!r}.")
         if "/" in self.key_added:

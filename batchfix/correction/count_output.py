@@ -17,6 +17,7 @@ import scipy.sparse as sp
 import torch
 
 from batchfix.correction import counterfactual, counts, device_map
+from batchfix.correction.library_shift import LibraryShift
 from batchfix.correction.state_groups import StateGroups
 from batchfix.data import ondisk
 
@@ -61,7 +62,9 @@ class CountTables:
     (batchfix.correction.evidence; None: every shift applied in full), and `state_weight` (codes, groups, decoder
     genes) the same by the state group (`state_groups`) of each cell (None: by batch alone); `reference_members`
     (training batches, decoder genes) bool: the batches the average reference of each gene is taken over (None:
-    every batch)."""
+    every batch); `depth`: each batch's depth shift to the reference (correction.depth=reference,
+    batchfix.correction.library_shift; None: each cell keeps its library), and `lacking` (codes, decoder genes) bool
+    the genes a batch has no count of in any of its cells, whose zeros its depth does not raise (None: none)."""
 
     theta: np.ndarray
     ratio: np.ndarray
@@ -71,6 +74,8 @@ class CountTables:
     reference_members: np.ndarray | None = None
     state_weight: np.ndarray | None = None
     state_groups: StateGroups | None = None
+    depth: LibraryShift | None = None
+    lacking: np.ndarray | None = None
 
     def weight(self, codes: np.ndarray, latents: torch.Tensor) -> np.ndarray | None:
         """(B, decoder genes) the evidence weight of each cell's shift (1 for cells without a batch), or None."""
@@ -139,6 +144,11 @@ def count_distributions(net, genes: GeneSet, tables: CountTables, x: torch.Tenso
         total = total * torch.from_numpy(weight)
     if by_reference_cells:  # the regional part: the batch's own, from its reference cells (shrunk by its noise)
         total = counterfactual.reference_cell_shift(total, codes, regional)
+    if tables.depth is not None:  # the batch's depth, on every gene it has (weighed as one number per batch)
+        depth = tables.depth.applied(codes.numpy())  # (B, 1)
+        if tables.lacking is not None:
+            depth = np.where(tables.lacking[known], 0.0, depth)  # (B, decoder genes)
+        total = total + torch.from_numpy(depth)
     ratio = np.where(missing, 1.0, tables.ratio[known][:, index])  # (B, k): the batch's observed / decoded mean
     library = x[:, genes.present].sum(-1, keepdim=True)  # (B, 1): this set's counts in the cell
     own_mean = (own[:, index] * library).double().numpy() * ratio

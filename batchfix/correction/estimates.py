@@ -28,9 +28,11 @@ from batchfix.correction.evidence import (
     LogShiftEvidenceSums,
     ShiftEvidenceSums,
     add_evidence,
+    depth_weights,
     log_change_and_residual,
     weighted_tables,
 )
+from batchfix.correction.library_shift import LibrarySums, library_shift
 from batchfix.correction.mean_shifts import MeanShiftSums, group_shrink, mean_shift
 from batchfix.correction.reduction import Block, OrderedSums
 from batchfix.correction.reference_cells import LogReferenceCellSums, ReferenceCellSums
@@ -73,7 +75,23 @@ class Estimates:
         return {"gene_sets_with_count_tables": len(self.count_tables), "state_shrink": self.state is not None,
                 "state_groups": groups, "regional_split": regional,
                 "batches_with_mean_shift": [batch_names[c] for c in with_mean],
-                **({"shift_evidence": self.evidence_summary(batch_names)} if self.shift_prior_sd else {})}
+                **({"shift_evidence": self.evidence_summary(batch_names)} if self.shift_prior_sd else {}),
+                **({"depth_shift": self.depth_summary(batch_names)} if self.depth is not None else {})}
+
+    @property
+    def depth(self):
+        """Each batch's depth shift (correction.depth=reference; the same in every gene set's tables), or None."""
+        return self.count_tables[0].depth if self.count_tables else None
+
+    def depth_summary(self, batch_names: list[str]) -> dict:
+        """Per batch with cells: its log depth shift to the reference, that shift's sampling sd and the share of it
+        applied (batchfix.correction.library_shift)."""
+        depth = self.depth
+        weight = np.ones_like(depth.shift) if depth.weight is None else depth.weight
+        return {batch_names[code]: {"log_shift": round(float(depth.shift[code]), 4),
+                                    "sd": round(float(np.sqrt(depth.variance[code])), 4),
+                                    "weight": round(float(weight[code]), 4)}
+                for code in range(min(len(batch_names), len(depth.shift))) if depth.cells[code] > 0}
 
     def evidence_summary(self, batch_names: list[str]) -> dict:
         """Per batch: its shifts' prior sd across the modelled genes, and over every corrected gene the median
@@ -118,7 +136,8 @@ def estimate(bound, rows, n_obs: int, part: Part | None = None) -> tuple[Estimat
         regional = False
     with fused_attention(bound.net), torch.no_grad():
         first = estimate_unseen(bound, rows, part, n_obs)
-        if regional or bound.settings.state_dependence < 1 or bound.settings.shrink == "evidence":
+        if regional or bound.settings.state_dependence < 1 or bound.settings.shrink == "evidence" \
+                or moves_depth(bound):
             return estimate_mean_shift(bound, first, rows, n_obs, part, regional)
     return first, None
 
@@ -147,6 +166,12 @@ def detects_absence(bound) -> bool:
     """Whether a gene absent from a whole batch is left out of its average reference (batchfix.correction.evidence):
     the corrected counts with evidence weights and the average reference."""
     return bound.counts_output and bound.settings.shrink == "evidence" and bound.reference is None
+
+
+def moves_depth(bound) -> bool:
+    """Whether each batch's depth is brought to the reference's (batchfix.correction.library_shift): the corrected
+    counts with correction.depth=reference."""
+    return bound.counts_output and bound.settings.depth == "reference"
 
 
 def weighs_states(bound) -> bool:
@@ -272,6 +297,9 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
         templates += [ShiftEvidenceSums(n_codes * n, len(genes.present)) for n in n_groups for genes in bound.gene_sets]
     elif bound.settings.shrink == "evidence":  # the log output: by batch alone (batchfix.correction.evidence)
         templates.append(LogShiftEvidenceSums(n_codes, len(bound.trained.genes)))
+    n_groups = 1 if first.state_groups is None else len(first.state_groups.centroids)
+    if moves_depth(bound):  # each batch's depth, by state group (batchfix.correction.library_shift)
+        templates.append(LibrarySums(n_codes * n_groups))
     ordered = OrderedSums(templates)
     latents = latent_cache(n_obs, bound.latent_dim)  # this part's rows set, the others' left unset
     for start, stop in bound.chunks(part.start, part.stop):
@@ -282,10 +310,14 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
             batch_sums = ordered.fresh()
             mu = add_mean_shift(bound, first, batch_sums, x[rows_of_batch],
                                 [values[rows_of_batch] for values in inputs], cells, whole)
+            if moves_depth(bound):
+                codes = bound.batches.codes[cells]
+                by_group = codes if first.state_groups is None else group_codes(codes, first.state_groups, mu)
+                batch_sums[-1].add(by_group, chunk[rows_of_batch])
             if latents is not None:
                 latents[cells] = mu
             ordered.push(bound.batch_index(cells[0]), batch_sums)
-    sums, group_sums, normal, log_evidence, count_evidence = by_role(ordered.totals(part.gather))
+    sums, group_sums, normal, log_evidence, library, count_evidence = by_role(ordered.totals(part.gather))
     state, shift = mean_shift(bound, sums, mode, regional)
     if group_sums is not None:
         state = group_shrink(state, sums, group_sums, first.state_groups)
@@ -295,6 +327,12 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
         log_weight, prior_sd = log_evidence.weights(bound.present.numpy())
         return dataclasses.replace(first, log_shift_weight=log_weight, shift_prior_sd=(prior_sd,), state=state,
                                    regional=shift), latents
+    if library is not None:
+        depth = library_shift(library, n_groups, bound.batches.n_training, bound.reference)
+        if bound.settings.shrink == "evidence":
+            depth = dataclasses.replace(depth, weight=depth_weights(depth.shift, depth.variance))
+        first = dataclasses.replace(first, count_tables=tuple(dataclasses.replace(t, depth=depth)
+                                                              for t in first.count_tables))
     tables, prior_sd = weighted_tables(bound, first, count_evidence)
     return dataclasses.replace(first, count_tables=tables, shift_prior_sd=prior_sd, state=state,
                                regional=shift), latents
@@ -319,7 +357,7 @@ def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs:
     codes = bound.batches.codes[cells]
     mu, _ = bound.net.encode(x)  # (B, latent)
     term, change, own = batch_terms(bound, first, x, mu, codes, whole)
-    mean_sums, group_sums, normal, log_evidence, count_evidence = by_role(sums)
+    mean_sums, group_sums, normal, log_evidence, _, count_evidence = by_role(sums)
     mean_sums.add(codes, term, change)
     if group_sums is not None:
         group_sums.add(group_codes(codes, first.state_groups, mu), term, None)
@@ -334,9 +372,11 @@ def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs:
 
 def by_role(sums: list) -> tuple:
     """The mean-shift pass's sums (`estimate_mean_shift`'s order) by role: (MeanShiftSums, those by state group or
-    None, the reference cells' or None, the log output's evidence or None, each count gene set's evidence)."""
+    None, the reference cells' or None, the log output's evidence or None, the depth's LibrarySums or None, each
+    count gene set's evidence)."""
     mean_sums, *rest = sums
+    library = rest.pop() if rest and isinstance(rest[-1], LibrarySums) else None
     group_sums = rest.pop(0) if rest and isinstance(rest[0], MeanShiftSums) else None
     normal = rest.pop(0) if rest and isinstance(rest[0], ReferenceCellSums) else None
     log_evidence = rest.pop(0) if rest and isinstance(rest[0], LogShiftEvidenceSums) else None
-    return mean_sums, group_sums, normal, log_evidence, rest
+    return mean_sums, group_sums, normal, log_evidence, library, rest

@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # the estimate pass reads this module's sums
 HALF_COUNT = counts.RATIO_PRIOR_COUNTS  # the pseudo-count of a batch's total, as in its ratio
 EM_STEPS = 100  # EM iterations of the prior's mixture weights (converged well before on the development sets)
 MEDIAN_STEPS = 40  # the posterior median is found to 2^-40 (1e-12) of its interval [0, shift]
+DEPTH_PRIOR_SD = 1.0  # the depth shift's prior beside no shift: log depth ratios of about e-fold (depth_weights)
 
 
 class ShiftEvidenceSums:
@@ -168,8 +169,11 @@ def weighted_tables(bound, first: Estimates, evidence: list[ShiftEvidenceSums]) 
     by_state = [None] * n_sets if len(evidence) == n_sets else [
         sums.state_weights(tables, chosen, bound.reference, bound.batches.n_training, weight)
         for chosen, tables, sums, (weight, _) in zip(present, first.count_tables, evidence[n_sets:], weighted)]
-    tables = tuple(dataclasses.replace(t, shift_weight=w, state_weight=state, state_groups=first.state_groups)
-                   for t, (w, _), state in zip(first.count_tables, weighted, by_state))
+    lacking = [absent_from_batches(sums.counts, sums.n_cells, calibration.MIN_UNSEEN_CELLS) & chosen[None, :]
+               for sums, chosen in zip(evidence, present)]
+    tables = tuple(dataclasses.replace(t, shift_weight=w, state_weight=state, state_groups=first.state_groups,
+                                       lacking=None if t.depth is None else gone)
+                   for t, (w, _), state, gone in zip(first.count_tables, weighted, by_state, lacking))
     return tables, tuple(tau for _, tau in weighted)
 
 
@@ -239,6 +243,26 @@ def shrinkage(shift: np.ndarray, variance: np.ndarray, steps: int = EM_STEPS) ->
     with np.errstate(invalid="ignore", divide="ignore"):
         weight = np.where(shift != 0, median / np.abs(shift), 0.0)
     return weight, float(np.sqrt((mix * sigma**2).sum()))
+
+
+def depth_weights(shift: np.ndarray, variance: np.ndarray) -> np.ndarray:
+    """(codes,) the applied share of each batch's depth shift (batchfix.correction.library_shift), measured with
+    these sampling variances: its posterior median under a prior of even odds between no depth difference and a
+    log depth ratio of sd DEPTH_PRIOR_SD (the Bayes factor decides: a difference within about 2.6 sampling sds of
+    a few hundred cells is not applied, one of a plate sequenced at another depth passes nearly whole). One number
+    per batch, so no prior across batches is fitted, and its noise, shared by every gene, does not enter the genes'
+    own weights, whose prior takes genes as independent."""
+    measured = variance > 0
+    size, sd = np.abs(shift[measured]), np.sqrt(variance[measured])
+    sigma = np.array([0.0, DEPTH_PRIOR_SD])
+    total = sigma[None, :] ** 2 + np.square(sd)[:, None]
+    log_likelihood = -0.5 * (np.log(2 * np.pi * total) + np.square(size)[:, None] / total)
+    median = posterior_median(size, np.square(sd), sigma[None, :] ** 2 / total,
+                              responsibilities(log_likelihood, np.array([0.5, 0.5])))
+    weight = np.zeros_like(shift, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        weight[measured] = np.where(size > 0, median / size, 0.0)
+    return weight
 
 
 def mixture_weights(log_likelihood: np.ndarray, steps: int) -> np.ndarray:

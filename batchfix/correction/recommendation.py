@@ -13,7 +13,9 @@ Measured on at most SAMPLE_CELLS training cells (seeded), from what the model le
   modelled genes is those genes' own effect, not a region's): a copy-number change that every cell of a batch
   carries shows there (one copy of two: log 1.5 = 0.41);
 - **states in one batch only**: the share of cells whose state (label, or a k-means cluster of the latent
-  without labels) has at least CONFINED_SHARE of its cells in one batch.
+  without labels) has at least CONFINED_SHARE of its cells in one batch;
+- **depth ratio** (counts): the largest ratio between two batches' typical libraries of the modelled genes, within
+  states (batchfix.correction.library_shift's estimate, without its weight).
 
 The rule (thresholds from the development sets: docs/results.md, Presets):
 - `patient_cnv` where some batch carries a copy-number-sized regional shift (>= CNV_SHIFT) and states live in one
@@ -21,7 +23,9 @@ The rule (thresholds from the development sets: docs/results.md, Presets):
 - `protocols` where the gene-wise batch effect is chemistry-sized (>= PROTOCOL_EFFECT);
 - else the default; where a batch still carries a copy-number-sized regional shift (across all its states: a
   donor's constitutional copy number, sex chromosomes), the reason names it, says the default removes it from
-  that batch's cells, and gives the call that keeps it (patient_cnv).
+  that batch's cells, and gives the call that keeps it (patient_cnv);
+- whatever the preset, where the depth ratio reaches DEPTH_RATIO the reason names it and the option that moves each
+  batch's depth to the reference's (correction.depth=reference: docs/lab/library-shift.md).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import numpy as np
 import torch
 
 from batchfix.config import CorrectionOptions
+from batchfix.correction.library_shift import LibrarySums, library_shift
 from batchfix.correction.regional import GenomeSmoother
 from batchfix.data.prepare import PreparedData, in_order
 from batchfix.nn.attention import fused_attention
@@ -48,6 +53,7 @@ PROTOCOL_EFFECT = 0.85  # between the stress sets of sd 0.5 (0.64, default best)
 CNV_SHIFT = 0.3
 MIN_WINDOW_GENES = 10  # modelled genes a window needs for its regional shift to count
 CONFINED_CELLS = 0.2
+DEPTH_RATIO = 1.5  # below the platform pair's 1.6-fold, where depth=reference raised Total (docs/lab/library-shift.md)
 
 
 @dataclass
@@ -62,6 +68,7 @@ class Recommendation:
     regional_batch: str
     confined_cells: float
     states: str
+    depth_ratio: float
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -72,7 +79,7 @@ def recommend(model: BatchfixModel, prepared: PreparedData, labels: np.ndarray |
     """Measure the trained model's data (module docstring) and name the preset that fits; `labels`: the input's
     (one per row) or None; `command`: how to apply a preset to this model, with {preset} in it."""
     cells = np.sort(np.random.default_rng(seed).permutation(prepared.n_cells)[:SAMPLE_CELLS])
-    latents, log_means = batch_log_means(model, prepared, cells)  # (cells, k), (batches, G)
+    latents, log_means, libraries = batch_log_means(model, prepared, cells)  # (cells, k), (batches, G), (cells,)
     gene_effect = float(np.median(log_means.std(axis=0))) if len(log_means) > 1 else 0.0
     deviation = torch.as_tensor(log_means - log_means.mean(axis=0), dtype=torch.float32)
     smoother = GenomeSmoother(list(model.module.hparams.chromosome), REGIONAL_WINDOW)
@@ -89,8 +96,13 @@ def recommend(model: BatchfixModel, prepared: PreparedData, labels: np.ndarray |
     applying = command.format(preset=preset) if preset != "default" else ""
     if preset == "default" and regional_shift >= CNV_SHIFT:
         reason += f"; to keep it: {command.format(preset='patient_cnv')}"
+    ratio = depth_ratio(libraries, prepared.batch_index[cells], states, len(model.batch_categories))
+    if ratio >= DEPTH_RATIO:
+        reason += (f"; the batches' sequencing depths differ {ratio:.1f}-fold within states, which the corrected "
+                   "counts keep (each cell's library): correction.depth=reference brings each batch's to the "
+                   "reference's")
     return Recommendation(preset, reason, applying, round(gene_effect, 3), round(regional_shift, 3),
-                          model.batch_categories[worst], round(confined, 3), source)
+                          model.batch_categories[worst], round(confined, 3), source, round(ratio, 3))
 
 
 def recommend_and_remember(model: BatchfixModel, prepared: PreparedData, labels: np.ndarray | None, command: str,
@@ -124,6 +136,18 @@ def rule(gene_effect: float, regional_shift: float, regional_batch: str, confine
     return "default", f"{measured}: the default fits"
 
 
+def depth_ratio(libraries: np.ndarray | None, batch: np.ndarray, states: np.ndarray, n_batches: int) -> float:
+    """The largest ratio between two batches' depths within states (1.0 for a log-scale model, `libraries` None)."""
+    if libraries is None:
+        return 1.0
+    names, state = np.unique(states, return_inverse=True)
+    sums = LibrarySums(n_batches * len(names))
+    sums.add(batch * len(names) + state, libraries[:, None])
+    depth = library_shift(sums, len(names), n_batches, None)
+    measured = depth.shift[depth.cells > 0]
+    return float(np.exp(measured.max() - measured.min())) if len(measured) > 1 else 1.0
+
+
 def full_windows(smoother: GenomeSmoother) -> torch.Tensor:
     """(G,) 1.0 for the genes whose regional window holds at least MIN_WINDOW_GENES placed genes, else 0.0."""
     width = torch.empty(len(smoother.order), dtype=torch.float32)
@@ -132,24 +156,27 @@ def full_windows(smoother: GenomeSmoother) -> torch.Tensor:
 
 
 @torch.no_grad()
-def batch_log_means(model: BatchfixModel, prepared: PreparedData, cells: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def batch_log_means(model: BatchfixModel, prepared: PreparedData,
+                    cells: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """(latents (cells, k), each gene's log mean in each training batch at the same states (batches, G), averaged
-    over `cells`): for counts the log of the decoder's mean share times the batch's calibrated ratio, for a log-scale
-    model its decoded log1p values."""
+    over `cells`, and for counts each cell's library of the modelled genes (cells,), else None): for counts the log
+    of the decoder's mean share times the batch's calibrated ratio, for a log-scale model its decoded log1p
+    values."""
     net = model.net.eval()
     counts = net.cfg.likelihood == "nb"
-    sums, latents = np.zeros((len(model.batch_categories), net.n_genes)), []
+    sums, latents, libraries = np.zeros((len(model.batch_categories), net.n_genes)), [], []
     with fused_attention(net):
         for x, _ in in_order(prepared, BATCH_SIZE, cells):  # (B, G)
             mu, _ = net.encode(x)
             latents.append(mu.numpy())
+            libraries.append(x.double().sum(-1).numpy())
             for b in range(len(sums)):
                 if counts:
                     shares = net.mean_fractions(mu, b).double().numpy() * model.tables.count_ratio[b].double().numpy()
                     sums[b] += np.log(np.maximum(shares, 1e-12)).sum(axis=0)
                 else:
                     sums[b] += net.decoded(mu, b).double().numpy().sum(axis=0)
-    return np.concatenate(latents), sums / len(cells)
+    return np.concatenate(latents), sums / len(cells), np.concatenate(libraries) if counts else None
 
 
 def latent_clusters(latents: np.ndarray, seed: int) -> np.ndarray:

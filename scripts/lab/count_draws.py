@@ -31,7 +31,7 @@ from batchfix.eval import fidelity, metrics, removal
 from scripts import baselines
 from scripts.benchmark import add_data_arguments, load, select_genes
 
-SCIB_COLUMNS = ["iLISI", "KBET", "Batch correction", "Bio conservation", "Total"]
+SCIB_COLUMNS = ["KMeans NMI", "iLISI", "KBET", "PCR comparison", "Batch correction", "Bio conservation", "Total"]
 
 
 @contextlib.contextmanager

@@ -156,6 +156,8 @@ def test_training_recommends_the_default_where_batches_share_their_states(subset
     assert advice["preset"] == "default" and advice["command"] == ""
     assert advice["confined_cells"] == 0.0 and advice["states"] == "labels"
     assert "gene-wise batch effect" in advice["reason"] and advice["gene_effect"] > 0
+    # the plates and platforms' depths differ about twofold within the lines: named with the option that moves them
+    assert advice["depth_ratio"] >= recommendation.DEPTH_RATIO and "correction.depth=reference" in advice["reason"]
     assert load_trained(model.save(tmp_path / "model.ckpt")).recommendation == advice
 
 
