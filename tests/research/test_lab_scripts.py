@@ -185,3 +185,24 @@ def test_the_evidence_forms_differ_as_their_names_say():
     assert shipped[:50].min() > 0.8 and mean[:50].min() > 0.8
     assert np.allclose(weights["batchfix", "variance"], 0.02)  # two batches: half of each level's variance
     assert np.allclose(weights["batchfix, mean without covariance", "variance"], 0.04)
+
+
+def test_the_library_shift_rows_are_both_depths_of_one_trained_model(subset, tiny_model, monkeypatch):
+    """scripts/lab/library_shift.py: one model per seed, corrected with depth=keep (batchfix.correct's default
+    layer, entry for entry) and depth=reference, whose libraries the subset's plates (depths about twofold apart)
+    bring closer together."""
+    from scripts.lab import library_shift
+
+    monkeypatch.setattr(batchfix, "train", lambda *args, **kwargs: tiny_model)
+    rows = library_shift.batchfix_rows(subset, "batch", "cell_type", seed=0)
+    assert list(rows) == ["batchfix", "batchfix, depth=reference"]
+    shipped = batchfix.correct(subset, tiny_model, copy=True, progress=False).layers["batchfix_counts"]
+    assert (rows["batchfix"] != shipped).nnz == 0
+    batch = subset.obs["batch"].astype(str).to_numpy()
+
+    def depth_spread(counts) -> float:
+        library = np.asarray(counts.sum(axis=1)).ravel()
+        medians = [np.median(library[batch == name]) for name in np.unique(batch)]
+        return max(medians) / min(medians)
+
+    assert depth_spread(rows["batchfix, depth=reference"]) < depth_spread(rows["batchfix"])
