@@ -91,12 +91,8 @@ class CorrectionOptions:
     # the reference) plus the reference's location; between trades within-type neighbours and HVGs for mixing and
     # clustering scores (docs/genewise_spread.md)
     residual_weight: float = 1.0
-    # Corrected counts: the seed of each count's randomised quantile (a counter-based draw per seed, cell and gene:
-    # the same counts for the same input in every run, streamed or in memory)
-    quantile_seed: int = 0
 
     def __post_init__(self):
-        within(f"{self.PREFIX}quantile_seed", self.quantile_seed, 0, 2**32 - 1)
         one_of(f"{self.PREFIX}output_mode", self.output_mode, OUTPUT_MODES)
         one_of(f"{self.PREFIX}spread", self.spread, SPREADS)
         one_of(f"{self.PREFIX}shrink", self.shrink, SHRINKS)
@@ -122,10 +118,6 @@ class CorrectionOptions:
         if self.normal_key is not None and self.output_mode != "counterfactual":
             raise ConfigError(f"{self.PREFIX}regional_shift=reference_cells works with output_mode=counterfactual "
                               f"(the denoised output has no regional part); got output_mode={self.output_mode}.")
-        if self.depth == "reference" and self.output_mode != "counterfactual":
-            raise ConfigError(f"{self.PREFIX}depth=reference moves the corrected counts' depth, an output_mode="
-                              f"counterfactual output (the denoised output has no depth); got output_mode="
-                              f"{self.output_mode}.")
         if self.key_added is None or not str(self.key_added).strip():
             raise ConfigError(f"{self.PREFIX}key_added must be a non-empty name, got {self.key_added!r}.")
         if "/" in self.key_added:
@@ -189,10 +181,14 @@ class CorrectionAblations:
     # random gene order drawn with regional_seed, so "neighbours" are unrelated genes)
     regional_order: str = "genome"
     regional_seed: int = 0  # the random gene order of regional_order=shuffled
+    # Corrected counts: the seed of each count's randomised quantile (a counter-based draw per seed, cell and gene:
+    # the same counts for the same input in every run, streamed or in memory); another seed measures the draws' noise
+    quantile_seed: int = 0
 
     def __post_init__(self):
         one_of(f"{self.PREFIX}regional_order", self.regional_order, REGIONAL_ORDERS)
         within(f"{self.PREFIX}regional_seed", self.regional_seed, 0, 2**32 - 1)
+        within(f"{self.PREFIX}quantile_seed", self.quantile_seed, 0, 2**32 - 1)
 
 
 def schema_values(options, schema: type) -> dict:

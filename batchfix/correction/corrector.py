@@ -28,7 +28,7 @@ from batchfix.config import ResolvedCorrection
 from batchfix.correction import calibration, count_output, counterfactual, counts, provenance
 from batchfix.data import ondisk
 from batchfix.data.io import check_values, duplicate_genes_error, repeated
-from batchfix.errors import ConfigError, InputError
+from batchfix.errors import InputError
 from batchfix.training.trained import BatchfixModel
 
 log = logging.getLogger(__name__)
@@ -107,9 +107,6 @@ class BoundModel:
         self.batches = None if batch is None else counterfactual.batch_codes(batch, trained.batch_categories)
         # The NB model's counterfactual output is corrected counts (and their log layer)
         self.counts_output = self.kind == "counts"
-        if settings.depth == "reference" and self.kind == "log_counterfactual":
-            raise ConfigError("correction.depth=reference moves the corrected counts' depth; this model corrects "
-                              "log-scale values (trained with data.scale=log), which carry no depth: use depth=keep.")
         self.gene_sets: list[count_output.GeneSet] = []  # the counts' modelled genes, then the extra genes
         self.corrected_mask = self.modelled_mask.copy()  # genes whose values the output changes
         # The cells' name keys: the counts' quantile draws and the state groups' sample (batchfix.correction.counts)

@@ -286,21 +286,8 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
     n_codes = bound.batches.n_training + len(bound.batches.unseen)
     mode = bound.settings.regional_shift if regional else "apply"
     whole = mode == "keep_input" and not bound.counts_output
-    templates = [MeanShiftSums(n_codes, len(bound.trained.genes), whole)]
-    if first.state_groups is not None and bound.settings.state_dependence < 1:  # the state shrink's group means
-        templates.append(MeanShiftSums(n_codes * len(first.state_groups.centroids), len(bound.trained.genes), False))
-    if regional and bound.normal is not None:
-        templates.append((ReferenceCellSums if bound.counts_output else LogReferenceCellSums)(bound, first, n_codes))
+    ordered = OrderedSums(mean_shift_templates(bound, first, n_codes, regional, whole))
     evidence = bound.counts_output and bound.settings.shrink == "evidence"
-    if evidence:
-        n_groups = [1] if first.state_groups is None else [1, len(first.state_groups.centroids)]  # by batch, by group
-        templates += [ShiftEvidenceSums(n_codes * n, len(genes.present)) for n in n_groups for genes in bound.gene_sets]
-    elif bound.settings.shrink == "evidence":  # the log output: by batch alone (batchfix.correction.evidence)
-        templates.append(LogShiftEvidenceSums(n_codes, len(bound.trained.genes)))
-    n_groups = 1 if first.state_groups is None else len(first.state_groups.centroids)
-    if moves_depth(bound):  # each batch's depth, by state group (batchfix.correction.library_shift)
-        templates.append(LibrarySums(n_codes * n_groups))
-    ordered = OrderedSums(templates)
     latents = latent_cache(n_obs, bound.latent_dim)  # this part's rows set, the others' left unset
     for start, stop in bound.chunks(part.start, part.stop):
         chunk = rows.rows(start, stop)
@@ -309,11 +296,7 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
         for rows_of_batch, cells in bound.forward_batches(stop - start, start):
             batch_sums = ordered.fresh()
             mu = add_mean_shift(bound, first, batch_sums, x[rows_of_batch],
-                                [values[rows_of_batch] for values in inputs], cells, whole)
-            if moves_depth(bound):
-                codes = bound.batches.codes[cells]
-                by_group = codes if first.state_groups is None else group_codes(codes, first.state_groups, mu)
-                batch_sums[-1].add(by_group, chunk[rows_of_batch])
+                                [values[rows_of_batch] for values in inputs], cells, whole, chunk[rows_of_batch])
             if latents is not None:
                 latents[cells] = mu
             ordered.push(bound.batch_index(cells[0]), batch_sums)
@@ -327,15 +310,40 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
         log_weight, prior_sd = log_evidence.weights(bound.present.numpy())
         return dataclasses.replace(first, log_shift_weight=log_weight, shift_prior_sd=(prior_sd,), state=state,
                                    regional=shift), latents
-    if library is not None:
-        depth = library_shift(library, n_groups, bound.batches.n_training, bound.reference)
-        if bound.settings.shrink == "evidence":
-            depth = dataclasses.replace(depth, weight=depth_weights(depth.shift, depth.variance))
-        first = dataclasses.replace(first, count_tables=tuple(dataclasses.replace(t, depth=depth)
-                                                              for t in first.count_tables))
-    tables, prior_sd = weighted_tables(bound, first, count_evidence)
+    tables, prior_sd = weighted_tables(bound, with_depth(bound, first, library), count_evidence)
     return dataclasses.replace(first, count_tables=tables, shift_prior_sd=prior_sd, state=state,
                                regional=shift), latents
+
+
+def mean_shift_templates(bound, first: Estimates, n_codes: int, regional: bool, whole: bool) -> list:
+    """The mean-shift pass's zero sums, in `by_role`'s order."""
+    templates = [MeanShiftSums(n_codes, len(bound.trained.genes), whole)]
+    n_groups = 1 if first.state_groups is None else len(first.state_groups.centroids)
+    if first.state_groups is not None and bound.settings.state_dependence < 1:  # the state shrink's group means
+        templates.append(MeanShiftSums(n_codes * n_groups, len(bound.trained.genes), False))
+    if regional and bound.normal is not None:
+        templates.append((ReferenceCellSums if bound.counts_output else LogReferenceCellSums)(bound, first, n_codes))
+    if bound.counts_output and bound.settings.shrink == "evidence":
+        by = [1] if first.state_groups is None else [1, n_groups]  # by batch, by group
+        templates += [ShiftEvidenceSums(n_codes * n, len(genes.present)) for n in by for genes in bound.gene_sets]
+    elif bound.settings.shrink == "evidence":  # the log output: by batch alone (batchfix.correction.evidence)
+        templates.append(LogShiftEvidenceSums(n_codes, len(bound.trained.genes)))
+    if moves_depth(bound):  # each batch's depth, by state group (batchfix.correction.library_shift)
+        templates.append(LibrarySums(n_codes * n_groups))
+    return templates
+
+
+def with_depth(bound, first: Estimates, library: LibrarySums | None) -> Estimates:
+    """`first` with each gene set's tables holding the batches' depth shift (weighed with evidence weights), or
+    as it is without depth sums."""
+    if library is None:
+        return first
+    n_groups = 1 if first.state_groups is None else len(first.state_groups.centroids)
+    depth = library_shift(library, n_groups, bound.batches.n_training, bound.reference)
+    if bound.settings.shrink == "evidence":
+        depth = dataclasses.replace(depth, weight=depth_weights(depth.shift, depth.variance))
+    return dataclasses.replace(first, count_tables=tuple(dataclasses.replace(t, depth=depth)
+                                                         for t in first.count_tables))
 
 
 def latent_cache(n_obs: int, latent_dim: int) -> np.ndarray | None:
@@ -351,14 +359,16 @@ def latent_cache(n_obs: int, latent_dim: int) -> np.ndarray | None:
 
 
 def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs: list[torch.Tensor],
-                   cells: np.ndarray, whole: bool) -> np.ndarray:
-    """One forward batch (input `x`, each count gene set's counts `inputs`) into its fresh `sums` (`by_role`);
-    returns its (B, latent) latent means."""
+                   cells: np.ndarray, whole: bool, own_rows) -> np.ndarray:
+    """One forward batch (input `x`, each count gene set's counts `inputs`, its input rows `own_rows`) into its
+    fresh `sums` (`by_role`); returns its (B, latent) latent means."""
     codes = bound.batches.codes[cells]
     mu, _ = bound.net.encode(x)  # (B, latent)
     term, change, own = batch_terms(bound, first, x, mu, codes, whole)
-    mean_sums, group_sums, normal, log_evidence, _, count_evidence = by_role(sums)
+    mean_sums, group_sums, normal, log_evidence, library, count_evidence = by_role(sums)
     mean_sums.add(codes, term, change)
+    if library is not None:  # by (batch, state group)
+        library.add(codes if first.state_groups is None else group_codes(codes, first.state_groups, mu), own_rows)
     if group_sums is not None:
         group_sums.add(group_codes(codes, first.state_groups, mu), term, None)
     if normal is not None:

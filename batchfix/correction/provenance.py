@@ -28,10 +28,11 @@ LAYER_MEANING = {
 # Options with no effect on an output, and why (they are reported as not applied, never as applied)
 NOT_APPLIED = {
     "counts": {"residual_weight": "a count is mapped whole, not as a location and a residual"},
-    "log_counterfactual": {"quantile_seed": "no random draw: the log-scale output has no counts"},
+    "log_counterfactual": {"quantile_seed": "no random draw: the log-scale output has no counts",
+                           "depth": "the log-scale output has no counts, so no depth to move"},
     "denoised": {name: "the denoised output decodes the latent alone" for name in (
         "regional_shift", "regional_window", "regional_order", "regional_seed", "spread", "state_dependence",
-        "residual_weight", "quantile_seed", "shrink")},
+        "residual_weight", "quantile_seed", "shrink", "depth")},
 }
 KIND_NAMES = {"counts": "the corrected counts (a counts model's counterfactual output)",
               "log_counterfactual": "a log-scale model's counterfactual output (data.scale=log)",

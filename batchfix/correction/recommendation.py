@@ -99,8 +99,8 @@ def recommend(model: BatchfixModel, prepared: PreparedData, labels: np.ndarray |
     ratio = depth_ratio(libraries, prepared.batch_index[cells], states, len(model.batch_categories))
     if ratio >= DEPTH_RATIO:
         reason += (f"; the batches' sequencing depths differ {ratio:.1f}-fold within states, which the corrected "
-                   "counts keep (each cell's library): correction.depth=reference brings each batch's to the "
-                   "reference's")
+                   "counts keep (each cell's library): correction.depth=reference (or correction=depths) brings "
+                   "each batch's to the reference's")
     return Recommendation(preset, reason, applying, round(gene_effect, 3), round(regional_shift, 3),
                           model.batch_categories[worst], round(confined, 3), source, round(ratio, 3))
 

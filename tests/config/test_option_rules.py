@@ -92,8 +92,8 @@ def test_the_ablation_group_reaches_the_network_and_the_correction():
                           TrainConfig)
         correct = validated(compose("correct", ["checkpoint=x", "ablation.regional_seed=7"]), CorrectConfig)
     assert network_config(train).position_encoding == "none" and network_config(train).n_heads == train.model.n_heads
-    assert correction_ablations(train.ablation) == {"regional_order": "shuffled", "regional_seed": 0}
-    assert correction_ablations(correct.ablation) == {"regional_order": "genome", "regional_seed": 7}
+    assert correction_ablations(train.ablation) == {"regional_order": "shuffled", "regional_seed": 0, "quantile_seed": 0}
+    assert correction_ablations(correct.ablation) == {"regional_order": "genome", "regional_seed": 7, "quantile_seed": 0}
 
 
 def test_a_retired_option_says_why_it_went():

@@ -56,21 +56,22 @@ def run(subset_h5ad, tmp_path_factory) -> Path:
 
 
 def test_the_group_holds_the_default_and_the_readmes_recipes():
-    assert set(preset_names()) == {"default", "protocols", "patient_cnv", "conditions"}
+    assert set(preset_names()) == {"default", "protocols", "patient_cnv", "conditions", "depths"}
     assert preset_options("default") == {}
     assert expected("protocols")["spread"] == "gene" and expected("protocols")["state_dependence"] == 0.5
     assert expected("patient_cnv")["regional_shift"] == "keep_input"
     assert expected("conditions")["state_dependence"] == 0.0
+    assert preset_options("depths") == {"depth": "reference"}
 
 
 @pytest.mark.parametrize("name", preset_names())
 def test_every_entry_composes_in_train_and_correct_and_options_override_it(name):
     with initialize_config_module(config_module="batchfix.conf", version_base=None):
         train = validated(compose("train", [f"correction={name}"]), TrainConfig)
-        correct = validated(compose("correct", [f"correction={name}", "checkpoint=x", "correction.quantile_seed=7"]),
+        correct = validated(compose("correct", [f"correction={name}", "checkpoint=x", "correction.state_dependence=0.3"]),
                             CorrectConfig)
     assert asdict(train.correction) == expected(name)
-    assert asdict(correct.correction) == {**expected(name), "quantile_seed": 7}
+    assert asdict(correct.correction) == {**expected(name), "state_dependence": 0.3}
 
 
 def test_an_unknown_preset_and_an_old_spelling_are_refused_with_the_name_meant():
