@@ -79,6 +79,11 @@ def run_summary(verb: str, result: dict, folder: str | Path, written: list[str])
                      + ("" if "share_raised_in_state_groups" not in next(iter(evidence.values())) else
                         "; raised in the latent's state groups " + ", ".join(
                             f"{entry['share_raised_in_state_groups']:.1%}" for entry in evidence.values())))
+    depth = result.get("depth_shift")
+    if depth:
+        lines.append("  depth brought to the reference's (correction.depth): applied log shift "
+                     + ", ".join(f"{batch} {entry['log_shift'] * entry['weight']:+.2f} (sd {entry['sd']:.2f})"
+                                 for batch, entry in depth.items()))
     advice = result.get("recommendation")
     if advice:
         lines.append(f"  recommended correction: {advice['preset']}: {advice['reason']}"

@@ -113,6 +113,7 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
     corrected_path = write_corrected(cfg, model, adata, run_dir / runfolder.CORRECTED_H5AD)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
     metrics["shift_evidence"] = shift_evidence(corrected_path, cfg.correction.key_added)
+    metrics["depth_shift"] = shift_evidence(corrected_path, cfg.correction.key_added, "depth_shift")
     attention_picture(cfg, model, run_dir)
     if cfg.evaluate:  # without labels: the label-free mixing scores (iLISI, PCR) and a UMAP by batch
         from batchfix.eval.evaluate import evaluate_file
@@ -182,11 +183,12 @@ def correct_command(cfg: TrainConfig, run_dir: Path) -> str:
     return " ".join(parts)
 
 
-def shift_evidence(path: Path, key: str) -> dict | None:
-    """uns[key]['estimates']['shift_evidence'] of a corrected file (how much each batch's shifts were weighted
-    down, batchfix.correction.evidence), None where the correction weighted none."""
+def shift_evidence(path: Path, key: str, entry: str = "shift_evidence") -> dict | None:
+    """uns[key]['estimates'][entry] of a corrected file: how much each batch's shifts were weighted down
+    (batchfix.correction.evidence), or with entry='depth_shift' each batch's depth shift and its weight
+    (correction.depth=reference); None where the correction made none."""
     with h5py.File(path, "r") as f:
-        node = f.get(f"uns/{key}/estimates/shift_evidence")
+        node = f.get(f"uns/{key}/estimates/{entry}")
         return None if node is None else ondisk.read_elem(node)
 
 

@@ -120,6 +120,11 @@ def test_a_plate_at_half_the_depth_is_raised_to_the_others(thinned_plate):
     shifts = moved.uns["batchfix"]["estimates"]["depth_shift"]
     assert shifts["sc_celseq2_5cl_p1"]["log_shift"] > 0.15 and shifts["sc_celseq2_5cl_p1"]["weight"] > 0.95
     assert "depth_shift" not in kept.uns["batchfix"]["estimates"]
+    from batchfix.cli.summary import run_summary
+
+    text = run_summary("train", {"depth_shift": shifts}, ".", [])
+    applied = shifts["sc_celseq2_5cl_p1"]["log_shift"] * shifts["sc_celseq2_5cl_p1"]["weight"]
+    assert f"sc_celseq2_5cl_p1 {applied:+.2f}" in text and "correction.depth" in text
 
 
 def test_a_random_split_of_one_batch_is_left_as_it_was_with_its_depth_too(subset, bundled_adata):
