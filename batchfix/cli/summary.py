@@ -82,7 +82,7 @@ def run_summary(verb: str, result: dict, folder: str | Path, written: list[str])
     depth = result.get("depth_shift")
     if depth:
         lines.append("  depth brought to the reference's (correction.depth): applied log shift "
-                     + ", ".join(f"{batch} {applied_depth(entry):+.2f} (sd {entry['sd']:.2f})"
+                     + ", ".join(f"{batch} {entry['log_shift'] * entry['weight']:+.2f} (sd {entry['sd']:.2f})"
                                  for batch, entry in depth.items()))
     advice = result.get("recommendation")
     if advice:
@@ -98,8 +98,3 @@ def run_summary(verb: str, result: dict, folder: str | Path, written: list[str])
     folder = Path(folder)
     lines.append(f"  wrote {folder}/: " + ", ".join(name for name in written if (folder / name).exists()))
     return "\n".join(lines)
-
-
-def applied_depth(entry: dict) -> float:
-    """A batch's applied log depth shift from its uns entry: depth and the genes' common shift, times their weight."""
-    return (entry["log_shift"] + entry.get("genes_common_shift", 0.0)) * entry["weight"]

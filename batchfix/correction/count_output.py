@@ -145,7 +145,7 @@ def count_distributions(net, genes: GeneSet, tables: CountTables, x: torch.Tenso
     if by_reference_cells:  # the regional part: the batch's own, from its reference cells (shrunk by its noise)
         total = counterfactual.reference_cell_shift(total, codes, regional)
     if tables.depth is not None:  # the batch's depth, on every gene it has (weighed as one number per batch)
-        depth = tables.depth.applied(codes.numpy(), weight)  # (B, 1 or decoder genes)
+        depth = tables.depth.applied(codes.numpy())  # (B, 1)
         if tables.lacking is not None:
             depth = np.where(tables.lacking[known], 0.0, depth)  # (B, decoder genes)
         total = total + torch.from_numpy(depth)

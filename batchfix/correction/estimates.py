@@ -84,13 +84,11 @@ class Estimates:
         return self.count_tables[0].depth if self.count_tables else None
 
     def depth_summary(self, batch_names: list[str]) -> dict:
-        """Per batch with cells: its log depth shift to the reference, its genes' common shift, the depth's sampling
-        sd and the share of both applied (batchfix.correction.library_shift)."""
+        """Per batch with cells: its log depth shift to the reference, that shift's sampling sd and the share of it
+        applied (batchfix.correction.library_shift)."""
         depth = self.depth
         weight = np.ones_like(depth.shift) if depth.weight is None else depth.weight
-        common = np.zeros_like(depth.shift) if depth.common is None else depth.common
         return {batch_names[code]: {"log_shift": round(float(depth.shift[code]), 4),
-                                    "genes_common_shift": round(float(common[code]), 4),
                                     "sd": round(float(np.sqrt(depth.variance[code])), 4),
                                     "weight": round(float(weight[code]), 4)}
                 for code in range(min(len(batch_names), len(depth.shift))) if depth.cells[code] > 0}
@@ -312,7 +310,7 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
         log_weight, prior_sd = log_evidence.weights(bound.present.numpy())
         return dataclasses.replace(first, log_shift_weight=log_weight, shift_prior_sd=(prior_sd,), state=state,
                                    regional=shift), latents
-    tables, prior_sd = weighted_tables(bound, with_depth(bound, first, library, count_evidence), count_evidence)
+    tables, prior_sd = weighted_tables(bound, with_depth(bound, first, library), count_evidence)
     return dataclasses.replace(first, count_tables=tables, shift_prior_sd=prior_sd, state=state,
                                regional=shift), latents
 
@@ -335,19 +333,15 @@ def mean_shift_templates(bound, first: Estimates, n_codes: int, regional: bool, 
     return templates
 
 
-def with_depth(bound, first: Estimates, library: LibrarySums | None, evidence: list) -> Estimates:
-    """`first` with each gene set's tables holding the batches' depth shift, or as it is without depth sums; with
-    evidence weights (`evidence`: each gene set's sums, by batch first), the modelled genes' common shift weighed
-    together with it as one number per batch (batchfix.correction.library_shift)."""
+def with_depth(bound, first: Estimates, library: LibrarySums | None) -> Estimates:
+    """`first` with each gene set's tables holding the batches' depth shift (weighed with evidence weights), or
+    as it is without depth sums."""
     if library is None:
         return first
     n_groups = 1 if first.state_groups is None else len(first.state_groups.centroids)
     depth = library_shift(library, n_groups, bound.batches.n_training, bound.reference)
-    if evidence:
-        common = evidence[0].common_shift(first.count_tables[0], bound.gene_sets[0].present.numpy(),
-                                          calibration.MIN_UNSEEN_CELLS)
-        depth = dataclasses.replace(depth, common=common,
-                                    weight=depth_weights(depth.shift + common, depth.variance))
+    if bound.settings.shrink == "evidence":
+        depth = dataclasses.replace(depth, weight=depth_weights(depth.shift, depth.variance))
     return dataclasses.replace(first, count_tables=tuple(dataclasses.replace(t, depth=depth)
                                                          for t in first.count_tables))
 

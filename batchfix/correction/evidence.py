@@ -82,22 +82,6 @@ class ShiftEvidenceSums:
             self.mean_squares[code] += np.square(means[chosen]).sum(axis=0)
             self.n_cells[code] += int(chosen.sum())
 
-    def mean_shifts(self, tables: CountTables) -> np.ndarray:
-        """(codes, genes) each batch's mean total log-mean shift of each gene over its cells (decoder and ratio)."""
-        n = np.maximum(self.n_cells, 1)[:, None]
-        return self.shift / n + np.log(tables.reference_ratio[None, :] / tables.ratio[:len(n)])
-
-    def common_shift(self, tables: CountTables, present: np.ndarray, min_cells: int) -> np.ndarray:
-        """(codes,) each batch's shift common to its genes: the median over the `present` genes it has of its mean
-        shifts (0 for a batch without cells). A library raised by a few genes lowers every other gene's share; this
-        part moves with the depth (batchfix.correction.library_shift), not with each gene's own evidence."""
-        shifts, lacking = self.mean_shifts(tables), absent_from_batches(self.counts, self.n_cells, min_cells)
-        common = np.zeros(len(self.n_cells))
-        for code in np.flatnonzero(self.n_cells > 0):
-            chosen = present & ~lacking[code]
-            common[code] = np.median(shifts[code, chosen]) if chosen.any() else 0.0
-        return common
-
     def shift_variance(self, variance: np.ndarray, reference: int | None, members: np.ndarray) -> np.ndarray:
         """(codes, genes) the sampling variance of each batch's shift, from each batch's level's variance `variance`.
 
@@ -124,9 +108,8 @@ class ShiftEvidenceSums:
         batch (of at least `min_cells` cells) has no count of the gene at all: a gene absent from a whole batch is
         biology, which no technical shift gives back."""
         n = np.maximum(self.n_cells, 1)[:, None]
-        mean_shift = self.mean_shifts(tables)
-        if tables.depth is not None and tables.depth.common is not None:  # weighed with the depth instead
-            mean_shift = mean_shift - tables.depth.common[:len(n), None]
+        ratio_shift = np.log(tables.reference_ratio[None, :] / tables.ratio[:len(n)])
+        mean_shift = self.shift / n + ratio_shift  # (codes, genes)
         level_variance = (1.0 / (self.counts + HALF_COUNT)
                           + self.mean_squares / (tables.theta[:len(n)] * np.square(self.means + HALF_COUNT)))
         members = (np.ones((n_training, len(present)), dtype=bool) if tables.reference_members is None

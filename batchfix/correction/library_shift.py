@@ -59,19 +59,11 @@ class LibraryShift:
     variance: np.ndarray
     cells: np.ndarray
     weight: np.ndarray | None = None
-    common: np.ndarray | None = None
 
-    def applied(self, codes: np.ndarray, gene_weight: np.ndarray | None) -> np.ndarray:
-        """(B, 1 or genes) float64 each cell's applied depth term: the batch's depth shift and the genes' common shift
-        c_b, weighed together, less c_b times each gene's own weight (`gene_weight` (B, genes), None: 1), which
-        the gene's shift already holds it with (0 for cells without a batch)."""
+    def applied(self, codes: np.ndarray) -> np.ndarray:
+        """(B, 1) float64 each cell's applied depth shift (0 for cells without a batch)."""
         share = np.ones_like(self.shift) if self.weight is None else self.weight
-        common = np.zeros_like(self.shift) if self.common is None else self.common
-        known, missing = np.maximum(codes, 0), (codes < 0)[:, None]
-        term = ((self.shift + common) * share)[known][:, None]
-        if self.common is not None:
-            term = term - common[known][:, None] * (1.0 if gene_weight is None else gene_weight)
-        return np.where(missing, 0.0, term)
+        return np.where(codes >= 0, (self.shift * share)[np.maximum(codes, 0)], 0.0)[:, None]
 
 
 def library_shift(sums: LibrarySums, n_groups: int, n_training: int, reference: int | None) -> LibraryShift:
