@@ -82,9 +82,9 @@ class CorrectionOptions:
     # well-measured one passes whole; batchfix.correction.evidence) | none = every estimated shift applied in full
     shrink: str = "evidence"
     # Corrected counts: keep = each cell keeps its library (sequencing depth), only its genes' shares move | reference
-    # = each batch's typical library is brought to the reference's, measured within state groups, as one more part of
-    # every gene's shift that the evidence weights judge (a plate sequenced at half the depth is raised; a depth
-    # difference within its noise moves nothing; batchfix.correction.library_shift, docs/lab/library-shift.md)
+    # = each batch's typical library is brought to the reference's, measured within state groups and weighed as one
+    # number per batch (a plate sequenced at half the depth is raised; a depth difference within its noise moves
+    # nothing; a gene a batch lacks stays absent; batchfix.correction.library_shift, docs/lab/library-shift.md)
     depth: str = "keep"
     # Counterfactual output: the share of each cell's residual (its own deviation from what the decoder expects in
     # its batch) that is kept, on top of the spread k_b. 1 = all of it; 0 = none: the denoised output (decoded as

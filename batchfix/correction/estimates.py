@@ -79,6 +79,11 @@ class Estimates:
                 **({"depth_shift": self.depth_summary(batch_names)} if self.depth is not None else {})}
 
     @property
+    def n_state_groups(self) -> int:
+        """The latent's state groups the estimates are also taken in (1 without groups)."""
+        return 1 if self.state_groups is None else len(self.state_groups.centroids)
+
+    @property
     def depth(self):
         """Each batch's depth shift (correction.depth=reference; the same in every gene set's tables), or None."""
         return self.count_tables[0].depth if self.count_tables else None
@@ -295,8 +300,9 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
         inputs = [x] + [genes.observed(chunk) for genes in bound.gene_sets[1:]] if evidence else []
         for rows_of_batch, cells in bound.forward_batches(stop - start, start):
             batch_sums = ordered.fresh()
+            own_rows = chunk[rows_of_batch] if moves_depth(bound) else None  # the depth reads whole rows
             mu = add_mean_shift(bound, first, batch_sums, x[rows_of_batch],
-                                [values[rows_of_batch] for values in inputs], cells, whole, chunk[rows_of_batch])
+                                [values[rows_of_batch] for values in inputs], cells, whole, own_rows)
             if latents is not None:
                 latents[cells] = mu
             ordered.push(bound.batch_index(cells[0]), batch_sums)
@@ -318,7 +324,7 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
 def mean_shift_templates(bound, first: Estimates, n_codes: int, regional: bool, whole: bool) -> list:
     """The mean-shift pass's zero sums, in `by_role`'s order."""
     templates = [MeanShiftSums(n_codes, len(bound.trained.genes), whole)]
-    n_groups = 1 if first.state_groups is None else len(first.state_groups.centroids)
+    n_groups = first.n_state_groups
     if first.state_groups is not None and bound.settings.state_dependence < 1:  # the state shrink's group means
         templates.append(MeanShiftSums(n_codes * n_groups, len(bound.trained.genes), False))
     if regional and bound.normal is not None:
@@ -338,8 +344,7 @@ def with_depth(bound, first: Estimates, library: LibrarySums | None) -> Estimate
     as it is without depth sums."""
     if library is None:
         return first
-    n_groups = 1 if first.state_groups is None else len(first.state_groups.centroids)
-    depth = library_shift(library, n_groups, bound.batches.n_training, bound.reference)
+    depth = library_shift(library, first.n_state_groups, bound.batches.n_training, bound.reference)
     if bound.settings.shrink == "evidence":
         depth = dataclasses.replace(depth, weight=depth_weights(depth.shift, depth.variance))
     return dataclasses.replace(first, count_tables=tuple(dataclasses.replace(t, depth=depth)
@@ -360,8 +365,8 @@ def latent_cache(n_obs: int, latent_dim: int) -> np.ndarray | None:
 
 def add_mean_shift(bound, first: Estimates, sums: list, x: torch.Tensor, inputs: list[torch.Tensor],
                    cells: np.ndarray, whole: bool, own_rows) -> np.ndarray:
-    """One forward batch (input `x`, each count gene set's counts `inputs`, its input rows `own_rows`) into its
-    fresh `sums` (`by_role`); returns its (B, latent) latent means."""
+    """One forward batch (input `x`, each count gene set's counts `inputs`, its input rows `own_rows`, None where
+    no sum reads them) into its fresh `sums` (`by_role`); returns its (B, latent) latent means."""
     codes = bound.batches.codes[cells]
     mu, _ = bound.net.encode(x)  # (B, latent)
     term, change, own = batch_terms(bound, first, x, mu, codes, whole)

@@ -169,10 +169,11 @@ def weighted_tables(bound, first: Estimates, evidence: list[ShiftEvidenceSums]) 
     by_state = [None] * n_sets if len(evidence) == n_sets else [
         sums.state_weights(tables, chosen, bound.reference, bound.batches.n_training, weight)
         for chosen, tables, sums, (weight, _) in zip(present, first.count_tables, evidence[n_sets:], weighted)]
-    lacking = [absent_from_batches(sums.counts, sums.n_cells, calibration.MIN_UNSEEN_CELLS) & chosen[None, :]
-               for sums, chosen in zip(evidence, present)]
+    lacking = [None if tables.depth is None else  # the genes each batch lacks, which its depth does not raise
+               absent_from_batches(sums.counts, sums.n_cells, calibration.MIN_UNSEEN_CELLS) & chosen[None, :]
+               for sums, chosen, tables in zip(evidence, present, first.count_tables)]
     tables = tuple(dataclasses.replace(t, shift_weight=w, state_weight=state, state_groups=first.state_groups,
-                                       lacking=None if t.depth is None else gone)
+                                       lacking=gone)
                    for t, (w, _), state, gone in zip(first.count_tables, weighted, by_state, lacking))
     return tables, tuple(tau for _, tau in weighted)
 

@@ -179,9 +179,8 @@ class CountsOutput(OutputKind):
 
     def no_checks(self) -> ModelChecks:
         """Empty model checks of the modelled genes, by batch code and state group."""
-        groups = self.estimates.state_groups
-        return ModelChecks.empty(self.estimates.count_tables[0].theta.shape[0],
-                                 1 if groups is None else len(groups.centroids), len(self.bound.gene_sets[0].columns))
+        return ModelChecks.empty(self.estimates.count_tables[0].theta.shape[0], self.estimates.n_state_groups,
+                                 len(self.bound.gene_sets[0].columns))
 
     def add_checks(self, checks: ModelChecks, x: torch.Tensor, cells: np.ndarray, codes: torch.Tensor,
                    mu: torch.Tensor, corrected: np.ndarray, modelled: np.ndarray) -> None:

@@ -112,8 +112,7 @@ def write_outputs(cfg: TrainConfig, result: fitting.FitResult, prepared: Prepare
     log.info("Correcting the training file into %s.", run_dir / runfolder.CORRECTED_H5AD)
     corrected_path = write_corrected(cfg, model, adata, run_dir / runfolder.CORRECTED_H5AD)
     metrics["correct_seconds"] = round(time.perf_counter() - correct_started, 2)
-    metrics["shift_evidence"] = shift_evidence(corrected_path, cfg.correction.key_added)
-    metrics["depth_shift"] = shift_evidence(corrected_path, cfg.correction.key_added, "depth_shift")
+    metrics.update(estimate_entries(corrected_path, cfg.correction.key_added))
     attention_picture(cfg, model, run_dir)
     if cfg.evaluate:  # without labels: the label-free mixing scores (iLISI, PCR) and a UMAP by batch
         from batchfix.eval.evaluate import evaluate_file
@@ -183,13 +182,16 @@ def correct_command(cfg: TrainConfig, run_dir: Path) -> str:
     return " ".join(parts)
 
 
-def shift_evidence(path: Path, key: str, entry: str = "shift_evidence") -> dict | None:
-    """uns[key]['estimates'][entry] of a corrected file: how much each batch's shifts were weighted down
-    (batchfix.correction.evidence), or with entry='depth_shift' each batch's depth shift and its weight
+SUMMARISED_ESTIMATES = ("shift_evidence", "depth_shift")  # uns[key]['estimates'] entries metrics.json repeats
+
+
+def estimate_entries(path: Path, key: str) -> dict:
+    """{entry: uns[key]['estimates'][entry] or None} of a corrected file, for SUMMARISED_ESTIMATES: how much each
+    batch's shifts were weighted down (batchfix.correction.evidence) and each batch's depth shift with its weight
     (correction.depth=reference); None where the correction made none."""
     with h5py.File(path, "r") as f:
-        node = f.get(f"uns/{key}/estimates/{entry}")
-        return None if node is None else ondisk.read_elem(node)
+        nodes = {entry: f.get(f"uns/{key}/estimates/{entry}") for entry in SUMMARISED_ESTIMATES}
+        return {entry: None if node is None else ondisk.read_elem(node) for entry, node in nodes.items()}
 
 
 def fit_metrics(result: fitting.FitResult, prepared: PreparedData) -> dict:

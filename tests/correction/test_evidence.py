@@ -184,12 +184,12 @@ def test_the_weights_reach_the_file_and_the_run_summary(null_set, tmp_path):
     from batchfix.cli.summary import run_summary
     from batchfix.config import ResolvedCorrection
     from batchfix.correction.writers import correct_file
-    from batchfix.tasks.training import shift_evidence
+    from batchfix.tasks.training import estimate_entries
 
     split, model = null_set
     split.write_h5ad(tmp_path / "split.h5ad")
     correct_file(tmp_path / "split.h5ad", tmp_path / "out.h5ad", model, ResolvedCorrection(), progress=False)
-    evidence = shift_evidence(tmp_path / "out.h5ad", "batchfix")
+    evidence = estimate_entries(tmp_path / "out.h5ad", "batchfix")["shift_evidence"]
     assert set(evidence) == {"sc_celseq2_a", "sc_celseq2_b"}
     text = run_summary("train", {"shift_evidence": evidence}, tmp_path, [])
     line = next(line for line in text.splitlines() if "shifts weighted by their evidence (correction.shrink)" in line)
