@@ -102,6 +102,7 @@ def thinned_plate(subset):
     return thinned, plate, batchfix.train(thinned, batch_key="batch", label_key="cell_type", **TINY)
 
 
+@pytest.mark.slow  # trains a model of its own: in the slow run, which CI runs too
 def test_a_plate_at_half_the_depth_is_raised_to_the_others(thinned_plate):
     """With depth=keep the thinned plate keeps its half depth; with depth=reference its median library moves to
     within 25 % of the other plates' (same cell lines, the plates' own depths differ too), recorded per batch."""
@@ -127,6 +128,7 @@ def test_a_plate_at_half_the_depth_is_raised_to_the_others(thinned_plate):
     assert f"sc_celseq2_5cl_p1 {applied:+.2f}" in text and "correction.depth" in text
 
 
+@pytest.mark.slow  # trains a model of its own: in the slow run, which CI runs too
 def test_a_random_split_of_one_batch_is_left_as_it_was_with_its_depth_too(subset, bundled_adata):
     """A 50/50 split of one real batch: the pseudo-batches' depths differ by their sampling noise alone, so
     depth=reference changes at most 1 % of the nonzero counts, as depth=keep does."""

@@ -155,7 +155,7 @@ def estimates_of_parts(bound, rows, n_obs: int, count: int) -> list:
 
 
 @pytest.mark.parametrize("options", [{}, {"shrink": "none", "state_dependence": 1.0}, {"regional_shift": "keep_input"},
-                                     {"depth": "reference"}])
+                                     pytest.param({"depth": "reference"}, marks=pytest.mark.slow)])
 def test_ranks_estimating_their_own_rows_hold_one_process_estimates_bit_for_bit(files, options):
     """Unseen batches' tables, the mean shifts and the evidence weights, each part summing only its rows."""
     trained = files["trained"]

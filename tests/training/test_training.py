@@ -298,6 +298,7 @@ def test_checkpoint_reload_reproduces_in_memory_model(subset_h5ad, tmp_path, cap
     assert not best["tables.count_theta"].any() and (final["tables.count_theta"] > 0).all()
 
 
+@pytest.mark.slow  # two training runs of its own: in the slow run, which CI runs too
 def test_resume_continues_step_count(subset_h5ad, tmp_path):
     first_dir, second_dir = tmp_path / "first", tmp_path / "second"
     first = tasks.train(compose_train(subset_h5ad, "trainer.max_epochs=1"), first_dir)
