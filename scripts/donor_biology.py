@@ -14,6 +14,7 @@ batch, the genes, their level and their detection in the batch before it was emp
 within 0.05 of the gene's, tells a loss the emptying caused from what the correction does to any gene of that level.
 
     python -m scripts.donor_biology build data/cellbench5.h5ad donor.h5ad --batch sc_celseq2_5cl_p1 --seed 0
+    python -m scripts.donor_biology build ... --ambient 0.02   # 2 % of the batch's cells keep one count of each
     python -m scripts.donor_biology score donor.h5ad run/corrected.h5ad --layer batchfix_counts
     python -m scripts.donor_biology combat-seq donor.h5ad donor.combat_seq.h5ad   # then score --layer combat_seq
 
@@ -83,8 +84,10 @@ def choose_genes(adata: ad.AnnData, rows: np.ndarray, seed: int) -> dict[int, st
     return chosen
 
 
-def build(adata: ad.AnnData, batch: str, seed: int = 0, batch_key: str = "batch") -> ad.AnnData:
-    """A copy of `adata` (raw counts in X) with the chosen genes set to zero in every cell of `batch`."""
+def build(adata: ad.AnnData, batch: str, seed: int = 0, batch_key: str = "batch", ambient: float = 0.0) -> ad.AnnData:
+    """A copy of `adata` (raw counts in X) with the chosen genes set to zero in every cell of `batch`; with
+    `ambient`, that share of the batch's cells (drawn with `seed`) keeps one count of each, as ambient RNA or
+    doublets from other donors leave a few counts of a gene a donor does not carry."""
     batches = adata.obs[batch_key].astype(str).to_numpy()
     if batch not in set(batches):
         raise ValueError(f"{batch} is not in obs['{batch_key}']; present: {sorted(set(batches))}")
@@ -95,8 +98,12 @@ def build(adata: ad.AnnData, batch: str, seed: int = 0, batch_key: str = "batch"
     counts = sp.lil_matrix(sp.csr_matrix(out.X)) if sp.issparse(out.X) else np.array(out.X)
     before = detection(sp.csr_matrix(out.X), rows)[columns]
     counts[np.ix_(rows, columns)] = 0
+    if ambient > 0:
+        rng = np.random.default_rng(seed + 1)
+        for column in columns:
+            counts[rng.choice(rows, max(1, round(ambient * len(rows))), replace=False), column] = 1
     out.X = sp.csr_matrix(counts) if sp.issparse(out.X) else counts
-    out.uns["donor_biology"] = {"batch": batch, "batch_key": batch_key, "seed": seed,
+    out.uns["donor_biology"] = {"batch": batch, "batch_key": batch_key, "seed": seed, "ambient": ambient,
                                 "genes": out.var_names[columns].to_numpy().astype(str),
                                 "levels": np.array([chosen[c] for c in columns]),
                                 "emptied_share_before": before}
@@ -160,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     make.add_argument("--batch", required=True, help="the batch the genes are emptied in")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--batch-key", default="batch")
+    make.add_argument("--ambient", type=float, default=0.0,
+                      help="share of the batch's cells that keep one count of each emptied gene (ambient RNA)")
     seq = verbs.add_parser("combat-seq", help="write the set with ComBat-seq's counts in layers['combat_seq']")
     seq.add_argument("donor", help="the set (.h5ad)")
     seq.add_argument("output", help=".h5ad written (never over an existing file)")
@@ -172,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.verb == "build":
         try:
             refuse_existing(Path(args.output), overwrite=False)
-            out = build(ad.read_h5ad(args.input), args.batch, args.seed, args.batch_key)
+            out = build(ad.read_h5ad(args.input), args.batch, args.seed, args.batch_key, args.ambient)
         except (ValueError, OutputExistsError) as error:
             parser.error(str(error))
         with atomic_output(Path(args.output), overwrite=False) as tmp:

@@ -82,8 +82,10 @@ class BoundModel:
 
     def __init__(self, trained: BatchfixModel, var_names: pd.Index, settings: ResolvedCorrection,
                  counts_layer: str | None = None, batch: np.ndarray | None = None, batch_key: str | None = None,
-                 obs_names: pd.Index | None = None, normal: np.ndarray | None = None):
+                 obs_names: pd.Index | None = None, normal: np.ndarray | None = None,
+                 sex_linked: list[np.ndarray] | None = None):
         self.trained = trained
+        self.sex_linked = sex_linked or []  # input columns of each sex-linked gene set (batchfix.correction.lacking_genes)
         self.normal = normal  # (cells,) bool: reference cells (regional_shift=reference_cells), or None
         self.net = trained.net
         self.batch_key = batch_key

@@ -64,7 +64,7 @@ class CountTables:
     (training batches, decoder genes) bool: the batches the average reference of each gene is taken over (None:
     every batch); `depth`: each batch's depth shift to the reference (correction.depth=reference,
     batchfix.correction.library_shift; None: each cell keeps its library), and `lacking` (codes, decoder genes) bool
-    the genes a batch has no count of in any of its cells, whose zeros its depth does not raise (None: none)."""
+    the genes a batch lacks as biology (batchfix.correction.lacking_genes): not shifted, not raised by its depth."""
 
     theta: np.ndarray
     ratio: np.ndarray

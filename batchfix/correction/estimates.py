@@ -32,6 +32,7 @@ from batchfix.correction.evidence import (
     log_change_and_residual,
     weighted_tables,
 )
+from batchfix.correction.lacking_genes import set_lacking
 from batchfix.correction.library_shift import LibrarySums, library_shift
 from batchfix.correction.mean_shifts import MeanShiftSums, group_shrink, mean_shift
 from batchfix.correction.reduction import Block, OrderedSums
@@ -168,9 +169,9 @@ def first_pass_batches(bound, rows, part: Part, every_row: bool):
 
 
 def detects_absence(bound) -> bool:
-    """Whether a gene absent from a whole batch is left out of its average reference (batchfix.correction.evidence):
-    the corrected counts with evidence weights and the average reference."""
-    return bound.counts_output and bound.settings.shrink == "evidence" and bound.reference is None
+    """Whether the genes a whole batch lacks as biology are found (batchfix.correction.evidence: not shifted, not
+    given by its depth, left out of the average reference): the corrected counts with evidence weights."""
+    return bound.counts_output and bound.settings.shrink == "evidence"
 
 
 def moves_depth(bound) -> bool:
@@ -188,8 +189,8 @@ def weighs_states(bound) -> bool:
 
 def estimate_unseen(bound, rows, part: Part, n_obs: int) -> Estimates:
     """The statistics (log output) and, for the counts, each gene set's tables: the training batches' from the
-    checkpoint, the unseen batches' ratios and dispersions from their cells; and with `detects_absence`, each
-    gene's reference members from every batch's counts; with `weighs_states`, the latent's state groups, fitted to
+    checkpoint, the unseen batches' ratios and dispersions from their cells; and with `detects_absence`, the
+    genes each batch lacks and each gene's average reference members, from every batch's counts; with `weighs_states`, the latent's state groups, fitted to
     a sample of the cells."""
     n_genes, n_unseen, n_sets = len(bound.trained.genes), len(bound.batches.unseen), len(bound.gene_sets)
     sums = [calibration.ResidualSums(n_genes) for _ in range(n_unseen)]
@@ -219,11 +220,13 @@ def estimate_unseen(bound, rows, part: Part, n_obs: int) -> Estimates:
     settings = bound.settings
     statistics = calibration.Statistics(bound.trained.tables, bound.reference, sums, bound.present.numpy(),
                                         settings.spread, settings.residual_weight)
-    members = [None if detection is None else
-               detection.members(genes, bound.batches.n_training, calibration.MIN_UNSEEN_CELLS)
-               for genes in bound.gene_sets]
+    lacking = None if detection is None else detection.lacking(calibration.MIN_UNSEEN_CELLS, bound.sex_linked)
+    members = [None if lacking is None or bound.reference is not None else
+               DetectionSums.members(genes, lacking, bound.batches.n_training) for genes in bound.gene_sets]
     tables = tuple(count_tables(bound.trained, genes, set_sums, bound.reference, settings.spread, chosen)
                    for genes, set_sums, chosen in zip(bound.gene_sets, by_set, members))
+    if lacking is not None:  # the genes each batch lacks: no shift, no depth (evidence.weighted_tables)
+        tables = tuple(dataclasses.replace(t, lacking=set_lacking(genes, lacking)) for t, genes in zip(tables, bound.gene_sets))
     groups = None if sample is None else fit_groups(sample)
     return Estimates(statistics=statistics, count_tables=tables, state_groups=groups)
 

@@ -48,6 +48,7 @@ from scipy import special
 
 from batchfix.correction import calibration, counterfactual, counts
 from batchfix.correction.count_output import CountTables
+from batchfix.correction.lacking_genes import absent_from_batches, lacking_sex_linked, set_lacking, unless_lacking
 from batchfix.correction.state_groups import group_codes
 
 if TYPE_CHECKING:  # the estimate pass reads this module's sums
@@ -169,12 +170,9 @@ def weighted_tables(bound, first: Estimates, evidence: list[ShiftEvidenceSums]) 
     by_state = [None] * n_sets if len(evidence) == n_sets else [
         sums.state_weights(tables, chosen, bound.reference, bound.batches.n_training, weight)
         for chosen, tables, sums, (weight, _) in zip(present, first.count_tables, evidence[n_sets:], weighted)]
-    lacking = [None if tables.depth is None else  # the genes each batch lacks, which its depth does not raise
-               absent_from_batches(sums.counts, sums.n_cells, calibration.MIN_UNSEEN_CELLS) & chosen[None, :]
-               for sums, chosen, tables in zip(evidence, present, first.count_tables)]
-    tables = tuple(dataclasses.replace(t, shift_weight=w, state_weight=state, state_groups=first.state_groups,
-                                       lacking=gone)
-                   for t, (w, _), state, gone in zip(first.count_tables, weighted, by_state, lacking))
+    tables = tuple(dataclasses.replace(t, shift_weight=unless_lacking(w, t.lacking), state_groups=first.state_groups,
+                                       state_weight=None if state is None else unless_lacking(state, t.lacking))
+                   for t, (w, _), state in zip(first.count_tables, weighted, by_state))
     return tables, tuple(tau for _, tau in weighted)
 
 
@@ -195,22 +193,20 @@ class DetectionSums:
             self.counts[code] += np.asarray(rows[chosen].sum(axis=0)).ravel()
             self.n_cells[code] += int(chosen.sum())
 
-    def members(self, genes, n_training: int, min_cells: int) -> np.ndarray | None:
+    def lacking(self, min_cells: int, sex_linked: list[np.ndarray]) -> np.ndarray:
+        """(codes, columns) bool: the genes each batch (of at least `min_cells` cells) lacks as biology: no count in
+        any of its cells, or a sex-linked set it holds at an ambient level (batchfix.correction.lacking_genes)."""
+        return (absent_from_batches(self.counts, self.n_cells, min_cells)
+                | lacking_sex_linked(self.counts, self.n_cells, sex_linked, min_cells))
+
+    @staticmethod
+    def members(genes, lacking: np.ndarray, n_training: int) -> np.ndarray | None:
         """(training batches, decoder genes) bool: the batches the average reference of each of the gene set's genes
-        is taken over, those that detect it in the input (a batch of at least `min_cells` cells with no count of
-        it lacks it as biology); every batch for a gene none detects or the input lacks. None where every batch is
-        a member for every gene (the decoder's average then needs no mask)."""
-        detected = np.ones((n_training, len(genes.present)))
-        detected[:, genes.model_index] = self.counts[:n_training][:, genes.columns]
-        absent = absent_from_batches(detected, self.n_cells[:n_training], min_cells)
+        is taken over, those that do not lack it (`lacking`, by input column); every batch for a gene all lack or the
+        input lacks. None where every batch is a member for every gene (the decoder's average then needs no mask)."""
+        absent = set_lacking(genes, lacking[:n_training])
         members = ~absent | absent.all(axis=0)
         return None if members.all() else members
-
-
-def absent_from_batches(counts: np.ndarray, n_cells: np.ndarray, min_cells: int) -> np.ndarray:
-    """(codes, genes) bool: the batch, of at least `min_cells` cells, has no count of the gene in any of them (it
-    lacks the gene as biology), from each batch's total `counts` (codes, genes) and its cells `n_cells` (codes,)."""
-    return (counts == 0) & (n_cells[:, None] >= min_cells)
 
 
 def weights_by_batch(shift: np.ndarray, variance: np.ndarray, present: np.ndarray,

@@ -35,6 +35,7 @@ import torch
 from batchfix.config import ResolvedCorrection
 from batchfix.correction.corrector import BoundModel
 from batchfix.correction.estimates import estimate
+from batchfix.correction.lacking_genes import sex_linked_sets
 from batchfix.correction.outputs import (
     ChunkOutput,
     OutputKind,
@@ -129,7 +130,7 @@ def prepared_output(adata: ad.AnnData, trained: BatchfixModel, settings: Resolve
     normal = normal_cells(adata.obs[settings.normal_key] if settings.normal_key in adata.obs else None, settings,
                           list(map(str, adata.obs.columns)))
     bound = BoundModel(trained, adata.var_names, settings, counts_layer, batch, batch_key,
-                       adata.obs_names, normal)
+                       adata.obs_names, normal, sex_linked_columns(adata.var, trained, settings))
     rows = ondisk.InMemoryRows(matrix)
     return output_kind(bound, *estimate(bound, rows, adata.n_obs)), rows
 
@@ -259,9 +260,18 @@ def bind_file(src: h5py.File, source: Path, trained: BatchfixModel, settings: Re
                             batch, batch_key)
     normal = None if settings.normal_key is None else normal_cells(
         ondisk.read_obs_column(src, settings.normal_key), settings, ondisk.obs_columns(src))
+    sex_linked = sex_linked_columns(ondisk.read_var_frame(src), trained, settings) if batch is not None else None
     bound = BoundModel(trained, var_names, settings, counts_layer, batch, batch_key,
-                       ondisk.read_obs_names(src), normal)
+                       ondisk.read_obs_names(src), normal, sex_linked)
     return bound, rows, n_obs
+
+
+def sex_linked_columns(var: pd.DataFrame, trained: BatchfixModel, settings: ResolvedCorrection) -> list[np.ndarray]:
+    """The input's sex-linked gene sets, where the genes a batch lacks are found (corrected counts with evidence
+    weights, batchfix.correction.lacking_genes); else none."""
+    if settings.output_mode != "counterfactual" or settings.shrink != "evidence" or trained.scale == "log":
+        return []
+    return sex_linked_sets(var, trained.data_options["genome"])
 
 
 def log_written(target: Path, bound: BoundModel, n_obs: int) -> None:
