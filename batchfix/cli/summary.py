@@ -79,6 +79,10 @@ def run_summary(verb: str, result: dict, folder: str | Path, written: list[str])
                      + ("" if "share_raised_in_state_groups" not in next(iter(evidence.values())) else
                         "; raised in the latent's state groups " + ", ".join(
                             f"{entry['share_raised_in_state_groups']:.1%}" for entry in evidence.values())))
+    lacked = {batch: entry["genes_lacked"] for batch, entry in (evidence or {}).items() if entry.get("genes_lacked")}
+    if lacked:
+        lines.append("  genes a batch lacks as biology (no count in any cell, or chrY / XIST at an ambient level), "
+                     "kept as they are: " + ", ".join(f"{batch} {n}" for batch, n in lacked.items()))
     depth = result.get("depth_shift")
     if depth:
         lines.append("  depth brought to the reference's (correction.depth): applied log shift "

@@ -100,8 +100,8 @@ class Estimates:
                 for code in range(min(len(batch_names), len(depth.shift))) if depth.cells[code] > 0}
 
     def evidence_summary(self, batch_names: list[str]) -> dict:
-        """Per batch: its shifts' prior sd across the modelled genes, and over every corrected gene the median
-        weight of its shift and the share of genes whose shift was more than halved (batchfix.correction.evidence);
+        """Per batch: its shifts' prior sd across the modelled genes, over every corrected gene its shift's median
+        weight, the share of shifts more than halved (evidence) and the genes it lacks as biology (lacking_genes);
         with state groups, the share of (group, gene) pairs whose group's evidence raised the weight."""
         weights = self.log_shift_weight if self.log_shift_weight is not None else \
             np.hstack([tables.shift_weight for tables in self.count_tables])  # (codes, all genes)
@@ -111,6 +111,7 @@ class Estimates:
         return {name: {"prior_sd": round(float(self.shift_prior_sd[0][code]), 4),
                        "median_weight": round(float(np.median(weights[code])), 4),
                        "share_more_than_halved": round(float((weights[code] < 0.5).mean()), 4),
+                       "genes_lacked": int(sum(t.lacking[code].sum() for t in self.count_tables if t.lacking is not None)),
                        **({} if raised is None else {"share_raised_in_state_groups": round(float(
                            raised[code].mean()), 4)})}
                 for code, name in enumerate(batch_names)}
@@ -343,8 +344,7 @@ def mean_shift_templates(bound, first: Estimates, n_codes: int, regional: bool, 
 
 
 def with_depth(bound, first: Estimates, library: LibrarySums | None) -> Estimates:
-    """`first` with each gene set's tables holding the batches' depth shift (weighed with evidence weights), or
-    as it is without depth sums."""
+    """`first` with each gene set's tables holding the batches' depth shift (evidence-weighed); as is without sums."""
     if library is None:
         return first
     depth = library_shift(library, first.n_state_groups, bound.batches.n_training, bound.reference)

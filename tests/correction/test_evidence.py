@@ -252,13 +252,21 @@ def test_a_sex_linked_gene_a_batch_holds_at_an_ambient_level_is_not_given_to_it(
     raw = sp.csr_matrix(donor.X)[:, xist].toarray().ravel() > 0
     assert 0 < raw[emptied].mean() <= 0.03
     shares = {}
+    lacked = {}
     for rule in (True, False):
         with mock.patch.object(lacking_genes, "AMBIENT_SHARE", 0.1 if rule else 0.0):
-            counts = sp.csr_matrix(batchfix.correct(donor, model, copy=True).layers["batchfix_counts"])
-        expressed = counts[:, xist].toarray().ravel() > 0
+            out = batchfix.correct(donor, model, copy=True)
+        expressed = sp.csr_matrix(out.layers["batchfix_counts"])[:, xist].toarray().ravel() > 0
         shares[rule] = (expressed[emptied].mean(), expressed[~emptied].mean() / raw[~emptied].mean())
+        lacked[rule] = out.uns["batchfix"]["estimates"]["shift_evidence"]["sc_celseq2_5cl_p1"]["genes_lacked"]
     assert shares[True][0] <= 0.05 and shares[True][1] >= 0.8, shares
     assert shares[False][0] > 0.05, shares
+    assert lacked[True] == lacked[False] + 1, lacked  # XIST, beside the genes of no count
+    from batchfix.cli.summary import run_summary
+    evidence = out.uns["batchfix"]["estimates"]["shift_evidence"]
+    text = run_summary("correct", {"shift_evidence": evidence}, ".", [])  # the last correction's: without the rule
+    assert "lacks as biology (no count in any cell, or chrY / XIST at an ambient level), kept as they are" in text
+    assert f"sc_celseq2_5cl_p1 {lacked[False]}," in text, text
 
 
 def test_the_sex_linked_sets_are_found_by_chromosome_and_name_and_judged_by_their_share():
