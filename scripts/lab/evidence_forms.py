@@ -90,10 +90,16 @@ def paired(runs: pd.DataFrame, against: str = "batchfix, mean without covariance
     return pd.DataFrame(rows).T
 
 
-def main(argv: list[str] | None = None) -> pd.DataFrame:
-    runs = seed_runs(argv, __doc__, batchfix_rows, floor_row)
-    print(f"paired, less the form before\n{paired(runs).to_string()}")
+def paired_runs(argv: list[str] | None, description: str, rows_of_seed, against: str) -> pd.DataFrame:
+    """`seed_runs` of `rows_of_seed` with the noise floor's row, then each form's paired difference from `against`
+    printed; every seed's rows returned."""
+    runs = seed_runs(argv, description, rows_of_seed, floor_row)
+    print(f"paired, less {against}\n{paired(runs, against=against).to_string()}")
     return runs
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    return paired_runs(argv, __doc__, batchfix_rows, "batchfix, mean without covariance")
 
 
 if __name__ == "__main__":

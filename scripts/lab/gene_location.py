@@ -26,8 +26,6 @@ Rows (one default model per seed, trained on the cells, every gene):
 """
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
@@ -35,8 +33,7 @@ from sklearn.cluster import KMeans
 
 import batchfix
 from batchfix.correction import evidence
-from scripts.lab.count_draws import seed_runs
-from scripts.lab.evidence_forms import floor_row, paired
+from scripts.lab.evidence_forms import paired_runs
 
 MIN_CELLS = 10  # a batch's cells in a state group for its level there to count
 N_GROUPS = 10  # k-means groups of the latent, as batchfix.correction.state_groups
@@ -124,9 +121,7 @@ def batchfix_rows(cells, batch_key: str, label_key: str, seed: int) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    runs = seed_runs(list(sys.argv[1:] if argv is None else argv), __doc__, batchfix_rows, floor_row)
-    print(f"paired, less depth=keep\n{paired(runs, against='batchfix').to_string()}")
-    return runs
+    return paired_runs(argv, __doc__, batchfix_rows, "batchfix")
 
 
 if __name__ == "__main__":

@@ -16,14 +16,11 @@ on the HVGs' log_cp10k), paired against depth=keep:
 """
 from __future__ import annotations
 
-import sys
-
 import pandas as pd
 import scipy.sparse as sp
 
 import batchfix
-from scripts.lab.count_draws import seed_runs
-from scripts.lab.evidence_forms import floor_row, paired
+from scripts.lab.evidence_forms import paired_runs
 
 FORMS = {"batchfix": {"depth": "keep"}, "batchfix, depth=reference": {"depth": "reference"}}
 
@@ -37,9 +34,7 @@ def batchfix_rows(cells, batch_key: str, label_key: str, seed: int) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    runs = seed_runs(list(sys.argv[1:] if argv is None else argv), __doc__, batchfix_rows, floor_row)
-    print(f"paired, less depth=keep\n{paired(runs, against='batchfix').to_string()}")
-    return runs
+    return paired_runs(argv, __doc__, batchfix_rows, "batchfix")
 
 
 if __name__ == "__main__":
