@@ -536,6 +536,7 @@ def test_fused_attention_of_the_correction_changes_values_by_float_noise_only(tr
     np.testing.assert_allclose(fused_latent, written_latent, atol=1e-4)
 
 
+@pytest.mark.slow  # a train and corrects (4 s): with the slow checks, which CI runs
 def test_correct_refuses_nan_or_infinite_values_in_genes_the_model_does_not_read(subset, tmp_path):
     """A NaN in any gene would spread through its cell's library to every corrected value of the cell: refused in
     one line naming the cells, the input untouched, no output."""
@@ -664,6 +665,7 @@ def test_a_key_added_naming_what_the_input_holds_is_refused(trained_run, rich_in
     np.testing.assert_array_equal(dense(adata.layers["counts"]), dense(adata.X))
 
 
+@pytest.mark.slow  # two corrects in fresh processes (5 s): with the slow checks, which CI runs
 def test_a_corrected_input_is_corrected_again_under_the_same_key(trained_run, rich_input, tmp_path):
     adata, source = rich_input
     checkpoint = trained_run["checkpoint"]

@@ -171,6 +171,7 @@ def test_a_checkpoint_without_data_options_loads_with_the_old_defaults(checkpoin
     assert old.data_options["batch_key"] == "batch"
 
 
+@pytest.mark.slow  # a correct in a fresh process (5 s): with the slow checks, which CI runs
 def test_a_batch_column_without_one_training_batch_is_refused(sample_adata, checkpoint, tmp_path):
     source = tmp_path / "in.h5ad"
     sample_adata.write_h5ad(source)
@@ -192,6 +193,7 @@ def test_a_batch_column_without_one_training_batch_is_refused(sample_adata, chec
 # 3. Empty cells
 
 
+@pytest.mark.slow  # a train and a correct in fresh processes (5 s): with the slow checks, which CI runs
 def test_an_input_of_empty_cells_is_refused_and_writes_nothing(sample_adata, checkpoint, tmp_path):
     empty = sample_adata.copy()
     empty.layers["counts"] = sp.csr_matrix(empty.shape, dtype=np.float32)
@@ -397,6 +399,7 @@ def test_the_run_summary_says_how_much_batch_effect_is_left_within_cell_types(tm
     assert "batch effect left" not in run_summary("evaluate", evaluation, tmp_path, [])
 
 
+@pytest.mark.slow  # a train in a fresh process each (6 s): with the slow checks, which CI runs
 @pytest.mark.parametrize("normal, message", [
     (["correction.regional_shift=reference_cells", "correction.normal_key=cell_type",
       "correction.normal_values=[no_such_type]"],
@@ -440,6 +443,7 @@ def test_a_file_that_is_no_hdf5_is_named_as_such_by_every_verb(tmp_path, verb, o
     assert text.read_text() == "barcode,gene\n" and not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # an attention in a fresh process (5 s): with the slow checks, which CI runs
 def test_attention_on_a_file_of_no_cells_is_one_line_and_writes_nothing(sample_adata, checkpoint, tmp_path):
     empty = tmp_path / "empty.h5ad"
     sample_adata[:0].copy().write_h5ad(empty)

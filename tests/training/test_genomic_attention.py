@@ -60,6 +60,7 @@ def per_gene_runs(subset_h5ad, tmp_path_factory) -> dict[str, Path]:
 # ---------------------------------------------------------------- position variants
 
 
+@pytest.mark.slow  # three ablation models (3-4 s each): with the slow checks, which CI runs
 @pytest.mark.parametrize("variant", [
     dict(token_identity="coordinates", distance_bias=True),
     dict(position_encoding="learned"),
