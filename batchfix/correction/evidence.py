@@ -34,7 +34,9 @@ null split's values where these change 1 % (docs/lab/state-groups.md).
 A batch that has no count of a gene in any of its cells in the input lacks it as biology (a female donor's chrY, a
 knockout), not as a technical effect: its shift of that gene is not applied (its cells keep their zeros), and with
 the average reference it is left out of that gene's reference (`DetectionSums.members`), the decoder's average and
-the ratio alike, which its level would otherwise lower for every other batch.
+the ratio alike, which its level would otherwise lower for every other batch; a reference batch (correction.reference)
+that lacks it shifts no batch's counts of it toward its absence. The lacking genes: batchfix.correction.lacking_genes
+(a sex-linked set held at an ambient level too).
 """
 from __future__ import annotations
 
@@ -170,9 +172,11 @@ def weighted_tables(bound, first: Estimates, evidence: list[ShiftEvidenceSums]) 
     by_state = [None] * n_sets if len(evidence) == n_sets else [
         sums.state_weights(tables, chosen, bound.reference, bound.batches.n_training, weight)
         for chosen, tables, sums, (weight, _) in zip(present, first.count_tables, evidence[n_sets:], weighted)]
-    tables = tuple(dataclasses.replace(t, shift_weight=unless_lacking(w, t.lacking), state_groups=first.state_groups,
-                                       state_weight=None if state is None else unless_lacking(state, t.lacking))
-                   for t, (w, _), state in zip(first.count_tables, weighted, by_state))
+    unshifted = [t.lacking if t.lacking is None or bound.reference is None else  # nor toward a reference's absence
+                 t.lacking | t.lacking[bound.reference][None, :] for t in first.count_tables]
+    tables = tuple(dataclasses.replace(t, shift_weight=unless_lacking(w, gone), state_groups=first.state_groups,
+                                       state_weight=None if state is None else unless_lacking(state, gone))
+                   for t, (w, _), state, gone in zip(first.count_tables, weighted, by_state, unshifted))
     return tables, tuple(tau for _, tau in weighted)
 
 

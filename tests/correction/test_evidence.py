@@ -286,3 +286,16 @@ def test_the_sex_linked_sets_are_found_by_chromosome_and_name_and_judged_by_thei
     lacking = lacking_sex_linked(counts, np.array([100, 100, 100, 5]), sets, min_cells=20)
     assert lacking.tolist() == [[False, False, True, False, False], [True, True, False, False, False],
                                 [False] * 5, [False] * 5]
+
+
+def test_a_reference_batch_without_a_gene_takes_it_from_no_other_batch(donor_set):
+    """Every cell expressed as the batch that lacks the genes (correction.reference): the other batches are not
+    shifted toward its absence (they keep >= 0.8 of their expressing cells of those genes), and it is given none."""
+    donor, model = donor_set
+    columns = donor.var_names.get_indexer(list(donor.uns["donor_biology"]["genes"]))
+    emptied = (donor.obs["batch"].astype(str) == "sc_celseq2_5cl_p1").to_numpy()
+    raw = sp.csr_matrix(donor.X)[:, columns].toarray() > 0
+    counts = batchfix.correct(donor, model, copy=True, reference="sc_celseq2_5cl_p1").layers["batchfix_counts"]
+    expressed = sp.csr_matrix(counts)[:, columns].toarray() > 0
+    kept = expressed[~emptied].mean(axis=0) / raw[~emptied].mean(axis=0)
+    assert expressed[emptied].mean(axis=0).max() <= 0.05 and kept.min() >= 0.8, kept.round(3)
