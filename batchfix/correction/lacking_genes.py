@@ -28,7 +28,7 @@ AMBIENT_SHARE = 0.1  # a batch holding a sex-linked set at under a tenth of the 
 def sex_linked_sets(var: pd.DataFrame, genome: str) -> list[np.ndarray]:
     """The input columns of each sex-linked gene set the input holds: the genes placed on chrY, the X-inactivation
     transcripts (by name: var_names or a symbol column); empty sets left out."""
-    chromosome = place_genes(var, genome).chromosome
+    chromosome = place_genes(var, genome, quiet=True).chromosome  # the output's var columns log the placement
     names = [pd.Series(var.index.astype(str))] + [pd.Series(var[c].astype(str).to_numpy()) for c in SYMBOL_COLUMNS
                                                   if c in var]
     x_inactivation = np.zeros(len(var), dtype=bool)

@@ -210,8 +210,10 @@ def refuse_if_another_genome_fits(var: pd.DataFrame, genome: str, table: pd.Data
                              "(or data.gtf=<annotation>, or coordinates in var).")
 
 
-def place_genes(var: pd.DataFrame, genome: str = DataConfig.genome, gtf: str | None = None) -> GeneCoordinates:
-    """Coordinates for every gene of `var`: from var itself, then a GTF or the bundled table."""
+def place_genes(var: pd.DataFrame, genome: str = DataConfig.genome, gtf: str | None = None,
+                quiet: bool = False) -> GeneCoordinates:
+    """Coordinates for every gene of `var`: from var itself, then a GTF or the bundled table (how many were placed
+    logged unless `quiet`)."""
     # Positional (RangeIndex) throughout: var_names need not be unique.
     found = pd.DataFrame(index=pd.RangeIndex(len(var)), columns=["chromosome", "start", "end"], dtype=object)
     sources = []
@@ -233,7 +235,7 @@ def place_genes(var: pd.DataFrame, genome: str = DataConfig.genome, gtf: str | N
         sources.append(f"{int(ok.sum())} from {'GTF ' + str(gtf) if gtf else genome + ' table'}")
     placed = found["chromosome"].notna().to_numpy()
     n = len(var)
-    log.info(
+    (log.debug if quiet else log.info)(
         "Placed %d of %d genes on the genome (%.1f%%; %s); %d unplaced.",
         placed.sum(), n, 100.0 * placed.sum() / max(n, 1), ", ".join(sources) or "none", n - placed.sum(),
     )
