@@ -86,6 +86,7 @@ def test_an_unknown_preset_and_an_old_spelling_are_refused_with_the_name_meant()
         check_overrides(["counts_layer=x"], "attention")
 
 
+@pytest.mark.slow  # the module's run folder: a train in a fresh process (17 s); with the slow checks, which CI runs
 def test_train_with_a_preset_then_correct_applies_it(run, subset_h5ad, tmp_path):
     remembered = load_trained(run / "model.ckpt").correction
     assert remembered == {"preset": TRAINED_WITH, "options": expected(TRAINED_WITH)}
@@ -99,10 +100,10 @@ def test_train_with_a_preset_then_correct_applies_it(run, subset_h5ad, tmp_path)
     assert info["params"]["spread"] == "gene"  # on counts: the reference's per-gene dispersion
 
 
-# Each preset's command-line correction is a fresh process (5-6 s): the default's runs by default, the others with
-# the slow checks, which CI runs (the API test below applies every preset in this process).
-@pytest.mark.parametrize("name", [name if name == "default" else
-                                  pytest.param(name, marks=pytest.mark.slow) for name in preset_names()])
+# Each preset's command-line correction is a fresh process (5-6 s), with the slow checks, which CI runs (the API test
+# below applies every preset in this process).
+@pytest.mark.slow
+@pytest.mark.parametrize("name", preset_names())
 def test_correct_on_the_command_line_applies_every_entry(run, subset_h5ad, tmp_path, name):
     result = cli(["correct", f"input={subset_h5ad}", f"output={tmp_path / 'out.h5ad'}", f"correction={name}",
                   f"checkpoint={run / 'model.ckpt'}", "progress=false", "threads=1"], tmp_path)
@@ -114,6 +115,7 @@ def test_correct_on_the_command_line_applies_every_entry(run, subset_h5ad, tmp_p
     assert {key: info["params"][key] for key in applied} == applied
 
 
+@pytest.mark.slow  # the module's run folder: a train in a fresh process (17 s); with the slow checks, which CI runs
 @pytest.mark.parametrize("name", preset_names())
 def test_the_api_applies_every_entry_and_its_keywords_override_it(run, subset, name):
     torch.set_num_threads(1)
@@ -124,6 +126,7 @@ def test_the_api_applies_every_entry_and_its_keywords_override_it(run, subset, n
     assert info["params"]["regional_shift"] == expected(name)["regional_shift"]
 
 
+@pytest.mark.slow  # the module's run folder: a train in a fresh process (17 s); with the slow checks, which CI runs
 def test_the_api_keeps_the_models_correction_unless_told(run, subset):
     torch.set_num_threads(1)
     adata = subset[:200].copy()
