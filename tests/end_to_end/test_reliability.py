@@ -134,6 +134,7 @@ class Case:
     id: str
     args: list[str]
     message: str  # a regex the one error line must match
+    slow: bool = False  # another of a kind the default run checks: with the slow checks, which CI runs
 
     @property
     def verb(self) -> str:
@@ -143,11 +144,11 @@ class Case:
 CASES = [
     # Options: type, range, combination (checked before anything is written)
     Case("train-max-epochs-negative", ["train", "trainer.max_epochs=-1"], message=r"trainer\.max_epochs must be >= 1"),
-    Case("train-latent-dim-zero", ["train", "model.latent_dim=0"], message=r"model\.latent_dim must be >= 1"),
-    Case("train-batch-size-text", ["train", "fit.batch_size=abc"], message=r"fit\.batch_size.*'abc'.*Integer"),
-    Case("train-batch-size-zero", ["train", "fit.batch_size=0"], message=r"fit\.batch_size must be >= 1"),
-    Case("train-threads-negative", ["train", "threads=-1"], message=r"threads must be >= 1"),
-    Case("train-n-top-genes-zero", ["train", "data.n_top_genes=0"], message=r"data\.n_top_genes must be >= 1"),
+    Case("train-latent-dim-zero", ["train", "model.latent_dim=0"], message=r"model\.latent_dim must be >= 1", slow=True),
+    Case("train-batch-size-text", ["train", "fit.batch_size=abc"], message=r"fit\.batch_size.*'abc'.*Integer", slow=True),
+    Case("train-batch-size-zero", ["train", "fit.batch_size=0"], message=r"fit\.batch_size must be >= 1", slow=True),
+    Case("train-threads-negative", ["train", "threads=-1"], message=r"threads must be >= 1", slow=True),
+    Case("train-n-top-genes-zero", ["train", "data.n_top_genes=0"], message=r"data\.n_top_genes must be >= 1", slow=True),
     Case("train-unknown-option", ["train", "fit.bach_size=3"], message=r"fit\.bach_size"),
     Case("train-unknown-preset", ["train", "model=huge"], message=r"model/huge.*Available options"),
     Case("correct-key-added-null", ["correct", "correction.key_added=null", "checkpoint=x"], message=r"key_added"),
@@ -165,9 +166,8 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cli_results(files, tmp_path_factory) -> dict[str, dict]:
-    """Run every Case (three processes at a time), each in its own empty working folder."""
+def run_cases(cases: list[Case], files: dict[str, Path], tmp_path_factory) -> dict[str, dict]:
+    """Run every case (three processes at a time), each in its own empty working folder."""
     before = {name: sha256(path) for name, path in files.items() if path.is_file()}
     data_listing = listing(files["data"])
     names = {name: str(path) for name, path in files.items()}
@@ -180,15 +180,26 @@ def cli_results(files, tmp_path_factory) -> dict[str, dict]:
                          "cwd": cwd}
 
     with ThreadPoolExecutor(max_workers=3) as pool:
-        results = dict(pool.map(run, CASES))
+        results = dict(pool.map(run, cases))
     results["inputs"] = {"unchanged": before == {n: sha256(p) for n, p in files.items() if p.is_file()},
                          "listing": listing(files["data"]) == data_listing}
     return results
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
-def test_cli_case(cli_results, case):
-    result = cli_results[case.id]
+@pytest.fixture(scope="module")
+def cli_results(files, tmp_path_factory) -> dict[str, dict]:
+    return run_cases([case for case in CASES if not case.slow], files, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def slow_cli_results(files, tmp_path_factory) -> dict[str, dict]:
+    return run_cases([case for case in CASES if case.slow], files, tmp_path_factory)
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow) if case.slow else case for case in CASES],
+                         ids=lambda case: case.id)
+def test_cli_case(request, case):
+    result = request.getfixturevalue("slow_cli_results" if case.slow else "cli_results")[case.id]
     assert "Traceback" not in result["stderr"], result["stderr"][-3000:]
     assert result["status"] == 1, result["stderr"][-3000:]
     line = last_line(result["stderr"])
