@@ -85,7 +85,7 @@ class BoundModel:
                  obs_names: pd.Index | None = None, normal: np.ndarray | None = None,
                  sex_linked: list[np.ndarray] | None = None):
         self.trained = trained
-        self.sex_linked = sex_linked or []  # input columns of each sex-linked gene set (batchfix.correction.lacking_genes)
+        self.sex_linked = sex_linked or []  # input columns of each sex-linked gene set (correction.lacking_genes)
         self.normal = normal  # (cells,) bool: reference cells (regional_shift=reference_cells), or None
         self.net = trained.net
         self.batch_key = batch_key

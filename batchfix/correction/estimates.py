@@ -108,10 +108,11 @@ class Estimates:
         raised = None if self.state_groups is None or not self.count_tables else np.concatenate(
             [(t.state_weight > t.shift_weight[:, None, :]).reshape(len(weights), -1) for t in self.count_tables],
             axis=1)  # (codes, groups * all genes)
+        lacked = [t.lacking for t in self.count_tables if t.lacking is not None]  # (codes, genes) of each gene set
         return {name: {"prior_sd": round(float(self.shift_prior_sd[0][code]), 4),
                        "median_weight": round(float(np.median(weights[code])), 4),
                        "share_more_than_halved": round(float((weights[code] < 0.5).mean()), 4),
-                       "genes_lacked": int(sum(t.lacking[code].sum() for t in self.count_tables if t.lacking is not None)),
+                       "genes_lacked": sum(int(gone[code].sum()) for gone in lacked),
                        **({} if raised is None else {"share_raised_in_state_groups": round(float(
                            raised[code].mean()), 4)})}
                 for code, name in enumerate(batch_names)}
@@ -190,9 +191,8 @@ def weighs_states(bound) -> bool:
 
 def estimate_unseen(bound, rows, part: Part, n_obs: int) -> Estimates:
     """The statistics (log output) and, for the counts, each gene set's tables: the training batches' from the
-    checkpoint, the unseen batches' ratios and dispersions from their cells; and with `detects_absence`, the
-    genes each batch lacks and each gene's average reference members, from every batch's counts; with `weighs_states`, the latent's state groups, fitted to
-    a sample of the cells."""
+    checkpoint, the unseen batches' ratios and dispersions from their cells; with `detects_absence`, the genes each
+    batch lacks and each gene's average reference members; with `weighs_states`, the latent's state groups."""
     n_genes, n_unseen, n_sets = len(bound.trained.genes), len(bound.batches.unseen), len(bound.gene_sets)
     sums = [calibration.ResidualSums(n_genes) for _ in range(n_unseen)]
     count_sums = [counts.CountSums(len(genes.present)) for genes in bound.gene_sets for _ in range(n_unseen)]
@@ -227,7 +227,7 @@ def estimate_unseen(bound, rows, part: Part, n_obs: int) -> Estimates:
     tables = tuple(count_tables(bound.trained, genes, set_sums, bound.reference, settings.spread, chosen)
                    for genes, set_sums, chosen in zip(bound.gene_sets, by_set, members))
     if lacking is not None:  # the genes each batch lacks: no shift, no depth (evidence.weighted_tables)
-        tables = tuple(dataclasses.replace(t, lacking=set_lacking(genes, lacking)) for t, genes in zip(tables, bound.gene_sets))
+        tables = tuple(dataclasses.replace(t, lacking=set_lacking(g, lacking)) for t, g in zip(tables, bound.gene_sets))
     groups = None if sample is None else fit_groups(sample)
     return Estimates(statistics=statistics, count_tables=tables, state_groups=groups)
 
