@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from batchfix import signals
 from batchfix.errors import Interrupted, UserError
 
 
@@ -36,10 +37,16 @@ def report(verb: str, message: str, status: int) -> None:
 def user_errors_reported(verb: str, on_error: Callable[[], None] | None = None) -> Iterator[None]:
     """Turn a UserError (exit 1) or Interrupted (exit 128 + signal) into one line; `on_error` runs first.
 
-    SystemExit passes through Hydra's handler; any other exception is a bug and keeps its traceback."""
+    Any other exception raised after a signal came is that signal, turned into another error by the C code it
+    landed in (h5py's); SystemExit passes through Hydra's handler; any other exception is a bug and keeps its
+    traceback."""
     try:
         yield
-    except (UserError, Interrupted) as err:
+    except (Interrupted, Exception) as err:
+        if not isinstance(err, (UserError, Interrupted)):
+            if signals.pending() is None:
+                raise
+            err = Interrupted(signals.pending())
         if on_error is not None:
             on_error()
         report(verb, str(err), err.exit_status if isinstance(err, Interrupted) else 1)

@@ -45,8 +45,9 @@ def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
     refuse_key_collisions_in_file(source, settings.key_added)
     try:
         written = correct_parts(cfg, source, output, trained, settings)
-    except (Interrupted, OSError) as err:
-        # A signal that lands inside h5py's C code can surface as an OSError of the interrupted read or write.
+    except (Interrupted, Exception) as err:
+        # A signal that lands inside h5py's C code can surface as another error of the interrupted call
+        # (an OSError of a read or write, a TypeError or SystemError of an attribute copy).
         signum = err.signum if isinstance(err, Interrupted) else signals.pending()
         if signum is None:
             raise

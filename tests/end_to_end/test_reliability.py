@@ -38,6 +38,7 @@ import batchfix
 from batchfix import runfolder, signals, tasks
 from batchfix.api import train_config
 from batchfix.cli import folder_check
+from batchfix.cli.common import user_errors_reported
 from batchfix.config import CorrectConfig, DataConfig, ResolvedCorrection, TrainConfig, flat_option_names, validated
 from batchfix.correction.writers import correct_file
 from batchfix.data import atomic, ondisk
@@ -333,22 +334,42 @@ def test_signal_stops_correct_without_output(signalled, signum):
     assert not any(signalled["work"].glob(f"*{signum.name}.h5ad*")), "an output or a temporary file is left"
 
 
-def test_an_h5py_error_while_a_signal_is_pending_is_reported_as_the_signal(files, tmp_path, monkeypatch):
-    """A signal landing inside h5py's C code can come out as an OSError of the interrupted read or write: with the
-    signal pending, correct reports the interruption; without one, the OSError stays what it is."""
+H5PY_ERRORS_OF_A_SIGNAL = [OSError("Can't write data (interrupted)"),  # a read or a write
+                           TypeError("Operation not defined for data type class"),  # an attribute written
+                           SystemError("error return without exception set")]  # an attribute iterated
+
+
+@pytest.mark.parametrize("error", H5PY_ERRORS_OF_A_SIGNAL, ids=lambda e: type(e).__name__)
+def test_an_h5py_error_while_a_signal_is_pending_is_reported_as_the_signal(files, tmp_path, monkeypatch, error):
+    """A signal landing inside h5py's C code comes out as another error of the call it interrupted: with the
+    signal pending, correct reports the interruption; without one, the error stays what it is."""
     def interrupted_write(*args, **kwargs):
-        raise OSError("Can't write data (interrupted)")
+        raise error
 
     monkeypatch.setattr(inference, "correct_file", interrupted_write)
     cfg = validated(dict(input=str(files["small"]), checkpoint=str(files["ckpt"]),
                          output=str(tmp_path / "out.h5ad")), CorrectConfig)
     with signals.interrupts_raised():
-        with pytest.raises(OSError, match="Can't write data"):
+        with pytest.raises(type(error), match=re.escape(str(error))):
             tasks.correct(cfg)
         monkeypatch.setitem(signals._state, "pending", signal.SIGTERM)
         with pytest.raises(Interrupted) as err:
             tasks.correct(cfg)
     assert err.value.exit_status == 128 + signal.SIGTERM and str(err.value).endswith("out.h5ad was not written")
+
+
+@pytest.mark.parametrize("error", H5PY_ERRORS_OF_A_SIGNAL, ids=lambda e: type(e).__name__)
+def test_any_verb_reports_an_error_after_a_signal_as_the_signal(monkeypatch, capsys, error):
+    """Outside correct (train's outputs, evaluate) the command line's one-line report does the same: exit
+    128 + the signal; with no signal pending the error keeps its traceback (a bug)."""
+    with signals.interrupts_raised():
+        with pytest.raises(type(error)), user_errors_reported("train"):
+            raise error
+        monkeypatch.setitem(signals._state, "pending", signal.SIGINT)
+        with pytest.raises(SystemExit) as exited, user_errors_reported("train"):
+            raise error
+    assert exited.value.code == 128 + signal.SIGINT
+    assert last_line(capsys.readouterr().err) == "batchfix train: error: interrupted by SIGINT"
 
 
 @pytest.mark.slow  # real processes signalled mid-run (train to 100,000 epochs, 20,000 cells corrected): CI's slow step
