@@ -132,7 +132,8 @@ def rule(gene_effect: float, regional_shift: float, regional_batch: str, confine
         return "default", (f"{measured}: the default fits the states; but {regional_batch} carries a "
                            "copy-number-sized regional shift in all its cells (if batches are donors: their "
                            "constitutional copy number or sex chromosomes), which the default removes from that "
-                           "batch as a batch effect (a gene without any count in a whole batch stays absent)")
+                           "batch as a batch effect (what a batch lacks stays absent: a gene without any count in it, a "
+                           "chrY gene or XIST it holds at an ambient level only)")
     return "default", f"{measured}: the default fits"
 
 
