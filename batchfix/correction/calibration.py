@@ -151,12 +151,15 @@ def training_statistics(tables: CalibrationTables) -> tuple[np.ndarray, np.ndarr
     return tables.residual_location.numpy().astype(np.float64), spread
 
 
-def reference_statistics(location: np.ndarray, spread: np.ndarray, reference: int | None) -> tuple[np.ndarray, float]:
-    """The reference's (location, spread): a training batch's own, or the mean location and the
-    root-mean-square spread over the training batches for the average reference."""
+def reference_statistics(location: np.ndarray, spread: np.ndarray, reference: int | None,
+                         members: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """The reference's (location, spread): a training batch's own, or for the average reference the mean location
+    (each gene's over its `members` (batches, G) bool: those that do not lack it; None: every batch) and the
+    root-mean-square spread over the training batches."""
     if reference is not None:
         return location[reference], float(spread[reference])
-    return location.mean(axis=0), float(np.sqrt(np.mean(np.square(spread))))
+    average = location.mean(axis=0) if members is None else (location * members).sum(axis=0) / members.sum(axis=0)
+    return average, float(np.sqrt(np.mean(np.square(spread))))
 
 
 def inverse_gamma_posterior(ratio: np.ndarray, dof: float, genes: np.ndarray | None = None) -> np.ndarray:
@@ -207,12 +210,15 @@ def gene_scales(tables: CalibrationTables, reference: int | None, unseen: list[R
 
 class Statistics:
     """Location (per gene) and scale factor k = residual_weight * spread_ref / spread of every batch code (one per
-    batch, or one per gene for spread_by="gene"), and the reference's location."""
+    batch, or one per gene for spread_by="gene"), and the reference's location; `members` (batches, G) bool, the
+    batches each gene's average reference is taken over (None: every batch; batchfix.correction.lacking_genes)."""
 
     def __init__(self, tables: CalibrationTables, reference: int | None, unseen: list[ResidualSums],
-                 present: np.ndarray | None = None, spread_by: str = "batch", residual_weight: float = 1.0):
+                 present: np.ndarray | None = None, spread_by: str = "batch", residual_weight: float = 1.0,
+                 members: np.ndarray | None = None):
         location, spread = training_statistics(tables)
-        reference_location, reference_spread = reference_statistics(location, spread, reference)
+        reference_location, reference_spread = reference_statistics(location, spread, reference, members)
+        self.members = None if members is None else torch.as_tensor(members, dtype=torch.float32)  # (batches, G)
         if unseen:  # their spread over the genes the input holds: a missing gene's residual means nothing
             location = np.vstack([location, [s.location() for s in unseen]])
             spread = np.concatenate([spread, [s.spread(present) or reference_spread for s in unseen]])

@@ -139,6 +139,10 @@ class BoundModel:
                         "random draws (keyed by name). Make the names unique first (adata.obs_names_make_unique(), "
                         "or prefix each batch's barcodes when concatenating).", repeated_names)
 
+    def log_genes(self) -> count_output.GeneSet:
+        """The log output's modelled genes as a GeneSet (decoder index and input column of each; no draws)."""
+        return count_output.GeneSet(False, self.out_model, self.out_columns, self.present, np.empty(0, np.uint64))
+
     @property
     def kind(self) -> str:
         """counts (the NB model's counterfactual output) | log_counterfactual (log-scale input) | denoised."""

@@ -249,3 +249,27 @@ class ModelChecks:
                 "expected": (self.expected[code, group] / FIXED_POINT).astype(np.float32),
                 "variance": (self.variance[code, group] / FIXED_POINT).astype(np.float32),
                 "drawn": self.drawn[code, group].astype(np.int32)}
+
+
+def count_tables(trained, genes, count_sums: list[counts.CountSums], reference: int | None, spread: str,
+                 members: np.ndarray | None = None) -> CountTables:
+    """The gene set's theta and ratio (codes, G: the training batches', then the unseen batches' from `count_sums`)
+    and the reference's ratio (G,), float64, the average's over each gene's `members` (training batches, G) bool
+    (None: every batch); the reference's theta (G,) with spread=gene, None with spread=batch (each count keeps its
+    own batch's dispersion: only the mean moves)."""
+    net, tables = trained.net, trained.tables
+    decoder = net.extra_decoder if genes.extra else net.decoder
+    shared = decoder.log_theta.detach().double().exp().numpy()
+    trained_theta = (tables.extra_count_theta if genes.extra else tables.count_theta).double().numpy()
+    trained_ratio = (tables.extra_count_ratio if genes.extra else tables.count_ratio).double().numpy()
+    theta = np.vstack([trained_theta, *[s.dispersion().theta(shared) for s in count_sums]])
+    ratio = np.vstack([trained_ratio, *[s.ratio() for s in count_sums]])
+    tiny = np.finfo(np.float64).tiny
+    if reference is None:  # the average reference: theta_g, and the geometric mean of the batches' ratios
+        reference_theta = shared
+        chosen = np.ones(trained_ratio.shape, dtype=bool) if members is None else members
+        reference_ratio = np.exp((np.log(np.maximum(trained_ratio, tiny)) * chosen).sum(axis=0) / chosen.sum(axis=0))
+    else:
+        reference_theta, reference_ratio = trained_theta[reference], trained_ratio[reference]
+    return CountTables(theta, ratio, reference_ratio, None if spread == "batch" else reference_theta,
+                       reference_members=members)

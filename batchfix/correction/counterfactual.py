@@ -103,12 +103,15 @@ class StateShrink:
 
 @torch.no_grad()
 def decoded_pair(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, reference: int | None,
-                 present: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(decoded as the reference, decoded as each cell's own batch) for latents `mu`; the average decoder stands
-    in for batches the model never saw."""
-    reference_values = net.decoded(mu, reference, present)
+                 present: torch.Tensor | None = None,
+                 members: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decoded as the reference, decoded as each cell's own batch) for latents `mu`; the average decoder (over
+    every training batch) stands in for batches the model never saw. The average reference of each gene is
+    taken over its `members` (batches, G) where given."""
+    reference_values = net.decoded(mu, reference, present, members)
+    plain = reference is None and members is None
+    own = reference_values if plain else net.decoded(mu, None, present)  # unseen: the average
     seen = (codes >= 0) & (codes < net.n_batches)
-    own = reference_values if reference is None else net.decoded(mu, None, present)  # unseen: the average
     if seen.any():
         own = own.clone()
         own[seen] = net.decoded(mu[seen], codes[seen].long(), present)
@@ -120,7 +123,7 @@ def output_terms(net: BatchfixNet, x: torch.Tensor, mu: torch.Tensor, codes: tor
                  stats: Statistics, present: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """(values before the floor and the regional shift, decoder term decoded_ref(z) - k_b decoded_b(z), the input
     on the output's scale, decoded as the reference), each (B, G), for cells `x` with latents `mu`."""
-    reference_values, own = decoded_pair(net, mu, codes, reference, present)
+    reference_values, own = decoded_pair(net, mu, codes, reference, present, stats.members)
     known = codes.clamp_min(0).long()
     observed = net.log_expression(x)
     residual = observed - own - stats.location[known]  # (B, G)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchfix.correction import calibration, counterfactual, counts
+from batchfix.correction import calibration, count_output, counterfactual, counts
 from batchfix.correction.count_output import CountTables
 from batchfix.correction.evidence import (
     DetectionSums,
@@ -32,7 +32,7 @@ from batchfix.correction.evidence import (
     log_change_and_residual,
     weighted_tables,
 )
-from batchfix.correction.lacking_genes import set_lacking
+from batchfix.correction.lacking_genes import set_lacking, unless_lacking, unshifted
 from batchfix.correction.library_shift import LibrarySums, library_shift
 from batchfix.correction.mean_shifts import MeanShiftSums, group_shrink, mean_shift
 from batchfix.correction.reduction import Block, OrderedSums
@@ -55,7 +55,8 @@ class Estimates:
     included); shift_prior_sd: per gene set, each batch code's prior sd of its shifts across genes (the evidence
     weights', batchfix.correction.evidence, held in the tables); state_groups: the latent's groups the state
     shrink's means (and the counts' evidence weights) are also taken in; log_shift_weight: (codes, G) the weight of
-    each batch's change of each gene (the log output's evidence weights). None (or empty) where the output does not
+    each batch's change of each gene (the log output's evidence weights), which is 0 for the genes a batch lacks
+    (`log_lacking` (codes, G) bool, batchfix.correction.lacking_genes). None (or empty) where the output does not
     use it."""
 
     statistics: calibration.Statistics | None = None
@@ -65,6 +66,7 @@ class Estimates:
     regional: RegionalShift | None = None
     state_groups: StateGroups | None = None
     log_shift_weight: np.ndarray | None = None
+    log_lacking: np.ndarray | None = None
 
     def summary(self, batch_names: list[str]) -> dict:
         """What was estimated, for uns[key_added]['estimates']; `batch_names` by batch code."""
@@ -108,7 +110,8 @@ class Estimates:
         raised = None if self.state_groups is None or not self.count_tables else np.concatenate(
             [(t.state_weight > t.shift_weight[:, None, :]).reshape(len(weights), -1) for t in self.count_tables],
             axis=1)  # (codes, groups * all genes)
-        lacked = [t.lacking for t in self.count_tables if t.lacking is not None]  # (codes, genes) of each gene set
+        lacked = [t.lacking for t in self.count_tables if t.lacking is not None] + \
+            ([] if self.log_lacking is None else [self.log_lacking])  # (codes, genes) of each gene set
         return {name: {"prior_sd": round(float(self.shift_prior_sd[0][code]), 4),
                        "median_weight": round(float(np.median(weights[code])), 4),
                        "share_more_than_halved": round(float((weights[code] < 0.5).mean()), 4),
@@ -172,8 +175,9 @@ def first_pass_batches(bound, rows, part: Part, every_row: bool):
 
 def detects_absence(bound) -> bool:
     """Whether the genes a whole batch lacks as biology are found (batchfix.correction.evidence: not shifted, not
-    given by its depth, left out of the average reference): the corrected counts with evidence weights."""
-    return bound.counts_output and bound.settings.shrink == "evidence"
+    given by its depth, left out of the average reference): the counterfactual output (counts or log-scale) with
+    evidence weights."""
+    return bound.settings.output_mode == "counterfactual" and bound.settings.shrink == "evidence"
 
 
 def moves_depth(bound) -> bool:
@@ -219,17 +223,21 @@ def estimate_unseen(bound, rows, part: Part, n_obs: int) -> Estimates:
         sample = totals[-1] if sample else None
     by_set = [count_sums[i * n_unseen:(i + 1) * n_unseen] for i in range(n_sets)]
     settings = bound.settings
-    statistics = calibration.Statistics(bound.trained.tables, bound.reference, sums, bound.present.numpy(),
-                                        settings.spread, settings.residual_weight)
     lacking = None if detection is None else detection.lacking(calibration.MIN_UNSEEN_CELLS, bound.sex_linked)
     members = [None if lacking is None or bound.reference is not None else
                DetectionSums.members(genes, lacking, bound.batches.n_training) for genes in bound.gene_sets]
-    tables = tuple(count_tables(bound.trained, genes, set_sums, bound.reference, settings.spread, chosen)
+    log_genes = None if bound.counts_output else bound.log_genes()
+    log_members = None if lacking is None or log_genes is None or bound.reference is not None else \
+        DetectionSums.members(log_genes, lacking, bound.batches.n_training)
+    statistics = calibration.Statistics(bound.trained.tables, bound.reference, sums, bound.present.numpy(),
+                                        settings.spread, settings.residual_weight, log_members)
+    tables = tuple(count_output.count_tables(bound.trained, genes, set_sums, bound.reference, settings.spread, chosen)
                    for genes, set_sums, chosen in zip(bound.gene_sets, by_set, members))
     if lacking is not None:  # the genes each batch lacks: no shift, no depth (evidence.weighted_tables)
         tables = tuple(dataclasses.replace(t, lacking=set_lacking(g, lacking)) for t, g in zip(tables, bound.gene_sets))
     groups = None if sample is None else fit_groups(sample)
-    return Estimates(statistics=statistics, count_tables=tables, state_groups=groups)
+    log_lacking = None if lacking is None or log_genes is None else set_lacking(log_genes, lacking)
+    return Estimates(statistics=statistics, count_tables=tables, state_groups=groups, log_lacking=log_lacking)
 
 
 def add_unseen(bound, cells: tuple, sums: list, count_sums: list) -> None:
@@ -246,30 +254,6 @@ def add_unseen(bound, cells: tuple, sums: list, count_sums: list) -> None:
                 * values[:, genes.present].sum(-1, keepdim=True)).numpy()
         for code in np.unique(codes):
             count_sums[i * n_unseen + code - n_training].add(values.numpy()[codes == code], mean[codes == code])
-
-
-def count_tables(trained, genes, count_sums: list[counts.CountSums], reference: int | None, spread: str,
-                 members: np.ndarray | None = None) -> CountTables:
-    """The gene set's theta and ratio (codes, G: the training batches', then the unseen batches' from `count_sums`)
-    and the reference's ratio (G,), float64, the average's over each gene's `members` (training batches, G) bool
-    (None: every batch); the reference's theta (G,) with spread=gene, None with spread=batch (each count keeps its
-    own batch's dispersion: only the mean moves)."""
-    net, tables = trained.net, trained.tables
-    decoder = net.extra_decoder if genes.extra else net.decoder
-    shared = decoder.log_theta.detach().double().exp().numpy()
-    trained_theta = (tables.extra_count_theta if genes.extra else tables.count_theta).double().numpy()
-    trained_ratio = (tables.extra_count_ratio if genes.extra else tables.count_ratio).double().numpy()
-    theta = np.vstack([trained_theta, *[s.dispersion().theta(shared) for s in count_sums]])
-    ratio = np.vstack([trained_ratio, *[s.ratio() for s in count_sums]])
-    tiny = np.finfo(np.float64).tiny
-    if reference is None:  # the average reference: theta_g, and the geometric mean of the batches' ratios
-        reference_theta = shared
-        chosen = np.ones(trained_ratio.shape, dtype=bool) if members is None else members
-        reference_ratio = np.exp((np.log(np.maximum(trained_ratio, tiny)) * chosen).sum(axis=0) / chosen.sum(axis=0))
-    else:
-        reference_theta, reference_ratio = trained_theta[reference], trained_ratio[reference]
-    return CountTables(theta, ratio, reference_ratio, None if spread == "batch" else reference_theta,
-                       reference_members=members)
 
 
 def batch_terms(bound, first: Estimates, x: torch.Tensor, mu: torch.Tensor, codes: np.ndarray, whole: bool):
@@ -318,6 +302,7 @@ def estimate_mean_shift(bound, first: Estimates, rows, n_obs: int, part: Part,
         shift = dataclasses.replace(shift, offset=normal.offset())
     if log_evidence is not None:
         log_weight, prior_sd = log_evidence.weights(bound.present.numpy())
+        log_weight = unless_lacking(log_weight, unshifted(first.log_lacking, bound.reference))
         return dataclasses.replace(first, log_shift_weight=log_weight, shift_prior_sd=(prior_sd,), state=state,
                                    regional=shift), latents
     tables, prior_sd = weighted_tables(bound, with_depth(bound, first, library), count_evidence)

@@ -50,7 +50,13 @@ from scipy import special
 
 from batchfix.correction import calibration, counterfactual, counts
 from batchfix.correction.count_output import CountTables
-from batchfix.correction.lacking_genes import absent_from_batches, lacking_sex_linked, set_lacking, unless_lacking
+from batchfix.correction.lacking_genes import (
+    absent_from_batches,
+    lacking_sex_linked,
+    set_lacking,
+    unless_lacking,
+    unshifted,
+)
 from batchfix.correction.state_groups import group_codes
 
 if TYPE_CHECKING:  # the estimate pass reads this module's sums
@@ -172,11 +178,10 @@ def weighted_tables(bound, first: Estimates, evidence: list[ShiftEvidenceSums]) 
     by_state = [None] * n_sets if len(evidence) == n_sets else [
         sums.state_weights(tables, chosen, bound.reference, bound.batches.n_training, weight)
         for chosen, tables, sums, (weight, _) in zip(present, first.count_tables, evidence[n_sets:], weighted)]
-    unshifted = [t.lacking if t.lacking is None or bound.reference is None else  # nor toward a reference's absence
-                 t.lacking | t.lacking[bound.reference][None, :] for t in first.count_tables]
-    tables = tuple(dataclasses.replace(t, shift_weight=unless_lacking(w, gone), state_groups=first.state_groups,
-                                       state_weight=None if state is None else unless_lacking(state, gone))
-                   for t, (w, _), state, gone in zip(first.count_tables, weighted, by_state, unshifted))
+    gone = [unshifted(t.lacking, bound.reference) for t in first.count_tables]
+    tables = tuple(dataclasses.replace(t, shift_weight=unless_lacking(w, lacked), state_groups=first.state_groups,
+                                       state_weight=None if state is None else unless_lacking(state, lacked))
+                   for t, (w, _), state, lacked in zip(first.count_tables, weighted, by_state, gone))
     return tables, tuple(tau for _, tau in weighted)
 
 

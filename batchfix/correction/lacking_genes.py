@@ -71,3 +71,11 @@ def unless_lacking(weight: np.ndarray, lacking: np.ndarray | None) -> np.ndarray
     if lacking is None:
         return weight
     return np.where(lacking[:, None, :] if weight.ndim == 3 else lacking, 0.0, weight)
+
+
+def unshifted(lacking: np.ndarray | None, reference: int | None) -> np.ndarray | None:
+    """(codes, genes) bool: the genes whose counts or values of a batch are not shifted: those it lacks and, with a
+    named `reference` batch, those the reference lacks (no batch is shifted toward its absence)."""
+    if lacking is None or reference is None:
+        return lacking
+    return lacking | lacking[reference][None, :]

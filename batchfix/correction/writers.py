@@ -267,9 +267,9 @@ def bind_file(src: h5py.File, source: Path, trained: BatchfixModel, settings: Re
 
 
 def sex_linked_columns(var: pd.DataFrame, trained: BatchfixModel, settings: ResolvedCorrection) -> list[np.ndarray]:
-    """The input's sex-linked gene sets, where the genes a batch lacks are found (corrected counts with evidence
-    weights, batchfix.correction.lacking_genes); else none."""
-    if settings.output_mode != "counterfactual" or settings.shrink != "evidence" or trained.scale == "log":
+    """The input's sex-linked gene sets, where the genes a batch lacks are found (the counterfactual output with
+    evidence weights, batchfix.correction.lacking_genes); else none."""
+    if settings.output_mode != "counterfactual" or settings.shrink != "evidence":
         return []
     return sex_linked_sets(var, trained.data_options["genome"])
 

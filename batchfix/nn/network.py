@@ -181,24 +181,26 @@ class BatchfixNet(nn.Module):
         return losses
 
     def decoded(self, mu: torch.Tensor, batch: int | torch.Tensor | None = None,
-                present: torch.Tensor | None = None) -> torch.Tensor:
+                present: torch.Tensor | None = None, members: torch.Tensor | None = None) -> torch.Tensor:
         """Expected log expression (log1p per 10k, or the log input's scale) of latents `mu` (B, latent) decoded
         as one training batch (an int), as each cell's own batch ((B,) codes), or, if None, averaged over the
-        training batches (the mean of the NB means, then log1p). `present` (G,) bool: genes the input holds;
-        the NB means are then per 10k counts of those genes, as the cell's observed values are."""
-        mean = self.mean_fractions(mu, batch, present)
+        training batches (each gene's over its `members`, as `average_and_own_fractions`; the mean of the NB means,
+        then log1p). `present` (G,) bool: genes the input holds; the NB means are then per 10k counts of those
+        genes, as the cell's observed values are."""
+        mean = self.mean_fractions(mu, batch, present, members=members)
         if self.cfg.likelihood == "gaussian":
             return mean * self.gene_std + self.gene_mean
         return torch.log1p(mean * LIBRARY_SIZE)
 
     def mean_fractions(self, mu: torch.Tensor, batch: int | torch.Tensor | None = None,
-                       present: torch.Tensor | None = None, extra: bool = False) -> torch.Tensor:
+                       present: torch.Tensor | None = None, extra: bool = False,
+                       members: torch.Tensor | None = None) -> torch.Tensor:
         """(B, G) the decoder's NB mean fractions (each cell's expected share of its library per gene; of the
         `present` genes' library when given) as in `decoded`; the Gaussian model's standardized means. With
         `extra`, the extra genes' decoder's fractions of their own library."""
         n_cells = mu.shape[0]
         if batch is None:
-            return self.average_and_own_fractions(mu, None, present, extra)[0]
+            return self.average_and_own_fractions(mu, None, present, extra, members)[0]
         if isinstance(batch, int):
             batch = torch.full((n_cells,), batch, dtype=torch.long, device=mu.device)
         return self._of_present(self._decoder_means(mu, batch, extra), present, extra)

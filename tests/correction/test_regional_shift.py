@@ -101,8 +101,8 @@ def test_a_regional_shift_of_one_state_is_kept_and_a_gene_wise_one_removed(subse
     gene_wise[on_chr2] = torch.as_tensor(np.where(np.arange(len(on_chr2)) % 2, 0.5, -0.5), dtype=torch.float32)
     unpatched = counterfactual.decoded_pair
 
-    def shifted(net, mu, codes, reference, present=None):
-        reference_values, own_values = unpatched(net, mu, codes, reference, present)
+    def shifted(net, mu, codes, reference, present=None, members=None):
+        reference_values, own_values = unpatched(net, mu, codes, reference, present, members)
         assert len(mu) == len(clone)  # one pass over every cell (batch_size below), so rows are cells
         return reference_values, own_values + torch.as_tensor(clone)[:, None] * (regional + gene_wise)
 
