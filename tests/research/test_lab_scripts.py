@@ -242,3 +242,27 @@ def test_the_gene_location_measures_a_planted_location_and_calls_sampling_noise_
     level = [np.mean(forms["unweighted"][batch == name, 0].toarray().ravel()
                      / np.asarray(forms["unweighted"][batch == name].sum(axis=1)).ravel()) for name in ("a", "b")]
     np.testing.assert_allclose(level[0], level[1], rtol=0.01)
+
+
+def test_the_planted_effect_decomposition_finds_a_known_share_of_each_part():
+    """scripts/lab/planted_effect.py on values with a known answer: three batches, two labels, each batch's values
+    the untouched ones plus half its planted log factor. The coefficients are 0.5 on the planted factor and 1 on the
+    data's own deviations; an output that keeps no difference between batches within a label scores 0 on both; the
+    uncorrected one keeps the planted whole."""
+    from scripts.lab import planted_effect
+
+    rng = np.random.default_rng(0)
+    n_cells, n_genes = 600, 40
+    batch = np.array(["a", "b", "c"])[np.arange(n_cells) % 3]
+    labels = np.array(["x", "y"])[(np.arange(n_cells) // 3) % 2]
+    truth_log = rng.gamma(2.0, 0.5, size=(n_cells, n_genes))
+    planted = rng.normal(0.0, 1.0, size=(3, n_genes))
+    codes = np.searchsorted(["a", "b", "c"], batch)
+    label_means = {label: truth_log[labels == label].mean(axis=0) for label in ("x", "y")}
+    flat = np.vstack([label_means[label] for label in labels])
+    outputs = {"half": truth_log + 0.5 * planted[codes], "flat": flat, "uncorrected": truth_log + planted[codes]}
+    table = planted_effect.decomposition(outputs, truth_log, planted, batch, labels)
+    np.testing.assert_allclose(table.loc["half", ["planted", "own"]].to_numpy(dtype=float), [0.5, 1.0], atol=1e-9)
+    np.testing.assert_allclose(table.loc["flat", ["planted", "own", "deviation sd"]].to_numpy(dtype=float), 0.0,
+                               atol=1e-9)
+    assert table.loc["uncorrected", "planted"] == pytest.approx(1.0)
