@@ -117,13 +117,24 @@ def seed_runs(argv: list[str] | None, description: str, rows_of_seed, extra_rows
         frame = scores(raw, rows, hvg, cells.obs, args.batch_key, args.label_key, truth, log_rows)
         if extra_rows is not None:
             frame = pd.concat([frame, extra_rows(raw, hvg, cells.obs, args.batch_key, args.label_key, seed)])
-        frames.append(frame.assign(seed=seed))
-        print(f"seed {seed}\n{frame.to_string(float_format='%.3f')}", flush=True)
+        frames.append(seed_printed(frame, seed))
+    return seeds_written(frames, args.out)
+
+
+def seed_printed(frame: pd.DataFrame, seed: int) -> pd.DataFrame:
+    """One seed's rows with their 'seed' column, printed."""
+    print(f"seed {seed}\n{frame.to_string(float_format='%.3f')}", flush=True)
+    return frame.assign(seed=seed)
+
+
+def seeds_written(frames: list[pd.DataFrame], out: str | None) -> pd.DataFrame:
+    """Every seed's rows (`seed_printed`) in one frame, their mean over seeds printed and the frame written to `out`
+    (CSV) where given."""
     runs = pd.concat(frames)
-    print(f"mean of {len(args.seeds)} seeds\n"
+    print(f"mean of {runs['seed'].nunique()} seeds\n"
           f"{runs.groupby(level=0, sort=False).mean().drop(columns='seed').to_string(float_format='%.3f')}")
-    if args.out:
-        runs.to_csv(args.out, float_format="%.4f")
+    if out:
+        runs.to_csv(out, float_format="%.4f")
     return runs
 
 

@@ -30,6 +30,7 @@ import batchfix
 from batchfix.data.normalize import log_cp10k
 from batchfix.eval import removal
 from scripts import baselines
+from scripts.lab.count_draws import seed_printed, seeds_written
 
 
 def planted_log_factor(stressed: sp.spmatrix, truth: sp.spmatrix, batch: np.ndarray) -> np.ndarray:
@@ -110,15 +111,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     for seed in args.seeds:
         outputs, columns = seed_outputs(cells, args.batch_key, args.label_key, seed)
         truth_log = np.asarray(log_cp10k(truth)[:, columns].toarray())
-        frame = decomposition(outputs, truth_log, planted[:, columns], batch, labels).assign(seed=seed)
-        print(f"seed {seed}\n{frame.to_string(float_format='%.3f')}", flush=True)
-        frames.append(frame)
-    runs = pd.concat(frames)
-    print(f"mean of {len(args.seeds)} seeds\n"
-          f"{runs.groupby(level=0, sort=False).mean().drop(columns='seed').to_string(float_format='%.3f')}")
-    if args.out:
-        runs.to_csv(args.out, float_format="%.4f")
-    return runs
+        frames.append(seed_printed(decomposition(outputs, truth_log, planted[:, columns], batch, labels), seed))
+    return seeds_written(frames, args.out)
 
 
 if __name__ == "__main__":
