@@ -6,6 +6,7 @@ symbol, case-insensitive). Genes that stay unplaced go to a trailing group.
 """
 from __future__ import annotations
 
+import functools
 import gzip
 import logging
 import re
@@ -63,10 +64,21 @@ def strip_version(gene_id: str) -> str:
     return re.sub(r"\.\d+$", "", str(gene_id))
 
 
+def unversioned(gene_ids: pd.Series) -> pd.Series:
+    """`strip_version` of every value, as strings."""
+    return gene_ids.astype(str).str.replace(r"\.\d+$", "", regex=True)
+
+
 def bundled_gene_table(genome: str) -> pd.DataFrame:
-    """The bundled coordinate table: columns symbol, gene_id, chromosome, start, end."""
+    """The bundled coordinate table: columns symbol, gene_id, chromosome, start, end (a copy of the one read)."""
     if genome not in GENOMES:
         raise ValueError(f"Unknown data.genome '{genome}'. Bundled genomes: {list(GENOMES)}; or pass data.gtf=<file>.")
+    return read_bundled_table(genome).copy()
+
+
+@functools.lru_cache(maxsize=None)
+def read_bundled_table(genome: str) -> pd.DataFrame:
+    """The bundled table as read once per process (train, correct and their checks place genes several times)."""
     with resources.files("batchfix.data.genes").joinpath(f"{genome}.genes.tsv.gz").open("rb") as fh:
         table = pd.read_csv(fh, sep="\t", compression="gzip", dtype={"chr": str})
     return table.rename(columns={"GeneName": "symbol", "GeneID": "gene_id", "chr": "chromosome", "stop": "end"})
@@ -106,7 +118,7 @@ def read_gtf(path: str | Path) -> pd.DataFrame:
 
 def lookup_in_table(var: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame:
     """Match genes to a coordinate table by Ensembl ID (unversioned), then by symbol (case-insensitive)."""
-    by_id = table.dropna(subset=["gene_id"]).assign(key=lambda t: t["gene_id"].map(strip_version))
+    by_id = table.dropna(subset=["gene_id"]).assign(key=lambda t: unversioned(t["gene_id"]))
     by_id = by_id.drop_duplicates("key").set_index("key")
     by_symbol = table.dropna(subset=["symbol"]).assign(key=lambda t: t["symbol"].str.upper())
     by_symbol = by_symbol.drop_duplicates("key").set_index("key")
@@ -187,11 +199,11 @@ def coordinates_from_var(var: pd.DataFrame) -> pd.DataFrame | None:
 def exact_share(var: pd.DataFrame, table: pd.DataFrame) -> float:
     """The share of var's genes whose name, symbol or (unversioned) Ensembl ID is in `table` as written: case
     tells mouse symbols (Actb) from human ones (ACTB), which the case-insensitive lookup does not."""
-    keys = set(table["symbol"].dropna()) | set(table["gene_id"].dropna().map(strip_version))
+    keys = set(table["symbol"].dropna()) | set(unversioned(table["gene_id"].dropna()))
     names = [var.index.to_series()] + [var[c] for c in (*ID_COLUMNS, *SYMBOL_COLUMNS) if c in var]
     hit = np.zeros(len(var), dtype=bool)
     for column in names:
-        hit |= column.astype(str).map(strip_version).isin(keys).to_numpy()
+        hit |= unversioned(column).isin(keys).to_numpy()
     return float(hit.mean()) if len(var) else 0.0
 
 
