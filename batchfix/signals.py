@@ -51,6 +51,16 @@ def pending() -> int | None:
     return _state["pending"]
 
 
+def as_interrupt(error: BaseException) -> Interrupted | None:
+    """`error` as the interruption it is: an `Interrupted` itself, or any other error raised after a signal came
+    (h5py's C code turns a signal's exception into an OSError, a TypeError or a SystemError of the call it
+    interrupted); None for an error no signal explains."""
+    if isinstance(error, Interrupted):
+        return error
+    signum = _state["pending"]
+    return Interrupted(signum) if signum is not None and isinstance(error, Exception) else None
+
+
 def raise_pending() -> None:
     """Raise a received signal as `Interrupted` (call only where the program runs normally, not in cleanup)."""
     signum = _state["pending"]

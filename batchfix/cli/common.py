@@ -43,10 +43,10 @@ def user_errors_reported(verb: str, on_error: Callable[[], None] | None = None) 
     try:
         yield
     except (Interrupted, Exception) as err:
-        if not isinstance(err, (UserError, Interrupted)):
-            if signals.pending() is None:
+        if not isinstance(err, UserError):
+            err = signals.as_interrupt(err)
+            if err is None:
                 raise
-            err = Interrupted(signals.pending())
         if on_error is not None:
             on_error()
         report(verb, str(err), err.exit_status if isinstance(err, Interrupted) else 1)

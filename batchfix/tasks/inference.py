@@ -46,15 +46,13 @@ def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
     try:
         written = correct_parts(cfg, source, output, trained, settings)
     except (Interrupted, Exception) as err:
-        # A signal that lands inside h5py's C code can surface as another error of the interrupted call
-        # (an OSError of a read or write, a TypeError or SystemError of an attribute copy).
-        signum = err.signum if isinstance(err, Interrupted) else signals.pending()
-        if signum is None:
+        interrupt = signals.as_interrupt(err)
+        if interrupt is None:
             raise
         now = file_identity(output)
         state = ("was not written" if now is None else "is unchanged" if now == earlier
                  else "was complete before the signal came")
-        raise Interrupted(signum, f"; {output} {state}") from None
+        raise Interrupted(interrupt.signum, f"; {output} {state}") from None
     return written
 
 

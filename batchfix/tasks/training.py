@@ -57,8 +57,11 @@ def train(cfg: TrainConfig, run_dir: str | Path, preset: str = DEFAULT_PRESET) -
         adata = fitting.read_training_file(cfg.data)  # read once: trained on, then corrected in memory
         prepared = fitting.load_training_data(cfg.data, adata, source=input_path(cfg.data.path))
         signals.raise_pending()
-    except Interrupted as err:
-        raise Interrupted(err.signum, " while reading the data, before training: nothing was saved") from None
+    except (Interrupted, Exception) as err:
+        interrupt = signals.as_interrupt(err)
+        if interrupt is None:
+            raise
+        raise Interrupted(interrupt.signum, " while reading the data, before training: nothing was saved") from None
     reference_index(prepared.batch_categories, cfg.correction.reference)  # refused now, not after training
     warn_if_mostly_unplaced(prepared.coordinates.placed, cfg.correction)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -88,9 +91,12 @@ def train_into(cfg: TrainConfig, prepared: PreparedData, adata: ad.AnnData | Non
         return {}
     try:
         metrics = write_outputs(cfg, result, prepared, adata, run_dir, preset)
-    except Interrupted as err:
-        raise Interrupted(err.signum, f" after training, before its outputs were written; resume={run_dir} "
-                                      "writes them") from None
+    except (Interrupted, Exception) as err:
+        interrupt = signals.as_interrupt(err)
+        if interrupt is None:
+            raise
+        raise Interrupted(interrupt.signum, f" after training, before its outputs were written; resume={run_dir} "
+                                            "writes them") from None
     metrics["total_seconds"] = round(time.perf_counter() - started, 2)
     with atomic_output(run_dir / runfolder.METRICS_JSON, overwrite=True) as tmp:
         tmp.write_text(json.dumps(metrics, indent=2))

@@ -358,6 +358,23 @@ def test_an_h5py_error_while_a_signal_is_pending_is_reported_as_the_signal(files
     assert err.value.exit_status == 128 + signal.SIGTERM and str(err.value).endswith("out.h5ad was not written")
 
 
+def test_train_reports_an_h5py_error_while_a_signal_is_pending_as_the_signal(files, tmp_path, monkeypatch):
+    """train alike, with its own account of what was saved: an error while reading the data after a signal came is
+    the interruption (nothing saved); without a signal the error stays what it is."""
+    def interrupted_read(*args, **kwargs):
+        raise TypeError("Operation not defined for data type class")
+
+    monkeypatch.setattr(fitting, "read_training_file", interrupted_read)
+    cfg = tiny_train_config(path=str(files["small"]), max_epochs=1)
+    with signals.interrupts_raised():
+        with pytest.raises(TypeError):
+            tasks.train(cfg, tmp_path / "run")
+        monkeypatch.setitem(signals._state, "pending", signal.SIGTERM)
+        with pytest.raises(Interrupted) as err:
+            tasks.train(cfg, tmp_path / "run")
+    assert str(err.value) == "interrupted by SIGTERM while reading the data, before training: nothing was saved"
+
+
 @pytest.mark.parametrize("error", H5PY_ERRORS_OF_A_SIGNAL, ids=lambda e: type(e).__name__)
 def test_any_verb_reports_an_error_after_a_signal_as_the_signal(monkeypatch, capsys, error):
     """Outside correct (train's outputs, evaluate) the command line's one-line report does the same: exit
