@@ -195,16 +195,19 @@ def shrunk_variances(variance: np.ndarray, cells: np.ndarray, n_training: int,
 
 
 def gene_scales(tables: CalibrationTables, reference: int | None, unseen: list[ResidualSums],
-                present: np.ndarray | None = None) -> np.ndarray:
+                present: np.ndarray | None = None, members: np.ndarray | None = None) -> np.ndarray:
     """k_{b,g} = spread_ref(g) / spread_b(g) (codes, G) from the shrunk per-gene spreads (`shrunk_variances`);
-    the average reference's spread is the root-mean-square over the training batches, as for one per batch."""
+    the average reference's spread is the root-mean-square over the training batches (each gene's `members`, as
+    `reference_statistics`), as for one per batch."""
     variance = np.square(tables.residual_gene_spread.numpy().astype(np.float64))  # (batches, G)
     cells = tables.residual_cells.numpy().astype(np.float64)
     if unseen:  # prior fitted on the genes the input holds: a missing gene's residual means nothing
         variance = np.vstack([variance, [s.variance() for s in unseen]])
         cells = np.concatenate([cells, [s.n_cells for s in unseen]])
     shrunk = shrunk_variances(variance, cells, tables.n_batches, present)
-    reference_variance = shrunk[:tables.n_batches].mean(axis=0) if reference is None else shrunk[reference]
+    trained = shrunk[:tables.n_batches]
+    reference_variance = trained[reference] if reference is not None else trained.mean(axis=0) if members is None \
+        else (trained * members).sum(axis=0) / members.sum(axis=0)
     return np.sqrt(reference_variance / np.maximum(shrunk, np.finfo(np.float32).tiny))
 
 
@@ -224,7 +227,7 @@ class Statistics:
             spread = np.concatenate([spread, [s.spread(present) or reference_spread for s in unseen]])
         self.location = torch.as_tensor(location, dtype=torch.float32)  # (codes, G)
         if spread_by == "gene":
-            scale = gene_scales(tables, reference, unseen, present)  # (codes, G)
+            scale = gene_scales(tables, reference, unseen, present, members)  # (codes, G)
         else:
             scale = (reference_spread / spread)[:, None]  # (codes, 1)
         self.scale = torch.as_tensor(residual_weight * scale, dtype=torch.float32)

@@ -97,6 +97,22 @@ def test_gene_spread_equalizes_each_genes_scaled_spread_across_training_batches(
     assert dispersion["gene"] < 0.5 * dispersion["batch"], dispersion
 
 
+def test_a_batch_that_lacks_a_gene_is_out_of_its_reference_spread_and_location(model):
+    """The average reference of a gene one batch lacks (its `members`) is the other batches' alone: their mean
+    location, and with spread=gene the root-mean-square of their shrunk spreads; the other genes' stay every
+    batch's."""
+    members = np.ones(model.tables.residual_location.shape, dtype=bool)  # (batches, G)
+    members[0, 0] = False
+    every = calibration.Statistics(model.tables, None, [], spread_by="gene")
+    without = calibration.Statistics(model.tables, None, [], spread_by="gene", members=members)
+    location = model.tables.residual_location.numpy().astype(np.float64)
+    assert without.ref_location[0].item() == pytest.approx(location[1:, 0].mean(), rel=1e-5)
+    np.testing.assert_allclose(without.ref_location[1:].numpy(), every.ref_location[1:].numpy())
+    relative = 1.0 / np.square(every.scale.numpy()[:, 0])  # 1 / k^2: each batch's shrunk variance over their mean
+    assert np.allclose(without.scale.numpy()[:, 0] / every.scale.numpy()[:, 0], np.sqrt(relative[1:].mean()))
+    np.testing.assert_allclose(without.scale.numpy()[:, 1:], every.scale.numpy()[:, 1:])
+
+
 def test_gene_spread_rescales_each_cells_own_residual_per_gene_and_batch(subset, model, outputs):
     """Both spreads add k times the cell's own residual to the same denoised value and reference location, so
     where neither was floored at 0 their ratio to it is k_gene / k_batch: one number per gene and batch (the
