@@ -14,7 +14,7 @@ into place) raises one that was lost anyway.
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from batchfix.errors import Interrupted
@@ -59,6 +59,19 @@ def as_interrupt(error: BaseException) -> Interrupted | None:
         return error
     signum = _state["pending"]
     return Interrupted(signum) if signum is not None and isinstance(error, Exception) else None
+
+
+@contextmanager
+def interrupt_noted(detail: Callable[[], str]) -> Iterator[None]:
+    """Inside: an interruption (`as_interrupt`) leaves as `Interrupted` with `detail()` (what it left behind)
+    appended; any other error leaves as it is."""
+    try:
+        yield
+    except (Interrupted, Exception) as err:
+        interrupt = as_interrupt(err)
+        if interrupt is None:
+            raise
+        raise Interrupted(interrupt.signum, detail()) from None
 
 
 def raise_pending() -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from batchfix.correction import counts
+from batchfix.correction.lacking_genes import member_mean
 from batchfix.data.prepare import PreparedData, in_order
 from batchfix.errors import CheckpointError
 from batchfix.nn.attention import fused_attention
@@ -158,8 +159,7 @@ def reference_statistics(location: np.ndarray, spread: np.ndarray, reference: in
     root-mean-square spread over the training batches."""
     if reference is not None:
         return location[reference], float(spread[reference])
-    average = location.mean(axis=0) if members is None else (location * members).sum(axis=0) / members.sum(axis=0)
-    return average, float(np.sqrt(np.mean(np.square(spread))))
+    return member_mean(location, members), float(np.sqrt(np.mean(np.square(spread))))
 
 
 def inverse_gamma_posterior(ratio: np.ndarray, dof: float, genes: np.ndarray | None = None) -> np.ndarray:
@@ -205,9 +205,7 @@ def gene_scales(tables: CalibrationTables, reference: int | None, unseen: list[R
         variance = np.vstack([variance, [s.variance() for s in unseen]])
         cells = np.concatenate([cells, [s.n_cells for s in unseen]])
     shrunk = shrunk_variances(variance, cells, tables.n_batches, present)
-    trained = shrunk[:tables.n_batches]
-    reference_variance = trained[reference] if reference is not None else trained.mean(axis=0) if members is None \
-        else (trained * members).sum(axis=0) / members.sum(axis=0)
+    reference_variance = shrunk[reference] if reference is not None else member_mean(shrunk[:tables.n_batches], members)
     return np.sqrt(reference_variance / np.maximum(shrunk, np.finfo(np.float32).tiny))
 
 

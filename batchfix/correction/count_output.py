@@ -17,6 +17,7 @@ import scipy.sparse as sp
 import torch
 
 from batchfix.correction import counterfactual, counts, device_map
+from batchfix.correction.lacking_genes import member_mean
 from batchfix.correction.library_shift import LibraryShift
 from batchfix.correction.state_groups import StateGroups
 from batchfix.data import ondisk
@@ -267,8 +268,7 @@ def count_tables(trained, genes, count_sums: list[counts.CountSums], reference: 
     tiny = np.finfo(np.float64).tiny
     if reference is None:  # the average reference: theta_g, and the geometric mean of the batches' ratios
         reference_theta = shared
-        chosen = np.ones(trained_ratio.shape, dtype=bool) if members is None else members
-        reference_ratio = np.exp((np.log(np.maximum(trained_ratio, tiny)) * chosen).sum(axis=0) / chosen.sum(axis=0))
+        reference_ratio = np.exp(member_mean(np.log(np.maximum(trained_ratio, tiny)), members))
     else:
         reference_theta, reference_ratio = trained_theta[reference], trained_ratio[reference]
     return CountTables(theta, ratio, reference_ratio, None if spread == "batch" else reference_theta,

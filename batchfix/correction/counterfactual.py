@@ -109,9 +109,9 @@ def decoded_pair(net: BatchfixNet, mu: torch.Tensor, codes: torch.Tensor, refere
     every training batch) stands in for batches the model never saw. The average reference of each gene is
     taken over its `members` (batches, G) where given."""
     reference_values = net.decoded(mu, reference, present, members)
-    plain = reference is None and members is None
-    own = reference_values if plain else net.decoded(mu, None, present)  # unseen: the average
     seen = (codes >= 0) & (codes < net.n_batches)
+    plain = (reference is None and members is None) or seen.all()  # every row the average, or every row set below
+    own = reference_values if plain else net.decoded(mu, None, present)  # unseen: the average
     if seen.any():
         own = own.clone()
         own[seen] = net.decoded(mu[seen], codes[seen].long(), present)

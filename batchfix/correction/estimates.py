@@ -224,11 +224,15 @@ def estimate_unseen(bound, rows, part: Part, n_obs: int) -> Estimates:
     by_set = [count_sums[i * n_unseen:(i + 1) * n_unseen] for i in range(n_sets)]
     settings = bound.settings
     lacking = None if detection is None else detection.lacking(calibration.MIN_UNSEEN_CELLS, bound.sex_linked)
-    members = [None if lacking is None or bound.reference is not None else
-               DetectionSums.members(genes, lacking, bound.batches.n_training) for genes in bound.gene_sets]
+
+    def reference_members(genes) -> np.ndarray | None:  # each gene's average reference's batches
+        if lacking is None or genes is None or bound.reference is not None:
+            return None
+        return DetectionSums.members(genes, lacking, bound.batches.n_training)
+
+    members = [reference_members(genes) for genes in bound.gene_sets]
     log_genes = None if bound.counts_output else bound.log_genes()
-    log_members = None if lacking is None or log_genes is None or bound.reference is not None else \
-        DetectionSums.members(log_genes, lacking, bound.batches.n_training)
+    log_members = reference_members(log_genes)
     statistics = calibration.Statistics(bound.trained.tables, bound.reference, sums, bound.present.numpy(),
                                         settings.spread, settings.residual_weight, log_members)
     tables = tuple(count_output.count_tables(bound.trained, genes, set_sums, bound.reference, settings.spread, chosen)

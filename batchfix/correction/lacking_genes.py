@@ -79,3 +79,9 @@ def unshifted(lacking: np.ndarray | None, reference: int | None) -> np.ndarray |
     if lacking is None or reference is None:
         return lacking
     return lacking | lacking[reference][None, :]
+
+
+def member_mean(values: np.ndarray, members: np.ndarray | None) -> np.ndarray:
+    """(G,) the mean over the training batches of `values` (batches, G), each gene's over its `members` (batches, G)
+    bool, the batches that do not lack it (None: every batch): an average reference's level."""
+    return values.mean(axis=0) if members is None else (values * members).sum(axis=0) / members.sum(axis=0)

@@ -21,7 +21,7 @@ from batchfix.correction.provenance import output_kind_name, refuse_key_collisio
 from batchfix.correction.writers import correct_file
 from batchfix.data.atomic import CORRECTED_SUFFIX, default_output, refuse_existing
 from batchfix.data.io import input_path
-from batchfix.errors import ConfigError, Interrupted
+from batchfix.errors import ConfigError
 from batchfix.training.trained import load_trained
 
 log = logging.getLogger(__name__)
@@ -43,17 +43,13 @@ def correct(cfg: CorrectConfig, told: CorrectionChoice | None = None) -> Path:
                                   preset=preset)
     warn_not_applied(told.options, output_kind_name(settings.output_mode, trained.config.likelihood))
     refuse_key_collisions_in_file(source, settings.key_added)
-    try:
-        written = correct_parts(cfg, source, output, trained, settings)
-    except (Interrupted, Exception) as err:
-        interrupt = signals.as_interrupt(err)
-        if interrupt is None:
-            raise
+    def output_state() -> str:
         now = file_identity(output)
-        state = ("was not written" if now is None else "is unchanged" if now == earlier
-                 else "was complete before the signal came")
-        raise Interrupted(interrupt.signum, f"; {output} {state}") from None
-    return written
+        return f"; {output} " + ("was not written" if now is None else "is unchanged" if now == earlier
+                                 else "was complete before the signal came")
+
+    with signals.interrupt_noted(output_state):
+        return correct_parts(cfg, source, output, trained, settings)
 
 
 def correct_parts(cfg: CorrectConfig, source: Path, output: Path, trained, settings: ResolvedCorrection) -> Path:

@@ -30,7 +30,6 @@ from batchfix.data import ondisk
 from batchfix.data.atomic import atomic_output, refuse_unreplaceable
 from batchfix.data.io import input_path
 from batchfix.data.prepare import PreparedData
-from batchfix.errors import Interrupted
 from batchfix.training import fitting
 from batchfix.training.module import ENTROPY_PREFIX
 from batchfix.training.trained import BatchfixModel
@@ -53,15 +52,10 @@ def train(cfg: TrainConfig, run_dir: str | Path, preset: str = DEFAULT_PRESET) -
     started = time.perf_counter()
     fitting.seed_and_threads(cfg.seed, cfg.threads)
     log.info("Preparing the data: %s.", source)
-    try:
+    with signals.interrupt_noted(lambda: " while reading the data, before training: nothing was saved"):
         adata = fitting.read_training_file(cfg.data)  # read once: trained on, then corrected in memory
         prepared = fitting.load_training_data(cfg.data, adata, source=input_path(cfg.data.path))
         signals.raise_pending()
-    except (Interrupted, Exception) as err:
-        interrupt = signals.as_interrupt(err)
-        if interrupt is None:
-            raise
-        raise Interrupted(interrupt.signum, " while reading the data, before training: nothing was saved") from None
     reference_index(prepared.batch_categories, cfg.correction.reference)  # refused now, not after training
     warn_if_mostly_unplaced(prepared.coordinates.placed, cfg.correction)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -89,14 +83,9 @@ def train_into(cfg: TrainConfig, prepared: PreparedData, adata: ad.AnnData | Non
     result = fitting.fit(cfg, prepared, run_dir)
     if result.trainer.global_rank != 0:
         return {}
-    try:
+    with signals.interrupt_noted(lambda: f" after training, before its outputs were written; resume={run_dir} "
+                                         "writes them"):
         metrics = write_outputs(cfg, result, prepared, adata, run_dir, preset)
-    except (Interrupted, Exception) as err:
-        interrupt = signals.as_interrupt(err)
-        if interrupt is None:
-            raise
-        raise Interrupted(interrupt.signum, f" after training, before its outputs were written; resume={run_dir} "
-                                            "writes them") from None
     metrics["total_seconds"] = round(time.perf_counter() - started, 2)
     with atomic_output(run_dir / runfolder.METRICS_JSON, overwrite=True) as tmp:
         tmp.write_text(json.dumps(metrics, indent=2))
