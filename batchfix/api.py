@@ -43,6 +43,7 @@ from batchfix.config import (
 )
 from batchfix.correction.provenance import output_kind_name, refuse_key_collisions, warn_not_applied
 from batchfix.correction.writers import correct_adata, normal_cells
+from batchfix.data.memory import numpy_huge_pages_off
 from batchfix.errors import ConfigError
 from batchfix.training.trained import BatchfixModel, load_trained
 
@@ -225,8 +226,9 @@ def correct(adata: ad.AnnData, model: BatchfixModel | str | Path, *, correction:
     settings = ResolvedCorrection(**asdict(chosen), **asdict(inference), **asdict(ablations), preset=preset)
     warn_not_applied(told, output_kind_name(settings.output_mode, trained.config.likelihood))
     refuse_key_collisions(settings.key_added, adata.layers, adata.obsm, adata.var.columns, adata.uns)
-    return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,
-                         progress=progress, all_batches_new=all_batches_new)
+    with numpy_huge_pages_off():
+        return correct_adata(adata, trained, settings, counts_layer=counts_layer, batch_key=batch_key, copy=copy,
+                             progress=progress, all_batches_new=all_batches_new)
 
 
 def correct_keywords(options: dict) -> tuple[dict, CorrectInferenceOptions, CorrectionAblations]:

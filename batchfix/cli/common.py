@@ -178,6 +178,7 @@ def run(main: Callable[[], object], verb: str) -> None:
 
     from batchfix.config import readable
     from batchfix.console import quiet_third_parties
+    from batchfix.data.memory import numpy_huge_pages_off
     from batchfix.signals import interrupts_raised
 
     if {"--help", "-h"} & set(sys.argv[1:]):
@@ -188,7 +189,7 @@ def run(main: Callable[[], object], verb: str) -> None:
         sys.exit(0)
     os.environ["HYDRA_FULL_ERROR"] = "1"
     quiet_third_parties()
-    with interrupts_raised(), user_errors_reported(verb):
+    with interrupts_raised(), user_errors_reported(verb), numpy_huge_pages_off():
         check_overrides(sys.argv[1:], verb)
         try:
             main()
