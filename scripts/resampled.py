@@ -2,10 +2,14 @@
 
 Cells are drawn with replacement from the bundled CellBench cells and their counts Poisson-resampled,
 so a file keeps real genes, real batch structure and real cell lines at any size without holding it
-in memory. Imported by scripts/bench/bench_scale.py and scripts/bench/bench_correct.py.
+in memory. Imported by scripts/bench/bench_scale.py and scripts/bench/bench_correct.py; on its own it writes one
+such file (a larger development set, e.g. for scripts/stress_set.py):
+
+    python -m scripts.resampled res15k.h5ad --cells 15000 --seed 1
 """
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -98,3 +102,21 @@ def generate(path: Path, n_cells: int, genes: list[str] | None = None, n_genes: 
             for key, col in obs.items():
                 codes[key][start:stop] = col.cat.codes.to_numpy()[rows]
     os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("output", type=Path, help="the .h5ad to write (refused if it exists)")
+    parser.add_argument("--cells", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.output.exists():
+        parser.error(f"{args.output} exists; name another output")
+    if args.cells < 1:
+        parser.error(f"--cells {args.cells}: at least 1")
+    generate(args.output, args.cells, seed=args.seed)
+    print(f"Wrote {args.output}: {args.cells} resampled cells (seed {args.seed}).")
+
+
+if __name__ == "__main__":
+    main()
