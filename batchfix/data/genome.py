@@ -59,14 +59,17 @@ def chromosome_code(name: str | None) -> int:
     return CHROMOSOME_CODE.get(name, CHROMOSOME_CODE["other"])
 
 
+VERSION_SUFFIX = r"\.\d+$"  # an Ensembl ID's version: ENSG00000141510.17
+
+
 def strip_version(gene_id: str) -> str:
     """ENSG00000141510.17 -> ENSG00000141510."""
-    return re.sub(r"\.\d+$", "", str(gene_id))
+    return re.sub(VERSION_SUFFIX, "", str(gene_id))
 
 
 def unversioned(gene_ids: pd.Series) -> pd.Series:
     """`strip_version` of every value, as strings."""
-    return gene_ids.astype(str).str.replace(r"\.\d+$", "", regex=True)
+    return gene_ids.astype(str).str.replace(VERSION_SUFFIX, "", regex=True)
 
 
 def bundled_gene_table(genome: str) -> pd.DataFrame:
@@ -130,14 +133,14 @@ def lookup_in_table(var: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame:
         pd.Series(var[c].to_numpy()) for c in SYMBOL_COLUMNS if c in var
     ]
     for candidates, lookup, transform in (
-        (id_candidates, by_id, strip_version),
-        (symbol_candidates, by_symbol, lambda s: str(s).upper()),
+        (id_candidates, by_id, unversioned),
+        (symbol_candidates, by_symbol, lambda names: names.astype(str).str.upper()),
     ):
         for names in candidates:
             missing = found["chromosome"].isna()
             if not missing.any():
                 break
-            keys = names[missing].astype(str).map(transform)
+            keys = transform(names[missing])
             hit = keys.isin(lookup.index)
             rows = lookup.loc[keys[hit].to_numpy(), ["chromosome", "start", "end"]]
             found.loc[keys[hit].index, ["chromosome", "start", "end"]] = rows.to_numpy()
