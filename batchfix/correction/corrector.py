@@ -26,6 +26,7 @@ import torch
 
 from batchfix.config import ResolvedCorrection
 from batchfix.correction import calibration, count_output, counterfactual, counts, provenance
+from batchfix.correction.stages import StageClock
 from batchfix.data import ondisk
 from batchfix.data.io import check_values, duplicate_genes_error, repeated
 from batchfix.errors import InputError
@@ -85,6 +86,7 @@ class BoundModel:
                  obs_names: pd.Index | None = None, normal: np.ndarray | None = None,
                  sex_linked: list[np.ndarray] | None = None):
         self.trained = trained
+        self.clock = StageClock()  # where this correction's time goes (batchfix.correction.stages)
         self.sex_linked = sex_linked or []  # input columns of each sex-linked gene set (correction.lacking_genes)
         self.normal = normal  # (cells,) bool: reference cells (regional_shift=reference_cells), or None
         self.net = trained.net

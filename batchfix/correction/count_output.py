@@ -19,6 +19,7 @@ import torch
 from batchfix.correction import counterfactual, counts, device_map
 from batchfix.correction.lacking_genes import member_mean
 from batchfix.correction.library_shift import LibraryShift
+from batchfix.correction.stages import StageClock
 from batchfix.correction.state_groups import StateGroups
 from batchfix.data import ondisk
 
@@ -107,6 +108,10 @@ class CountDistributions:
     own_theta: np.ndarray
     ref_theta: np.ndarray
 
+    def rows(self, picked: np.ndarray) -> CountDistributions:
+        """The distributions of the cells at positions `picked` only."""
+        return CountDistributions(*(getattr(self, f.name)[picked] for f in dataclasses.fields(self)))
+
     def reference_nonzero(self) -> np.ndarray:
         """(B, k) P(count > 0) under the reference's NB: the detection the corrected counts should show."""
         p = self.ref_theta / (self.ref_theta + self.ref_mean)
@@ -173,16 +178,19 @@ def interval_points(seed: int, cell_keys: np.ndarray, gene_keys: np.ndarray) -> 
 
 
 def mapped_counts(net, genes: GeneSet, tables: CountTables, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor,
-                  cell_keys: np.ndarray, reference: int | None, seed: int, state=None,
-                  regional=None) -> tuple[np.ndarray, np.ndarray]:
-    """(observed, corrected) counts (B, k) of the set's output genes for cells with input `x` (B, decoder genes),
-    latents `mu` and batch `codes`."""
-    nb = count_distributions(net, genes, tables, x, mu, codes, reference, state, regional)
-    uniform = interval_points(seed, cell_keys, genes.keys)
-    flat = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64).ravel())
-            for a in (nb.observed, nb.own_mean, nb.ref_mean, nb.own_theta, nb.ref_theta, uniform)]
-    mapped = device_map.quantile_map_torch(*flat).numpy()  # counts.quantile_map's counts, in torch
-    return nb.observed, mapped.reshape(nb.observed.shape)
+                  cell_keys: np.ndarray, reference: int | None, seed: int, state=None, regional=None,
+                  clock: StageClock | None = None) -> tuple[CountDistributions, np.ndarray]:
+    """(the NB of each count, the corrected counts (B, k)) of the set's output genes for cells with input `x` (B,
+    decoder genes), latents `mu` and batch `codes`; `clock` times the decoding and the map."""
+    clock = clock or StageClock()
+    with clock.stage("decode"):
+        nb = count_distributions(net, genes, tables, x, mu, codes, reference, state, regional)
+    with clock.stage("map"):
+        uniform = interval_points(seed, cell_keys, genes.keys)
+        flat = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64).ravel())
+                for a in (nb.observed, nb.own_mean, nb.ref_mean, nb.own_theta, nb.ref_theta, uniform)]
+        mapped = device_map.quantile_map_torch(*flat).numpy()  # counts.quantile_map's counts, in torch
+    return nb, mapped.reshape(nb.observed.shape)
 
 
 PIT_BINS = 10  # equal bins of the observed counts' PIT histograms

@@ -96,19 +96,22 @@ class OutputKind:
     def log_values(self, chunk, first_cell: int, values_of) -> ChunkOutput:
         """The log layer of the modelled genes, from `values_of(x, cells) -> (latent mean, values (B, genes),
         clipped)` per forward batch."""
-        bound = self.bound
-        x = bound.model_input(chunk, first_cell)
+        bound, clock = self.bound, self.bound.clock
+        with clock.stage("read"):
+            x = bound.model_input(chunk, first_cell)
         tallies = empty_cells(chunk, x)
         latent = np.empty((x.shape[0], bound.latent_dim), dtype=np.float32)
         values = np.empty((x.shape[0], bound.n_out), dtype=np.float32)
         n_clipped = 0
         for part, cells in bound.forward_batches(x.shape[0], first_cell):
-            mu, expression, clipped = values_of(x[part], cells)
+            with clock.stage("decode"):
+                mu, expression, clipped = values_of(x[part], cells)
             latent[part] = mu.numpy()
             values[part] = expression.numpy()[:, bound.out_model]
             n_clipped += clipped
-        return ChunkOutput(latent, {"log": layers.modelled_layer(values, bound.out_columns, bound.n_vars)},
-                           tallies + Tallies(n_clipped=n_clipped))
+        with clock.stage("layers"):
+            log_layer = layers.modelled_layer(values, bound.out_columns, bound.n_vars)
+        return ChunkOutput(latent, {"log": log_layer}, tallies + Tallies(n_clipped=n_clipped))
 
 
 class DenoisedOutput(OutputKind):
@@ -150,12 +153,15 @@ class CountsOutput(OutputKind):
                                                                                    torch.Tensor]]:
         """(rows of the chunk `x`, their cells' indices, batch codes, latents) for each forward batch of it."""
         for part, cells in self.bound.forward_batches(x.shape[0], first_cell):
-            yield part, cells, torch.from_numpy(self.bound.batches.codes[cells]), self.latents_of(x[part], cells)
+            with self.bound.clock.stage("decode"):
+                mu = self.latents_of(x[part], cells)
+            yield part, cells, torch.from_numpy(self.bound.batches.codes[cells]), mu
 
     def rows_output(self, chunk, first_cell: int) -> ChunkOutput:
-        bound, estimates = self.bound, self.estimates
-        x = bound.model_input(chunk, first_cell)
-        inputs = [x] + [genes.observed(chunk) for genes in bound.gene_sets[1:]]
+        bound, estimates, clock = self.bound, self.estimates, self.bound.clock
+        with clock.stage("read"):
+            x = bound.model_input(chunk, first_cell)
+            inputs = [x] + [genes.observed(chunk) for genes in bound.gene_sets[1:]]
         latent = np.empty((x.shape[0], bound.latent_dim), dtype=np.float32)
         columns = np.sort(np.concatenate([genes.columns for genes in bound.gene_sets]))  # the sets' are disjoint
         places = [np.searchsorted(columns, genes.columns) for genes in bound.gene_sets]
@@ -164,15 +170,19 @@ class CountsOutput(OutputKind):
         checks = self.no_checks()
         for part, cells, codes, mu in self.forward_batches(x, first_cell):
             latent[part] = mu.numpy()
+            modelled = None  # the modelled genes' NB of these cells, for the model checks
             for genes, tables, values, place in zip(bound.gene_sets, estimates.count_tables, inputs, places):
-                observed, mapped = count_output.mapped_counts(
+                nb, mapped = count_output.mapped_counts(
                     bound.net, genes, tables, values[part], mu, codes, bound.cell_keys[cells], bound.reference,
-                    bound.settings.quantile_seed, estimates.state, estimates.regional)
+                    bound.settings.quantile_seed, estimates.state, estimates.regional, clock)
                 corrected[part, place] = mapped
-                n_zeros += int((observed == 0).sum())
-                n_raised += int(((observed == 0) & (mapped > 0)).sum())
-            self.add_checks(checks, x[part], cells, codes, mu, corrected[part], places[0])
-        chunk_layers = layers.count_layers(chunk, corrected, columns, bound.corrected_mask)
+                n_zeros += int((nb.observed == 0).sum())
+                n_raised += int(((nb.observed == 0) & (mapped > 0)).sum())
+                modelled = modelled if genes.extra else nb
+            with clock.stage("checks"):
+                self.add_checks(checks, cells, codes, mu, modelled, corrected[part], places[0])
+        with clock.stage("layers"):
+            chunk_layers = layers.count_layers(chunk, corrected, columns, bound.corrected_mask)
         return ChunkOutput(latent, chunk_layers, empty_cells(chunk, x) + Tallies(n_zeros=n_zeros,
                                                                                  n_zeros_raised=n_raised,
                                                                                  checks=checks))
@@ -182,22 +192,22 @@ class CountsOutput(OutputKind):
         return ModelChecks.empty(self.estimates.count_tables[0].theta.shape[0], self.estimates.n_state_groups,
                                  len(self.bound.gene_sets[0].columns))
 
-    def add_checks(self, checks: ModelChecks, x: torch.Tensor, cells: np.ndarray, codes: torch.Tensor,
-                   mu: torch.Tensor, corrected: np.ndarray, modelled: np.ndarray) -> None:
-        """Add the checked cells (state_groups.sampled; with a batch) of a forward batch to `checks`: `x` (B,
-        decoder genes) their input, `mu` (B, latent) their latents, `corrected` (B, corrected genes) their counts,
-        the modelled genes at columns `modelled` (only the checked cells' are taken: most batches have none).
-        The PIT's draws are keyed by (quantile_seed + 1, cell, gene), the calibrated detection's by + 2."""
+    def add_checks(self, checks: ModelChecks, cells: np.ndarray, codes: torch.Tensor, mu: torch.Tensor,
+                   nb: count_output.CountDistributions, corrected: np.ndarray, modelled: np.ndarray) -> None:
+        """Add the checked cells (state_groups.sampled; with a batch) of a forward batch to `checks`: `mu` (B,
+        latent) their latents, `nb` the modelled genes' NB of the forward batch's cells (those their counts were
+        mapped with, not decoded again), `corrected` (B, corrected
+        genes) their counts, the modelled genes at columns `modelled` (only the checked cells' are taken: most
+        batches have none). The PIT's draws are keyed by (quantile_seed + 1, cell, gene), the calibrated
+        detection's by + 2."""
         bound, estimates = self.bound, self.estimates
         keys = bound.cell_keys[cells]
         picked = np.flatnonzero(sampled(keys, len(bound.cell_keys)) & (codes.numpy() >= 0))
         if not len(picked):
             return
-        genes, rows, seed = bound.gene_sets[0], torch.from_numpy(picked), bound.settings.quantile_seed
-        nb = count_output.count_distributions(bound.net, genes, estimates.count_tables[0], x[rows], mu[rows],
-                                              codes[rows], bound.reference, estimates.state, estimates.regional)
+        genes, seed, nb = bound.gene_sets[0], bound.settings.quantile_seed, nb.rows(picked)
         groups = estimates.state_groups
-        state = np.zeros(len(picked), dtype=np.int64) if groups is None else groups.assign(mu[rows])
+        state = np.zeros(len(picked), dtype=np.int64) if groups is None else groups.assign(mu[torch.from_numpy(picked)])
         pit_draws, detection_draws = (counts.counter_uniform(seed + k, keys[picked], genes.keys) for k in (1, 2))
         checks.add(codes.numpy()[picked], state, nb.own_pit(pit_draws), nb.reference_nonzero(), nb.observed,
                    corrected[picked][:, modelled], detection_draws)
@@ -236,7 +246,9 @@ def corrected_chunks(output: OutputKind, rows, n_obs: int, chunk_size: int,
         for start in range(0, n_obs, chunk_size):
             signals.raise_pending()
             stop = min(start + chunk_size, n_obs)
-            yield start, stop, output.apply(rows.rows(start, stop), start)
+            with output.bound.clock.stage("read"):
+                chunk = rows.rows(start, stop)
+            yield start, stop, output.apply(chunk, start)
             bar.update(stop - start)
     seconds = time.perf_counter() - started
     log.info("Corrected %d cells x %d genes in %.1f s (%.0f cells/s).", n_obs,

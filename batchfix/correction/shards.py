@@ -105,7 +105,9 @@ def part_chunks(output: OutputKind, rows, start: int, stop: int,
               mininterval=1.0, smoothing=0.1) as bar:
         for first, last in output.bound.chunks(start, stop):
             signals.raise_pending()
-            yield first, last, output.apply(rows.rows(first, last), first)
+            with output.bound.clock.stage("read"):
+                chunk = rows.rows(first, last)
+            yield first, last, output.apply(chunk, first)
             bar.update(last - first)
     seconds = time.perf_counter() - started
     log.info("Corrected cells %d-%d in %.1f s (%.0f cells/s).", start, stop, seconds,
@@ -132,7 +134,9 @@ def correct_shard(job: FileJob, trained: BatchfixModel, settings: ResolvedCorrec
     with ondisk.open_anndata(source) as src:
         bound, rows, n_obs = bind_file(src, source, trained, settings, job.counts_layer, job.batch_key,
                                        job.all_batches_new)
-        output = output_kind(bound, *estimated(bound, rows, n_obs))
+        with bound.clock.stage("estimate"):
+            estimates = estimated(bound, rows, n_obs)
+        output = output_kind(bound, *estimates)
         start, stop = part_rows(n_obs, settings, index, count)
         header = {"format": SHARD_FORMAT, "index": index, "count": count, "start": start, "stop": stop,
                   "fingerprint": fingerprint(job, trained, settings, n_obs),
@@ -141,6 +145,7 @@ def correct_shard(job: FileJob, trained: BatchfixModel, settings: ResolvedCorrec
             write_shard(dst, output, rows, start, stop, job.progress)
             dst.attrs.update(header)
     log.info("Wrote %s (cells %d-%d of %d).", path, start, stop, n_obs)
+    bound.clock.log(f"cells {start}-{stop} of {n_obs}, shard {index + 1} of {count}")
     return path
 
 
@@ -152,10 +157,11 @@ def write_shard(dst: h5py.File, output: OutputKind, rows, start: int, stop: int,
     latent = dst.create_dataset("latent", (stop - start, bound.latent_dim), dtype=np.float32)
     tallies = Tallies()
     for first, last, chunk in part_chunks(output, rows, start, stop, progress):
-        latent[first - start:last - start] = chunk.latent
         tallies += chunk.tallies
-        for kind, matrix_rows in chunk.layers.items():
-            layers[kind].append(matrix_rows)
+        with bound.clock.stage("write"):
+            latent[first - start:last - start] = chunk.latent
+            for kind, matrix_rows in chunk.layers.items():
+                layers[kind].append(matrix_rows)
     dst.attrs.update(tallies.counts())
     if tallies.checks is not None:
         checks = dst.create_group("model_checks")
@@ -185,6 +191,7 @@ def merge_shards(job: FileJob, trained: BatchfixModel, settings: ResolvedCorrect
     for path in paths:
         path.unlink(missing_ok=True)
     log_written(target, bound, n_obs)
+    bound.clock.log(f"the merge of {count} shards: read = reading them")
     return target
 
 
@@ -224,8 +231,10 @@ def shard_chunks(paths: list[Path], bound) -> Iterator[tuple[int, int, ChunkOutp
                 signals.raise_pending()
                 last = min(first + block, stop)
                 rows = slice(first - start, last - start)
-                layers = {kind: csr_rows(shard[kind], rows, bound.n_vars) for kind in output_layers(bound)}
-                yield first, last, ChunkOutput(shard["latent"][rows], layers, tallies if first == start else Tallies())
+                with bound.clock.stage("read"):
+                    layers = {kind: csr_rows(shard[kind], rows, bound.n_vars) for kind in output_layers(bound)}
+                    latent = shard["latent"][rows]
+                yield first, last, ChunkOutput(latent, layers, tallies if first == start else Tallies())
 
 
 def shard_tallies(shard: h5py.File) -> Tallies:

@@ -132,7 +132,9 @@ def prepared_output(adata: ad.AnnData, trained: BatchfixModel, settings: Resolve
     bound = BoundModel(trained, adata.var_names, settings, counts_layer, batch, batch_key,
                        adata.obs_names, normal, sex_linked_columns(adata.var, trained, settings))
     rows = ondisk.InMemoryRows(matrix)
-    return output_kind(bound, *estimate(bound, rows, adata.n_obs)), rows
+    with bound.clock.stage("estimate"):
+        estimated = estimate(bound, rows, adata.n_obs)
+    return output_kind(bound, *estimated), rows
 
 
 def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: ResolvedCorrection,
@@ -168,6 +170,7 @@ def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: ResolvedC
     for column, values in (infercnv_columns(adata.var, trained.data_options["genome"]) or {}).items():
         adata.var[column] = values  # coordinates as infercnvpy reads them ('chr1', start, end)
     adata.uns[keys.uns] = info
+    bound.clock.log(f"{n_obs} cells in memory")
     return adata if copy else None
 
 
@@ -235,10 +238,13 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
     source, target = open_input(input_path, output_path, overwrite)
     with ondisk.open_anndata(source) as src:
         bound, rows, n_obs = bind_file(src, source, trained, settings, counts_layer, batch_key, all_batches_new)
-        output = output_kind(bound, *estimate(bound, rows, n_obs))
+        with bound.clock.stage("estimate"):
+            estimated = estimate(bound, rows, n_obs)
+        output = output_kind(bound, *estimated)
         with atomic_output(target, overwrite) as tmp, h5py.File(tmp, "w") as dst:
             write_streamed(src, dst, output, rows, n_obs, progress)
     log_written(target, bound, n_obs)
+    bound.clock.log(f"{n_obs} cells, one process")
     return target
 
 
@@ -292,28 +298,30 @@ def write_correction(src: h5py.File, dst: h5py.File, bound: BoundModel, n_obs: i
     """The input's content, then the latents and layers of `chunks` (start, stop, outputs), which cover every cell
     once in row order, into the open output, the layers' chunks compressed on `workers` threads (default: torch's
     thread count) while the next cells are corrected; returns the chunks' tallies summed."""
-    workers = workers or torch.get_num_threads()
+    workers, clock = workers or torch.get_num_threads(), bound.clock
     keys = OutputKeys(bound.settings.key_added)
     names = layer_names(keys)
-    ondisk.copy_file_except(src, dst, top_skip={"var"},
-                            skip={"layers": set(names.values()), "obsm": {keys.latent}, "uns": {keys.uns}})
-    coordinates = infercnv_columns(ondisk.read_var_frame(src), bound.trained.data_options["genome"]) or {}
-    ondisk.replace_var_columns(src, dst, {keys.modelled: bound.modelled_mask,
-                                          keys.corrected: bound.corrected_mask, **coordinates},
-                               defaults={"highly_variable": bound.modelled_mask})
-    shape = (n_obs, bound.n_vars)
-    latent = ondisk.create_array(dst["obsm"], keys.latent, (n_obs, bound.latent_dim))
+    with clock.stage("write"):
+        ondisk.copy_file_except(src, dst, top_skip={"var"},
+                                skip={"layers": set(names.values()), "obsm": {keys.latent}, "uns": {keys.uns}})
+        coordinates = infercnv_columns(ondisk.read_var_frame(src), bound.trained.data_options["genome"]) or {}
+        ondisk.replace_var_columns(src, dst, {keys.modelled: bound.modelled_mask,
+                                              keys.corrected: bound.corrected_mask, **coordinates},
+                                   defaults={"highly_variable": bound.modelled_mask})
+        latent = ondisk.create_array(dst["obsm"], keys.latent, (n_obs, bound.latent_dim))
     tallies = Tallies()
     with ThreadPoolExecutor(workers, thread_name_prefix="batchfix-compress") as pool:
-        writers = {kind: CsrAppender(dst["layers"], names[kind], shape, pool=pool, workers=workers)
+        writers = {kind: CsrAppender(dst["layers"], names[kind], (n_obs, bound.n_vars), pool=pool, workers=workers)
                    for kind in output_layers(bound)}
         for start, stop, chunk in chunks:
-            latent[start:stop] = chunk.latent
             tallies += chunk.tallies
-            for kind, matrix_rows in chunk.layers.items():
-                writers[kind].append(matrix_rows)
-        for writer in writers.values():
-            writer.close()
+            with clock.stage("write"):
+                latent[start:stop] = chunk.latent
+                for kind, matrix_rows in chunk.layers.items():
+                    writers[kind].append(matrix_rows)
+        with clock.stage("write"):
+            for writer in writers.values():
+                writer.close()
     return tallies
 
 

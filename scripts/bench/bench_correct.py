@@ -26,7 +26,9 @@ With --processes N ..., the whole `python -m batchfix correct` verb is timed ins
 estimate pass, the correction, the merge) with each number of processes (torchrun above 1; --threads each), and its
 cells/s compared with one process's; after each run the I/O floor is measured on the same files (anndata reading the
 input and writing its content with the corrected layers and latent, the layers gzip 1 after a byte shuffle, as
-`correct` writes them), and each median run is given as a multiple of the floor's median:
+`correct` writes them), and each median run is given as a multiple of the floor's median. Under each run, the
+seconds and cells/s of each stage the verb logged (batchfix.correction.stages: the estimate pass, reading, decoding,
+the map, the model checks, the layers, writing; per shard and for the merge under torchrun):
 
     python -m scripts.bench.bench_correct --cells 40000 --processes 1 2 1 2 1 2 --threads 1 --keep
     python -m scripts.bench.bench_correct --cells 20000 --all-genes --processes 1 2 1 2 --threads 1
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -51,6 +54,8 @@ import h5py
 
 from batchfix.config import REGIONAL_SHIFTS, ResolvedCorrection
 from scripts.resampled import bundled_cells, generate
+
+STAGE_LINE = re.compile(r"Stage seconds: (.*) \((.*)\)\.$")  # batchfix.correction.stages' line, and what it timed
 
 
 def train_checkpoint(workdir: Path, threads: int) -> Path:
@@ -195,20 +200,43 @@ def report(n_cells: int, n_genes: int, input_path: Path, output_path: Path, reco
     return row
 
 
-def verb_seconds(input_path: Path, output_path: Path, checkpoint: Path, processes: int, args) -> tuple[float, float]:
-    """(wall, CPU) seconds of `python -m batchfix correct` on the file with `processes` processes (torchrun above 1);
-    the CPU time is every process's, user and system."""
+def stage_seconds(log_text: str) -> list[dict]:
+    """The `Stage seconds: ...` lines the verb logged (batchfix.correction.stages), one dict of seconds by stage each
+    (and 'what': one process, a shard, the merge)."""
+    found = []
+    for line in log_text.splitlines():
+        match = STAGE_LINE.search(line)
+        if match:
+            seconds = {name: float(value) for name, value in re.findall(r"(\w+)=([\d.]+)", match.group(1))}
+            found.append({"what": match.group(2), **seconds})
+    return found
+
+
+def verb_seconds(input_path: Path, output_path: Path, checkpoint: Path, processes: int,
+                 args) -> tuple[float, float, list[dict]]:
+    """(wall, CPU) seconds of `python -m batchfix correct` on the file with `processes` processes (torchrun above 1),
+    and the stage seconds it logged; the CPU time is every process's, user and system."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else []
     command = [sys.executable, *launcher, "-m", "batchfix", "correct", f"input={input_path}", f"output={output_path}",
                f"checkpoint={checkpoint}", f"threads={args.threads}", "progress=false", "overwrite=true",
                f"inference.chunk_size={args.chunk_size}", f"inference.batch_size={args.batch_size}"]
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env={**os.environ,
-                                                                        "OMP_NUM_THREADS": str(args.threads)})
+    run = subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     wall = time.perf_counter() - started
     now = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
+    return wall, now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime, stage_seconds(run.stderr)
+
+
+def print_stages(stages: list[dict], n_cells: int) -> None:
+    """One line per logged stage line: seconds and cells/s of each stage (the cells that process corrected)."""
+    for line in stages:
+        rows = re.search(r"cells (\d+)-(\d+)", line["what"])
+        cells = int(rows.group(2)) - int(rows.group(1)) if rows else n_cells
+        parts = ", ".join(f"{name} {seconds:,.1f} s" + (f" ({cells / seconds:,.0f} cells/s)" if seconds >= 0.05 else "")
+                          for name, seconds in line.items() if name not in ("what", "total"))
+        print(f"    {line['what']}: {parts}; {line['total']:,.1f} s from binding the model", flush=True)
 
 
 def io_floor_seconds(input_path: Path, output_path: Path, floor_path: Path) -> float:
@@ -243,14 +271,15 @@ def process_rows(n_cells: int, input_path: Path, output_path: Path, checkpoint: 
     for processes in args.processes:
         output_path.unlink(missing_ok=True)
         load = os.getloadavg()[0]
-        wall, cpu = verb_seconds(input_path, output_path, checkpoint, processes, args)
+        wall, cpu, stages = verb_seconds(input_path, output_path, checkpoint, processes, args)
         floor = io_floor_seconds(input_path, output_path, output_path.with_name("io_floor.h5ad"))
         rows.append({"cells": n_cells, "processes": processes, "threads_each": args.threads, "seconds": round(wall, 1),
                      "cpu_seconds": round(cpu, 1), "cells_per_s": round(n_cells / wall, 1),
-                     "io_floor_seconds": round(floor, 2), "load_average_before": round(load, 1)})
+                     "io_floor_seconds": round(floor, 2), "load_average_before": round(load, 1), "stages": stages})
         print(f"{n_cells:,} cells, {processes} process(es) x {args.threads} thread(s): {wall:,.1f} s "
               f"({cpu:,.1f} s of CPU), {n_cells / wall:,.0f} cells/s; I/O floor {floor:,.1f} s "
               f"(load average before: {load:.1f})", flush=True)
+        print_stages(stages, n_cells)
     median = {n: statistics.median(r["seconds"] for r in rows if r["processes"] == n) for n in args.processes}
     floor = statistics.median(r["io_floor_seconds"] for r in rows)
     first = args.processes[0]

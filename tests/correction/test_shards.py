@@ -23,10 +23,12 @@ import torch
 from batchfix.config import CorrectionChoice, ResolvedCorrection
 from batchfix.correction import shards
 from batchfix.correction.estimates import Part, estimate
+from batchfix.correction.stages import STAGES
 from batchfix.correction.writers import bind_file, correct_file
 from batchfix.data import ondisk
 from batchfix.errors import InputError
 from batchfix.training.trained import load_trained
+from scripts.bench.bench_correct import stage_seconds
 
 FORWARD = ["inference.chunk_size=64", "inference.batch_size=24", "progress=false", "threads=1"]
 
@@ -228,6 +230,15 @@ def test_torchrun_ranks_write_the_one_process_file(files, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert [p.name for p in tmp_path.iterdir()] == ["out.h5ad"]
     assert_same_correction(output, files["single"], 2)
+    # where the time went: a line per rank's part, as the benchmark reads them, and one for the merge
+    stages = stage_seconds(result.stderr)
+    assert sorted(line["what"] for line in stages) == [
+        "cells 0-112 of 200, shard 1 of 2", "cells 112-200 of 200, shard 2 of 2", "the merge of 2 shards: read = reading them"]
+    for line in stages:
+        assert set(line) == {"what", "total", *STAGES}
+        assert 0 < sum(line[name] for name in STAGES) <= line["total"] + 0.1 * len(STAGES)  # rounded to 0.1 s each
+        assert (line["estimate"] > 0) == ("shard" in line["what"])  # the merge estimates nothing
+        assert line["write"] > 0 and line["read"] > 0
 
 
 def test_a_missing_or_foreign_shard_is_refused_by_the_merge_naming_it(files, tmp_path):
