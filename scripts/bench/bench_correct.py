@@ -222,11 +222,11 @@ def verb_seconds(input_path: Path, output_path: Path, checkpoint: Path, processe
                f"inference.chunk_size={args.chunk_size}", f"inference.batch_size={args.batch_size}"]
     used = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    run = subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    run = subprocess.run(command, check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     wall = time.perf_counter() - started
     now = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime, stage_seconds(run.stderr)
+    return wall, now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime, stage_seconds(run.stdout)
 
 
 def print_stages(stages: list[dict], n_cells: int) -> None:

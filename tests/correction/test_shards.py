@@ -231,14 +231,13 @@ def test_torchrun_ranks_write_the_one_process_file(files, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out.h5ad"]
     assert_same_correction(output, files["single"], 2)
     # where the time went: a line per rank's part, as the benchmark reads them, and one for the merge
-    stages = stage_seconds(result.stderr)
+    stages = stage_seconds(result.stdout + result.stderr)
     assert sorted(line["what"] for line in stages) == [
         "cells 0-112 of 200, shard 1 of 2", "cells 112-200 of 200, shard 2 of 2", "the merge of 2 shards: read = reading them"]
     for line in stages:
         assert set(line) == {"what", "total", *STAGES}
         assert 0 < sum(line[name] for name in STAGES) <= line["total"] + 0.1 * len(STAGES)  # rounded to 0.1 s each
-        assert (line["estimate"] > 0) == ("shard" in line["what"])  # the merge estimates nothing
-        assert line["write"] > 0 and line["read"] > 0
+        assert (line["estimate"] > 0) == line["what"].startswith("cells")  # the merge estimates nothing
 
 
 def test_a_missing_or_foreign_shard_is_refused_by_the_merge_naming_it(files, tmp_path):
