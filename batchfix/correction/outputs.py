@@ -170,7 +170,7 @@ class CountsOutput(OutputKind):
         checks = self.no_checks()
         for part, cells, codes, mu in self.forward_batches(x, first_cell):
             latent[part] = mu.numpy()
-            modelled = None  # the modelled genes' NB of these cells, for the model checks
+            distributions = []  # each gene set's NB of these cells; the first set's (the modelled genes) is checked
             for genes, tables, values, place in zip(bound.gene_sets, estimates.count_tables, inputs, places):
                 nb, mapped = count_output.mapped_counts(
                     bound.net, genes, tables, values[part], mu, codes, bound.cell_keys[cells], bound.reference,
@@ -178,9 +178,9 @@ class CountsOutput(OutputKind):
                 corrected[part, place] = mapped
                 n_zeros += int((nb.observed == 0).sum())
                 n_raised += int(((nb.observed == 0) & (mapped > 0)).sum())
-                modelled = modelled if genes.extra else nb
+                distributions.append(nb)
             with clock.stage("checks"):
-                self.add_checks(checks, cells, codes, mu, modelled, corrected[part], places[0])
+                self.add_checks(checks, cells, codes, mu, distributions[0], corrected[part], places[0])
         with clock.stage("layers"):
             chunk_layers = layers.count_layers(chunk, corrected, columns, bound.corrected_mask)
         return ChunkOutput(latent, chunk_layers, empty_cells(chunk, x) + Tallies(n_zeros=n_zeros,
@@ -196,10 +196,9 @@ class CountsOutput(OutputKind):
                    nb: count_output.CountDistributions, corrected: np.ndarray, modelled: np.ndarray) -> None:
         """Add the checked cells (state_groups.sampled; with a batch) of a forward batch to `checks`: `mu` (B,
         latent) their latents, `nb` the modelled genes' NB of the forward batch's cells (those their counts were
-        mapped with, not decoded again), `corrected` (B, corrected
-        genes) their counts, the modelled genes at columns `modelled` (only the checked cells' are taken: most
-        batches have none). The PIT's draws are keyed by (quantile_seed + 1, cell, gene), the calibrated
-        detection's by + 2."""
+        mapped with, not decoded again), `corrected` (B, corrected genes) their counts, the modelled genes at columns
+        `modelled` (only the checked cells' are taken: most batches have none). The PIT's draws are keyed by
+        (quantile_seed + 1, cell, gene), the calibrated detection's by + 2."""
         bound, estimates = self.bound, self.estimates
         keys = bound.cell_keys[cells]
         picked = np.flatnonzero(sampled(keys, len(bound.cell_keys)) & (codes.numpy() >= 0))
