@@ -178,11 +178,10 @@ def interval_points(seed: int, cell_keys: np.ndarray, gene_keys: np.ndarray) -> 
 
 
 def mapped_counts(net, genes: GeneSet, tables: CountTables, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor,
-                  cell_keys: np.ndarray, reference: int | None, seed: int, state=None, regional=None,
-                  clock: StageClock | None = None) -> tuple[CountDistributions, np.ndarray]:
+                  cell_keys: np.ndarray, reference: int | None, seed: int, state=None, regional=None, *,
+                  clock: StageClock) -> tuple[CountDistributions, np.ndarray]:
     """(the NB of each count, the corrected counts (B, k)) of the set's output genes for cells with input `x` (B,
     decoder genes), latents `mu` and batch `codes`; `clock` times the decoding and the map."""
-    clock = clock or StageClock()
     with clock.stage("decode"):
         nb = count_distributions(net, genes, tables, x, mu, codes, reference, state, regional)
     with clock.stage("map"):

@@ -145,7 +145,7 @@ def estimate(bound, rows, n_obs: int, part: Part | None = None) -> tuple[Estimat
         log.info("regional_shift=%s: no modelled gene has genomic coordinates, so no part of the shift is "
                  "regional: all of it is removed (as with regional_shift=apply).", bound.settings.regional_shift)
         regional = False
-    with fused_attention(bound.net), torch.no_grad():
+    with bound.clock.stage("estimate"), fused_attention(bound.net), torch.no_grad():
         first = estimate_unseen(bound, rows, part, n_obs)
         if regional or bound.settings.state_dependence < 1 or bound.settings.shrink == "evidence" \
                 or moves_depth(bound):

@@ -174,7 +174,7 @@ class CountsOutput(OutputKind):
             for genes, tables, values, place in zip(bound.gene_sets, estimates.count_tables, inputs, places):
                 nb, mapped = count_output.mapped_counts(
                     bound.net, genes, tables, values[part], mu, codes, bound.cell_keys[cells], bound.reference,
-                    bound.settings.quantile_seed, estimates.state, estimates.regional, clock)
+                    bound.settings.quantile_seed, estimates.state, estimates.regional, clock=clock)
                 corrected[part, place] = mapped
                 n_zeros += int((nb.observed == 0).sum())
                 n_raised += int(((nb.observed == 0) & (mapped > 0)).sum())

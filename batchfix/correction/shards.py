@@ -137,9 +137,7 @@ def correct_shard(job: FileJob, trained: BatchfixModel, settings: ResolvedCorrec
     with ondisk.open_anndata(source) as src:
         bound, rows, n_obs = bind_file(src, source, trained, settings, job.counts_layer, job.batch_key,
                                        job.all_batches_new)
-        with bound.clock.stage("estimate"):
-            estimates = estimated(bound, rows, n_obs)
-        output = output_kind(bound, *estimates)
+        output = output_kind(bound, *estimated(bound, rows, n_obs))
         start, stop = part_rows(n_obs, settings, index, count)
         header = {"format": SHARD_FORMAT, "index": index, "count": count, "start": start, "stop": stop,
                   "fingerprint": fingerprint(job, trained, settings, n_obs),

@@ -132,9 +132,7 @@ def prepared_output(adata: ad.AnnData, trained: BatchfixModel, settings: Resolve
     bound = BoundModel(trained, adata.var_names, settings, counts_layer, batch, batch_key,
                        adata.obs_names, normal, sex_linked_columns(adata.var, trained, settings))
     rows = ondisk.InMemoryRows(matrix)
-    with bound.clock.stage("estimate"):
-        estimated = estimate(bound, rows, adata.n_obs)
-    return output_kind(bound, *estimated), rows
+    return output_kind(bound, *estimate(bound, rows, adata.n_obs)), rows
 
 
 def correct_adata(adata: ad.AnnData, trained: BatchfixModel, settings: ResolvedCorrection,
@@ -238,9 +236,7 @@ def correct_file(input_path: str | Path, output_path: str | Path, trained: Batch
     source, target = open_input(input_path, output_path, overwrite)
     with ondisk.open_anndata(source) as src:
         bound, rows, n_obs = bind_file(src, source, trained, settings, counts_layer, batch_key, all_batches_new)
-        with bound.clock.stage("estimate"):
-            estimated = estimate(bound, rows, n_obs)
-        output = output_kind(bound, *estimated)
+        output = output_kind(bound, *estimate(bound, rows, n_obs))
         with atomic_output(target, overwrite) as tmp, h5py.File(tmp, "w") as dst:
             write_streamed(src, dst, output, rows, n_obs, progress)
     log_written(target, bound, n_obs)

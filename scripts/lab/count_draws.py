@@ -39,12 +39,12 @@ def middle_form():
     """count_output.mapped_counts with every positive count taken at the middle of its quantile interval."""
     shipped = count_output.mapped_counts
 
-    def mapped(net, genes, tables, x, mu, codes, cell_keys, reference, seed, *options):
+    def mapped(net, genes, tables, x, mu, codes, cell_keys, reference, seed, *options, **keywords):
         observed = x[:, genes.model_index].double().numpy()
         drawn = count_output.interval_points(seed, cell_keys, genes.keys)
         with mock.patch.object(count_output, "interval_points",
                                lambda *_: np.where(observed == 0, drawn, 0.5)):
-            return shipped(net, genes, tables, x, mu, codes, cell_keys, reference, seed, *options)
+            return shipped(net, genes, tables, x, mu, codes, cell_keys, reference, seed, *options, **keywords)
 
     with mock.patch.object(count_output, "mapped_counts", mapped):
         yield
