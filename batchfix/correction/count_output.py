@@ -9,6 +9,7 @@ take their whole shift), and the dispersions of its decoder.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,6 +80,11 @@ class CountTables:
     depth: LibraryShift | None = None
     lacking: np.ndarray | None = None
 
+    @functools.cached_property
+    def ratio_shift(self) -> np.ndarray:
+        """(codes, decoder genes) float64 each batch's ratio shift log(r_ref / r_b), taken once for every cell."""
+        return np.log(self.reference_ratio / self.ratio)
+
     def weight(self, codes: np.ndarray, latents: torch.Tensor) -> np.ndarray | None:
         """(B, decoder genes) the evidence weight of each cell's shift (1 for cells without a batch), or None."""
         if self.shift_weight is None:
@@ -93,7 +99,7 @@ def total_log_shift(tables: CountTables, shift: torch.Tensor, codes: torch.Tenso
     """(B, decoder genes) float64: the decoder's log-mean shift plus the batch's ratio shift log(r_ref / r_b) (the
     counts' analogue of the log output's location; 0 for cells without a batch)."""
     known, missing = codes.clamp_min(0).numpy(), (codes < 0).numpy()[:, None]
-    ratio_shift = np.where(missing, 0.0, np.log(tables.reference_ratio / tables.ratio[known]))
+    ratio_shift = np.where(missing, 0.0, tables.ratio_shift[known])
     return shift.double() + torch.from_numpy(ratio_shift)
 
 

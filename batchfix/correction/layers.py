@@ -21,22 +21,32 @@ def count_layers(chunk, corrected: np.ndarray, columns: np.ndarray, corrected_ma
     `corrected` (cells, len(columns)), and their log layer."""
     raw = sp.csr_matrix(chunk, dtype=np.float32)
     raw.sum_duplicates()  # canonical: sorted columns, so the sum below keeps them sorted
-    kept = rows_where(raw, ~corrected_mask[raw.indices])  # the other genes' counts as they are
-    values = corrected.astype(np.float32)
-    nonzero = values != 0  # the corrected counts' nonzero entries only, row by row, columns ascending
-    replaced = sp.csr_matrix((values[nonzero], np.broadcast_to(columns, values.shape)[nonzero],
-                              np.concatenate([[0], np.cumsum(nonzero.sum(axis=1))])), shape=raw.shape)
-    counts = sp.csr_matrix(kept + replaced, dtype=np.float32)
-    counts.eliminate_zeros()
-    counts.sort_indices()
+    counts = dense_rows(np.asarray(corrected, dtype=np.float32), columns, raw.shape[1])
+    kept = ~corrected_mask[raw.indices]  # (nnz,) the other genes' counts, kept as they are
+    if kept.any():
+        counts = sp.csr_matrix(rows_where(raw, kept) + counts, dtype=np.float32)
+        counts.eliminate_zeros()
+        counts.sort_indices()
     log = sp.csr_matrix(log_cp10k(counts), dtype=np.float32)
     return {"counts": counts, "log": log}
 
 
+def dense_rows(values: np.ndarray, columns: np.ndarray, n_vars: int) -> sp.csr_matrix:
+    """(cells, n_vars) canonical CSR of the nonzero entries of `values` (cells, len(columns)), placed in the sorted
+    `columns`: row by row, columns ascending, as scipy's sum of two canonical matrices gives them."""
+    n_cells, width = values.shape
+    flat = np.flatnonzero(values)  # (nnz,) positions in the row-major values
+    indptr = np.searchsorted(flat, np.arange(n_cells + 1) * width)  # (cells + 1,) entries before each row
+    indices = columns.astype(np.int32)[flat % width] if n_vars <= np.iinfo(np.int32).max else columns[flat % width]
+    return sp.csr_matrix((values.ravel()[flat], indices, indptr), shape=(n_cells, n_vars))
+
+
 def rows_where(matrix: sp.csr_matrix, keep: np.ndarray) -> sp.csr_matrix:
     """`matrix` with only its entries where `keep` (nnz,) bool is True, every row in place."""
-    kept_before = np.concatenate([[0], np.cumsum(keep)])  # (nnz + 1,) entries kept before each position
-    return sp.csr_matrix((matrix.data[keep], matrix.indices[keep], kept_before[matrix.indptr]), shape=matrix.shape)
+    positions = np.flatnonzero(keep)
+    rows = np.searchsorted(matrix.indptr, positions, side="right") - 1  # each kept entry's row
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(rows, minlength=matrix.shape[0]))])
+    return sp.csr_matrix((matrix.data[positions], matrix.indices[positions], indptr), shape=matrix.shape)
 
 
 def modelled_layer(values: np.ndarray, columns: np.ndarray, n_vars: int) -> sp.csr_matrix:
