@@ -172,15 +172,16 @@ def count_distributions(net, genes: GeneSet, tables: CountTables, x: torch.Tenso
     return CountDistributions(observed, own_mean, ref_mean, own_theta, ref_theta)
 
 
-def interval_points(seed: int, cell_keys: np.ndarray, gene_keys: np.ndarray) -> np.ndarray:
-    """(cells, genes) where in its own quantile interval each count is taken from: a draw per (seed, cell, gene).
+def interval_points(seed: int, cell_keys: np.ndarray, gene_keys: np.ndarray) -> torch.Tensor:
+    """(cells, genes) float64 where in its own quantile interval each count is taken from: a draw per (seed, cell, gene).
 
     Every count's quantile is drawn, zeros and positives alike, so the mapped counts of a batch follow the reference's
     distribution exactly (a count moves only with the probability the two distributions give it). Taking a positive
     count's middle instead, as ComBat-seq's deterministic mapping does, keeps small counts where they are under a
     small shift and so leaves part of every low-count gene's batch effect: on the platform pair it left 0.58 of the
-    within-label between-batch spread where draws leave 0.40 (ComBat 0.39; docs/lab/count-draws.md)."""
-    return counts.counter_uniform(seed, cell_keys, gene_keys)
+    within-label between-batch spread where draws leave 0.40 (ComBat 0.39; docs/lab/count-draws.md). Drawn in torch
+    over its threads, bit for bit counts.counter_uniform's."""
+    return device_map.counter_uniform_torch(seed, cell_keys, gene_keys)
 
 
 def mapped_counts(net, genes: GeneSet, tables: CountTables, x: torch.Tensor, mu: torch.Tensor, codes: torch.Tensor,
@@ -193,8 +194,8 @@ def mapped_counts(net, genes: GeneSet, tables: CountTables, x: torch.Tensor, mu:
     with clock.stage("map"):
         uniform = interval_points(seed, cell_keys, genes.keys)
         flat = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64).ravel())
-                for a in (nb.observed, nb.own_mean, nb.ref_mean, nb.own_theta, nb.ref_theta, uniform)]
-        mapped = device_map.quantile_map_torch(*flat).numpy()  # counts.quantile_map's counts, in torch
+                for a in (nb.observed, nb.own_mean, nb.ref_mean, nb.own_theta, nb.ref_theta)]
+        mapped = device_map.quantile_map_torch(*flat, uniform.reshape(-1)).numpy()  # counts.quantile_map's counts, in torch
     return nb, mapped.reshape(nb.observed.shape)
 
 

@@ -23,6 +23,7 @@ from unittest import mock
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
+import torch
 
 import batchfix
 from batchfix.correction import count_output
@@ -40,10 +41,10 @@ def middle_form():
     shipped = count_output.mapped_counts
 
     def mapped(net, genes, tables, x, mu, codes, cell_keys, reference, seed, *options, **keywords):
-        observed = x[:, genes.model_index].double().numpy()
+        observed = x[:, genes.model_index]
         drawn = count_output.interval_points(seed, cell_keys, genes.keys)
         with mock.patch.object(count_output, "interval_points",
-                               lambda *_: np.where(observed == 0, drawn, 0.5)):
+                               lambda *_: torch.where(observed == 0, drawn, 0.5)):
             return shipped(net, genes, tables, x, mu, codes, cell_keys, reference, seed, *options, **keywords)
 
     with mock.patch.object(count_output, "mapped_counts", mapped):
