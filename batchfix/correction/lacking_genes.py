@@ -12,7 +12,8 @@ The genome tells this apart from a chemistry's weak capture: a chromosome's gene
 transcripts) are absent together. Per batch, the share of its counts on each such gene set is compared with the
 batch expressing the set most; a batch below AMBIENT_SHARE of that lacks every gene of the set, as a batch with no
 count of a gene lacks it (evidence: no shift, no depth, not a member of the gene's average reference). A batch of
-donors of both sexes holds the set at about half the level and is corrected as before.
+donors of both sexes holds the set at about half the level and is corrected as before. The pseudoautosomal regions'
+genes are on X and Y in both sexes: a gene placed on chrY there (an annotation may place it on both) is not chrY's.
 """
 from __future__ import annotations
 
@@ -23,18 +24,27 @@ from batchfix.data.genome import SYMBOL_COLUMNS, place_genes
 
 X_INACTIVATION = ("XIST", "TSIX")  # expressed from the inactive X: female cells only
 AMBIENT_SHARE = 0.1  # a batch holding a sex-linked set at under a tenth of the most expressing batch's share lacks it
+PSEUDOAUTOSOMAL_Y = {  # chrY's pseudoautosomal regions (1-based, inclusive) of each bundled genome
+    "GRCh38": ((10_001, 2_781_479), (56_887_903, 57_217_415)),
+    "mm10": ((90_745_845, 91_644_698),),
+}
 
 
 def sex_linked_sets(var: pd.DataFrame, genome: str) -> list[np.ndarray]:
-    """The input columns of each sex-linked gene set the input holds: the genes placed on chrY, the X-inactivation
-    transcripts (by name: var_names or a symbol column); empty sets left out."""
-    chromosome = place_genes(var, genome, quiet=True).chromosome  # the output's var columns log the placement
+    """The input columns of each sex-linked gene set the input holds: the genes placed on chrY outside its
+    pseudoautosomal regions, the X-inactivation transcripts (by name: var_names or a symbol column); empty sets left
+    out."""
+    placed = place_genes(var, genome, quiet=True)  # the output's var columns log the placement
+    chromosome = placed.chromosome
+    pseudoautosomal = np.zeros(len(var), dtype=bool)
+    for first, last in PSEUDOAUTOSOMAL_Y.get(genome, ()):
+        pseudoautosomal |= (chromosome == "Y") & (placed.start >= first) & (placed.start <= last)
     names = [pd.Series(var.index.astype(str))] + [pd.Series(var[c].astype(str).to_numpy()) for c in SYMBOL_COLUMNS
                                                   if c in var]
     x_inactivation = np.zeros(len(var), dtype=bool)
     for values in names:
         x_inactivation |= values.str.upper().isin(X_INACTIVATION).to_numpy()
-    sets = [np.flatnonzero(chromosome == "Y"), np.flatnonzero(x_inactivation & (chromosome != "Y"))]
+    sets = [np.flatnonzero((chromosome == "Y") & ~pseudoautosomal), np.flatnonzero(x_inactivation & (chromosome != "Y"))]
     return [columns for columns in sets if len(columns)]
 
 

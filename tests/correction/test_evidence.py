@@ -288,6 +288,26 @@ def test_the_sex_linked_sets_are_found_by_chromosome_and_name_and_judged_by_thei
                                 [False] * 5, [False] * 5]
 
 
+@pytest.mark.parametrize("genome, par_start", [("GRCh38", 2_691_133), ("GRCh38", 56_900_000), ("mm10", 90_784_738)])
+def test_a_pseudoautosomal_gene_placed_on_chry_is_not_the_donors_sex(genome, par_start):
+    """An annotation that places a pseudoautosomal gene (CD99 here, expressed from X and Y in both sexes) on chrY
+    (the input's own coordinates) leaves it out of the chrY set: a female batch's ambient chrY counts still make
+    her lack the set, where the gene's counts on both sexes would have hidden them."""
+    from batchfix.correction.lacking_genes import lacking_sex_linked, sex_linked_sets
+
+    var = pd.DataFrame({"chromosome": ["Y", "Y", "Y", "7"], "start": [2_841_486, 12_904_108, par_start, 5_527_148],
+                        "end": [2_932_000, 12_920_478, par_start + 50_000, 5_563_902]},
+                       index=["RPS4Y1", "DDX3Y", "CD99", "ACTB"])
+    sets = sex_linked_sets(var, genome)
+    assert [list(columns) for columns in sets] == [[0, 1]]
+    counts = np.array([[40.0, 20, 900, 5000],   # male
+                       [1.0, 0, 900, 5000]])    # female: an ambient chrY count, CD99 as the male's
+    lacking = lacking_sex_linked(counts, np.array([100, 100]), sets, min_cells=20)
+    assert lacking.tolist() == [[False] * 4, [True, True, False, False]]
+    with_par = lacking_sex_linked(counts, np.array([100, 100]), [np.array([0, 1, 2])], min_cells=20)
+    assert not with_par.any()  # the failure the regions prevent: CD99 makes her chrY share the male's
+
+
 def test_a_reference_batch_without_a_gene_takes_it_from_no_other_batch(donor_set):
     """Every cell expressed as the batch that lacks the genes (correction.reference): the other batches are not
     shifted toward its absence (they keep >= 0.8 of their expressing cells of those genes), and it is given none."""
