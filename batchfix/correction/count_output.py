@@ -173,7 +173,8 @@ def count_distributions(net, genes: GeneSet, tables: CountTables, x: torch.Tenso
 
 
 def interval_points(seed: int, cell_keys: np.ndarray, gene_keys: np.ndarray) -> torch.Tensor:
-    """(cells, genes) float64 where in its own quantile interval each count is taken from: a draw per (seed, cell, gene).
+    """(cells, genes) float64: where in its own quantile interval each count is taken from, a draw per (seed, cell,
+    gene).
 
     Every count's quantile is drawn, zeros and positives alike, so the mapped counts of a batch follow the reference's
     distribution exactly (a count moves only with the probability the two distributions give it). Taking a positive
@@ -195,7 +196,7 @@ def mapped_counts(net, genes: GeneSet, tables: CountTables, x: torch.Tensor, mu:
         uniform = interval_points(seed, cell_keys, genes.keys)
         flat = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64).ravel())
                 for a in (nb.observed, nb.own_mean, nb.ref_mean, nb.own_theta, nb.ref_theta)]
-        mapped = device_map.quantile_map_torch(*flat, uniform.reshape(-1)).numpy()  # counts.quantile_map's counts, in torch
+        mapped = device_map.quantile_map_torch(*flat, uniform.reshape(-1)).numpy()  # counts.quantile_map's, in torch
     return nb, mapped.reshape(nb.observed.shape)
 
 

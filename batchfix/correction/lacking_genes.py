@@ -44,7 +44,8 @@ def sex_linked_sets(var: pd.DataFrame, genome: str) -> list[np.ndarray]:
     x_inactivation = np.zeros(len(var), dtype=bool)
     for values in names:
         x_inactivation |= values.str.upper().isin(X_INACTIVATION).to_numpy()
-    sets = [np.flatnonzero((chromosome == "Y") & ~pseudoautosomal), np.flatnonzero(x_inactivation & (chromosome != "Y"))]
+    on_y = (chromosome == "Y") & ~pseudoautosomal
+    sets = [np.flatnonzero(on_y), np.flatnonzero(x_inactivation & (chromosome != "Y"))]
     return [columns for columns in sets if len(columns)]
 
 

@@ -37,8 +37,7 @@ def dense_rows(values: np.ndarray, columns: np.ndarray, n_vars: int) -> sp.csr_m
     n_cells, width = values.shape
     flat = np.flatnonzero(values)  # (nnz,) positions in the row-major values
     indptr = np.searchsorted(flat, np.arange(n_cells + 1) * width)  # (cells + 1,) entries before each row
-    indices = columns.astype(np.int32)[flat % width] if n_vars <= np.iinfo(np.int32).max else columns[flat % width]
-    return sp.csr_matrix((values.ravel()[flat], indices, indptr), shape=(n_cells, n_vars))
+    return sp.csr_matrix((values.ravel()[flat], columns[flat % width], indptr), shape=(n_cells, n_vars))
 
 
 def rows_where(matrix: sp.csr_matrix, keep: np.ndarray) -> sp.csr_matrix:
