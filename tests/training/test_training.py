@@ -94,6 +94,7 @@ def cli_run(subset_h5ad, tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow  # the shared CLI run takes 47 s: with the long checks, to keep the default run under 5 minutes
 def test_cli_output_to_a_file_tells_the_progress_and_every_stage(cli_run):
     """Written to a file, a run shows its progress while it fits (steps, loss, elapsed, ETA) and each stage's start."""
     out = (cli_run.parent / "stdout.txt").read_text()
@@ -116,6 +117,7 @@ def test_early_stopping_says_when_it_ends_the_fit(subset_h5ad, tmp_path, caplog)
     assert len(stops) == 1 and f"after epoch {epochs} of 40" in stops[0] and "val_elbo" in stops[0]
 
 
+@pytest.mark.slow  # the shared CLI run takes 47 s: with the long checks, to keep the default run under 5 minutes
 def test_cli_train_writes_run_folder(cli_run, subset_h5ad):
     for name in (".hydra/config.yaml", "model.ckpt", "corrected.h5ad", "metrics.json", "checkpoints/last.ckpt",
                  "logs/metrics.csv"):
@@ -161,6 +163,7 @@ def evidence_weights(total: np.ndarray, own_mean: np.ndarray, x: np.ndarray, the
     return weight
 
 
+@pytest.mark.slow  # the shared CLI run takes 47 s: with the long checks, to keep the default run under 5 minutes
 def test_cli_corrected_file_matches_reloaded_checkpoint(cli_run, subset_h5ad, counts_nearly_equal):
     """The written correction equals what the reloaded model.ckpt computes on the same cells (the default
     state_dependence=0.5: half of each cell's deviation from the mean log-mean shift of its batch's cells in its
